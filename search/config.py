@@ -1,0 +1,78 @@
+"""Typed, validated settings of a study (the non-`_target_` part of `search`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from train.config import ConfigError
+
+# Metrics a trial can be optimised for, with the direction that makes sense for each.
+OBJECTIVE_METRICS = {
+    "val/acc": "maximize",
+    "val/loss": "minimize",
+    "throughput/samples_per_sec": "maximize",
+    "memory/peak_bytes": "minimize",
+}
+DIRECTIONS = ("maximize", "minimize")
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    study_name: str
+    storage: str
+    n_trials: int
+    memory_budget: Any
+    objectives: tuple[tuple[str, str], ...]  # (metric, direction), in order
+    trial_time_budget_s: float | None
+    heartbeat_interval_s: int | None
+
+    @property
+    def metrics(self) -> list[str]:
+        return [metric for metric, _ in self.objectives]
+
+    @property
+    def directions(self) -> list[str]:
+        return [direction for _, direction in self.objectives]
+
+    def __post_init__(self) -> None:
+        problems = []
+        if (
+            isinstance(self.n_trials, bool)
+            or not isinstance(self.n_trials, int)
+            or self.n_trials < 1
+        ):
+            problems.append(
+                f"search.n_trials must be an integer >= 1, got {self.n_trials!r}; "
+                "override with search.n_trials=20"
+            )
+        if not self.storage:
+            problems.append(
+                "search.storage is empty; give an Optuna storage URL, e.g. "
+                "search.storage=sqlite:///mlruns/optuna.db"
+            )
+        if not self.objectives:
+            problems.append("search.objectives is empty; e.g. search.objectives={val/acc:maximize}")
+        for metric, direction in self.objectives:
+            if metric not in OBJECTIVE_METRICS:
+                problems.append(
+                    f"search.objectives: unknown metric {metric!r}; use one of "
+                    f"{', '.join(OBJECTIVE_METRICS)}"
+                )
+            if direction not in DIRECTIONS:
+                problems.append(
+                    f"search.objectives.{metric} must be maximize or minimize, got {direction!r}"
+                )
+        budget = self.trial_time_budget_s
+        if budget is not None and (isinstance(budget, bool) or not budget > 0):
+            problems.append(
+                f"search.trial_time_budget_s must be > 0 or null, got {budget!r}; "
+                "e.g. search.trial_time_budget_s=120"
+            )
+        beat = self.heartbeat_interval_s
+        if beat is not None and (isinstance(beat, bool) or not isinstance(beat, int) or beat < 1):
+            problems.append(
+                f"search.heartbeat_interval_s must be an integer >= 1 or null, got {beat!r}"
+            )
+        if problems:
+            raise ConfigError(problems)

@@ -1,0 +1,154 @@
+"""The study driver: everything between a composed config and a finished study."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+
+import hydra
+import optuna
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from search import report
+from search.objective import Objective, TrialFailed
+from search.study import StopWhenFinished, num_finished, open_study
+from search.tracking import ROLE_TAG, StudyRun, Tracker
+from search.validate import Checked, validate
+
+PARENT_ATTR = "mlflow_parent_run_id"
+# Study settings that may change between runs of one study without making it another study.
+_RESUMABLE_KEYS = (
+    "n_trials", "params", "sampler", "pruner", "trial_time_budget_s", "heartbeat_interval_s",
+    "storage", "study_name",
+)  # fmt: skip
+
+
+def default_study_name(choices: dict[str, str]) -> str:
+    experiment = choices.get("experiment") or f"batchfit-{choices.get('model', 'model')}"
+    return f"{experiment}-{choices.get('data', 'data')}"
+
+
+def fixed_config(cfg: DictConfig, searched: Sequence[str]) -> str:
+    """The config a study's trials share (searched keys and resumable settings removed)."""
+    fixed = OmegaConf.to_container(cfg, resolve=True)
+    fixed.pop("mlflow", None)
+    for key in _RESUMABLE_KEYS:
+        fixed["search"].pop(key, None)
+    for key in searched:
+        node = fixed
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.get(part, {})
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return OmegaConf.to_yaml(OmegaConf.create(fixed), sort_keys=True)
+
+
+def _flatten(cfg: dict, prefix: str = "") -> dict[str, object]:
+    flat: dict[str, object] = {}
+    for key, value in cfg.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+class StudyDriver:
+    def __init__(self, cfg, checked: Checked, base_overrides, study, tracker, parent, console):  # noqa: ANN001
+        self.cfg = cfg
+        self.checked = checked
+        self.base_overrides = base_overrides
+        self.study = study
+        self.tracker = tracker
+        self.parent = parent
+        self.console = console
+
+    @classmethod
+    def prepare(
+        cls, cfg: DictConfig, overrides: list[str], choices: dict[str, str], console: Console
+    ) -> StudyDriver:
+        name = cfg.search.study_name or default_study_name(choices)
+        searched = OmegaConf.to_container(cfg.search.params or {}, resolve=True)
+        # A trial's overrides replace the command line's for the same key.
+        base = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in searched]
+
+        def compose(trial_overrides: list[str]) -> DictConfig:
+            return hydra.compose(config_name="config", overrides=base + trial_overrides)
+
+        checked = validate(cfg, name, compose)
+        for note in checked.notes:
+            console.print(f"[yellow]note[/yellow] {note}")
+        settings = checked.settings
+        optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own lines report each trial
+        study = open_study(
+            name,
+            checked.storage,
+            settings.directions,
+            instantiate(cfg.search.sampler),
+            instantiate(cfg.search.pruner),
+            fixed_config(cfg, list(checked.space.distributions)),
+        )
+        tracker = Tracker(cfg.mlflow.tracking_uri, name, cfg.mlflow.artifact_root)
+        parent = tracker.resume_run(study.user_attrs.get(PARENT_ATTR))
+        if parent is None:
+            parent = tracker.start_run(name, tags={ROLE_TAG: "study", "batchfit.study": name})
+            study.set_user_attr(PARENT_ATTR, parent.run_id)
+            fixed = OmegaConf.to_container(OmegaConf.create(fixed_config(cfg, searched)))
+            parent.params(_flatten(fixed))
+            parent.text(OmegaConf.to_yaml(cfg.search.params or {}), "search_space.yaml")
+            parent.text(fixed_config(cfg, searched), "fixed_config.yaml")
+        return cls(cfg, checked, base, study, tracker, StudyRun(parent, settings.metrics), console)
+
+    def run(self) -> float | None:
+        settings = self.checked.settings
+        objective = Objective(
+            lambda extra: hydra.compose(
+                config_name="config", overrides=self.base_overrides + extra
+            ),
+            self.checked.space,
+            settings,
+            self.tracker,
+            self.parent.log.run_id,
+        )
+        done = num_finished(self.study)
+        self.console.print(
+            f"Study [bold]{settings.study_name}[/bold] in {settings.storage}: {done} of "
+            f"{settings.n_trials} trials finished; MLflow: {self.tracker.tracking_uri}"
+        )
+        with report.progress_bar(self.console) as progress:
+            task = progress.add_task("trials", total=settings.n_trials, completed=done)
+
+            def show(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+                progress.console.print(report.trial_line(trial), soft_wrap=True)
+                progress.update(task, completed=num_finished(study))
+
+            if done < settings.n_trials:
+                self.study.optimize(
+                    objective,
+                    n_trials=settings.n_trials - done,
+                    catch=(TrialFailed,),
+                    callbacks=[self.parent, show, StopWhenFinished(settings.n_trials)],
+                )
+        self.parent.update(self.study)
+        self.parent.log.finish("FINISHED")
+        report.summary(self.console, self.study, settings.metrics, self.base_overrides)
+        best = report.best_trials(self.study, limit=1)
+        return best[0].values[0] if best else None
+
+    def interrupted(self) -> None:
+        self.parent.update(self.study)
+        self.parent.log.finish("KILLED")
+        self.console.print(
+            "[yellow]Interrupted.[/yellow] Finished trials are saved; run the same command "
+            "again to resume the study."
+        )
+
+
+# Library chatter (database migrations, experimental-API notices) would bury the trial lines.
+logging.getLogger("alembic").setLevel(logging.WARNING)
+logging.getLogger("mlflow").setLevel(logging.WARNING)
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)

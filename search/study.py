@@ -1,0 +1,129 @@
+"""The Optuna study: storage, creation or resumption, and how many trials remain.
+
+A study is resumable: the same command finds it by name in the same storage and runs until
+`search.n_trials` trials have finished. Several processes may share it through an RDB or
+journal storage; heartbeats fail a trial whose worker died, and it is queued again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
+from optuna.trial import FrozenTrial, TrialState
+
+from train.config import ConfigError
+
+CONFIG_ATTR = "batchfit.config"  # the study's fixed config, to refuse a resume that changes it
+JOURNAL_PREFIX = "journal:"
+
+
+def open_storage(url: str, heartbeat_interval_s: int | None) -> BaseStorage:
+    """An Optuna storage for `url`: any RDB URL, or journal:PATH for a journal file."""
+    heartbeat: dict[str, Any] = {}
+    if heartbeat_interval_s:
+        heartbeat = {
+            "heartbeat_interval": heartbeat_interval_s,
+            "grace_period": 2 * heartbeat_interval_s,
+            "heartbeat_stale_trial_callback": RetryHeartbeatStaleTrialCallback(max_retry=3),
+        }
+    try:
+        if url.startswith(JOURNAL_PREFIX):
+            from optuna.storages.journal import JournalFileBackend
+
+            path = Path(url.removeprefix(JOURNAL_PREFIX))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+        if url.startswith("sqlite:///"):
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        return optuna.storages.RDBStorage(url, **heartbeat)
+    except Exception as error:  # noqa: BLE001 - any failure here is the URL's
+        raise ConfigError(
+            [
+                f"search.storage={url!r} cannot be opened ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}); use a reachable database "
+                "URL, e.g. search.storage=sqlite:///mlruns/optuna.db"
+            ]
+        ) from None
+
+
+def open_study(
+    name: str,
+    storage: BaseStorage,
+    directions: list[str],
+    sampler: optuna.samplers.BaseSampler,
+    pruner: optuna.pruners.BasePruner,
+    fixed_config: str,
+) -> optuna.Study:
+    """Create the study, or load it and check it was made for the same fixed config."""
+    existing = {s.study_name: s for s in optuna.get_all_study_summaries(storage)}
+    if name in existing:
+        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
+        _check_same_study(study, directions, fixed_config)
+        return study
+    study = optuna.create_study(
+        study_name=name,
+        storage=storage,
+        directions=directions,
+        sampler=sampler,
+        pruner=pruner,
+        load_if_exists=True,  # another worker may create it between the check and here
+    )
+    if CONFIG_ATTR not in study.user_attrs:
+        study.set_user_attr(CONFIG_ATTR, fixed_config)
+    return study
+
+
+def _check_same_study(study: optuna.Study, directions: list[str], fixed_config: str) -> None:
+    problems = []
+    stored = [d.name.lower() for d in study.directions]
+    if stored != directions:
+        problems.append(
+            f"study {study.study_name!r} optimises {stored}, but search.objectives now asks for "
+            f"{directions}"
+        )
+    previous = study.user_attrs.get(CONFIG_ATTR)
+    if previous is not None and previous != fixed_config:
+        changed = _changed_lines(previous, fixed_config)
+        problems.append(
+            f"study {study.study_name!r} was run with another config ({changed}); "
+            "resuming would mix incomparable trials"
+        )
+    if problems:
+        problems.append(
+            f"to start a new study, override search.study_name={study.study_name}-2; to resume "
+            "this one, run it with its original settings"
+        )
+        raise ConfigError(problems)
+
+
+def _changed_lines(before: str, after: str) -> str:
+    old, new = set(before.splitlines()), set(after.splitlines())
+    removed = sorted(old - new)[:3]
+    added = sorted(new - old)[:3]
+    return "was: " + "; ".join(removed) + " | now: " + "; ".join(added)
+
+
+def counts_as_finished(trial: FrozenTrial) -> bool:
+    """Complete, pruned, or failed with an error of its own; not a trial that was interrupted
+    (Ctrl-C, or a worker that died), which is run again."""
+    if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
+        return True
+    return trial.state == TrialState.FAIL and "error" in trial.user_attrs
+
+
+def num_finished(study: optuna.Study) -> int:
+    return sum(counts_as_finished(t) for t in study.get_trials(deepcopy=False))
+
+
+class StopWhenFinished:
+    """Stop this worker once the study (all workers together) has `n_trials` finished."""
+
+    def __init__(self, n_trials: int):
+        self.n_trials = n_trials
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        if num_finished(study) >= self.n_trials:
+            study.stop()

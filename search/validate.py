@@ -1,0 +1,155 @@
+"""Check the whole composed config before the first trial, and report every problem at once.
+
+The base run, the study settings, the search space and every value the space can produce
+(each choice, each bound) are checked with the same code the trials use, so a trial cannot
+meet a configuration error the check did not report.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from optuna.distributions import CategoricalDistribution
+from optuna.storages import BaseStorage
+
+from search.config import SearchConfig
+from search.space import SearchSpace, parse_space
+from search.study import open_storage
+from train.config import ConfigError
+from train.precision import unsupported_reason
+from train.run import RunSpec, check_budget_fits_model, plan, resolve_device
+
+_MISSING = object()
+
+
+@dataclass
+class Checked:
+    settings: SearchConfig
+    space: SearchSpace
+    spec: RunSpec  # the base run (before sampling)
+    storage: BaseStorage
+    notes: list[str]
+
+
+def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
+    search = cfg.search
+    objectives = OmegaConf.to_container(search.objectives, resolve=True) or {}
+    return SearchConfig(
+        study_name=study_name,
+        storage=search.storage,
+        n_trials=search.n_trials,
+        memory_budget=search.memory_budget,
+        objectives=tuple((str(k), str(v)) for k, v in objectives.items()),
+        trial_time_budget_s=search.trial_time_budget_s,
+        heartbeat_interval_s=search.heartbeat_interval_s,
+    )
+
+
+def _collect(problems: list[str], check: Callable[[], object]) -> object | None:
+    try:
+        return check()
+    except ConfigError as error:
+        problems.extend(p for p in error.problems if p not in problems)
+        return None
+
+
+def validate(
+    cfg: DictConfig, study_name: str, compose: Callable[[list[str]], DictConfig]
+) -> Checked:
+    problems: list[str] = []
+    notes: list[str] = []
+    settings = _collect(problems, lambda: search_config(cfg, study_name))
+    space = _collect(problems, lambda: parse_space(cfg.search.params or {}))
+    spec = _collect(problems, lambda: plan(cfg, cfg.search.memory_budget))
+    if space is not None:
+        device = resolve_device(str(cfg.trainer.get("device", "auto")))
+        notes += _drop_unsupported_precisions(space, device, problems)
+        for key in space.distributions:
+            problems += _check_key(cfg, key, space, compose, problems)
+    if spec is not None and not problems:
+        _collect(problems, lambda: check_budget_fits_model(cfg, spec))
+    storage = None
+    if settings is not None:
+        storage = _collect(
+            problems, lambda: open_storage(settings.storage, settings.heartbeat_interval_s)
+        )
+    if problems:
+        raise ConfigError(problems)
+    return Checked(settings, space, spec, storage, notes)
+
+
+def _drop_unsupported_precisions(space: SearchSpace, device, problems: list[str]) -> list[str]:  # noqa: ANN001
+    key = "trainer.precision"
+    dist = space.distributions.get(key)
+    if not isinstance(dist, CategoricalDistribution):
+        return []
+    reasons = {c: unsupported_reason(str(c), device) for c in dist.choices}
+    if all(reasons.values()):
+        problems.append(f"search.params.{key}: no choice can run on {device.type}: {reasons}")
+        return []
+    dropped = space.restrict_choices(key, lambda c: not reasons[c])
+    return [f"{key}: dropped {c} ({reasons[c]})" for c in dropped]
+
+
+def _check_key(
+    cfg: DictConfig,
+    key: str,
+    space: SearchSpace,
+    compose: Callable[[list[str]], DictConfig],
+    known: list[str],
+) -> list[str]:
+    """Problems with searching `key`: unknown key, or a value the run would reject."""
+    where = f"search.params.{key}"
+    loader = (
+        GlobalHydra.instance().config_loader() if GlobalHydra.instance().is_initialized() else None
+    )
+    groups = loader.get_group_options(key) if loader and "." not in key else []
+    if not groups and OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
+        close = difflib.get_close_matches(key, _all_keys(cfg), n=1)
+        hint = f"; did you mean {close[0]}?" if close else "; search keys must exist in the config"
+        return [f"{where}: {key!r} is not a key of the composed config{hint}"]
+    problems: list[str] = []
+    for value in _corner_values(space.distributions[key]):
+        override = space.overrides({key: value})[-1]
+        if groups:
+            if str(value) not in groups:
+                problems.append(
+                    f"{where}: {value!r} is not an option of the {key} group; options: "
+                    f"{', '.join(groups)}"
+                )
+            continue
+        trial_cfg = copy.deepcopy(cfg)
+        try:
+            OmegaConf.update(trial_cfg, key, value, merge=False)
+            plan(trial_cfg, trial_cfg.search.memory_budget)
+        except ConfigError as error:
+            problems += [
+                f"{where}: value {override.split('=', 1)[1]} is invalid: {p}"
+                for p in error.problems
+                if p not in known
+            ]
+        except HydraException as error:
+            problems.append(f"{where}: value {value!r} is invalid: {error}")
+    return problems
+
+
+def _corner_values(dist) -> list[object]:  # noqa: ANN001
+    if isinstance(dist, CategoricalDistribution):
+        return list(dist.choices)
+    return [dist.low, dist.high]
+
+
+def _all_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in cfg.items():
+        path = f"{prefix}{k}"
+        keys.append(path)
+        if isinstance(v, DictConfig):
+            keys += _all_keys(v, f"{path}.")
+    return keys

@@ -1,0 +1,104 @@
+"""Typed, validated settings of one training run (the non-`_target_` part of the config).
+
+YAML holds the values; the entry points turn them into these frozen dataclasses, which check
+themselves in `__post_init__` and report every problem at once as a `ConfigError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from train.precision import PRECISIONS
+
+LR_SCALING_RULES = ("none", "linear", "sqrt")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """One or more problems in the composed configuration, each naming its key and the fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(f"- {p}" for p in self.problems))
+
+
+def _check_int(problems: list[str], key: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        problems.append(
+            f"{key} must be an integer >= {minimum}, got {value!r}; override with {key}={minimum}"
+        )
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """How one run trains: its batch geometry, precision and budget."""
+
+    batch_size: int = 32  # samples per micro-batch (what one forward/backward sees)
+    accum_steps: int = 1  # micro-batches per optimizer step
+    precision: str = "fp32"
+    max_epochs: int | None = 3
+    max_steps: int | None = None
+    val_every_steps: int | None = None  # None: validate at the end of each epoch
+    log_every_steps: int = 10
+    warmup_steps: int = 2  # optimizer steps left out of throughput timing
+    grad_clip_norm: float | None = None
+    lr_scaling: str = "none"
+    lr_ref_batch_size: int = 256
+    device: str = "auto"
+    seed: int = 0
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.batch_size * self.accum_steps
+
+    def __post_init__(self) -> None:
+        problems = []
+        _check_int(problems, "trainer.batch_size", self.batch_size, 1)
+        _check_int(problems, "trainer.accum_steps", self.accum_steps, 1)
+        _check_int(problems, "trainer.log_every_steps", self.log_every_steps, 1)
+        _check_int(problems, "trainer.warmup_steps", self.warmup_steps, 0)
+        _check_int(problems, "trainer.lr_ref_batch_size", self.lr_ref_batch_size, 1)
+        for key in ("max_epochs", "max_steps", "val_every_steps"):
+            if getattr(self, key) is not None:
+                _check_int(problems, f"trainer.{key}", getattr(self, key), 1)
+        if self.max_epochs is None and self.max_steps is None:
+            problems.append(
+                "trainer.max_epochs and trainer.max_steps are both null: a run needs a budget; "
+                "override with trainer.max_epochs=3"
+            )
+        if self.precision not in PRECISIONS:
+            problems.append(
+                f"trainer.precision must be one of {', '.join(PRECISIONS)}, got "
+                f"{self.precision!r}; override with trainer.precision=bf16"
+            )
+        if self.lr_scaling not in LR_SCALING_RULES:
+            problems.append(
+                f"trainer.lr_scaling must be one of {', '.join(LR_SCALING_RULES)}, got "
+                f"{self.lr_scaling!r}; override with trainer.lr_scaling=linear"
+            )
+        if self.device not in DEVICES:
+            problems.append(
+                f"trainer.device must be one of {', '.join(DEVICES)}, got {self.device!r}; "
+                "override with trainer.device=auto"
+            )
+        if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
+            problems.append(
+                f"trainer.grad_clip_norm must be > 0 or null, got {self.grad_clip_norm!r}; "
+                "override with trainer.grad_clip_norm=1.0"
+            )
+        if problems:
+            raise ConfigError(problems)
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> TrainerConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                [
+                    f"trainer.{key} is not a trainer setting; known: {', '.join(sorted(known))}"
+                    for key in unknown
+                ]
+            )
+        return cls(**values)

@@ -1,0 +1,137 @@
+"""Dataset builders: each returns a `Splits` of tensors with a fixed-seed train/val split.
+
+Images are kept as tensors on the host; the loop copies each micro-batch to the device, as a
+DataLoader with pinned memory would, so the copy is part of the measured step time and the
+dataset itself does not count against the device-memory budget.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+OFFLINE_HINT = "offline alternatives: data=digits (scikit-learn's bundled digits) or data=synthetic"
+
+
+@dataclass(frozen=True)
+class Splits:
+    train_x: torch.Tensor  # (N, C, H, W) float32, normalised
+    train_y: torch.Tensor  # (N,) int64
+    val_x: torch.Tensor
+    val_y: torch.Tensor
+    num_classes: int
+
+    @property
+    def in_channels(self) -> int:
+        return self.train_x.shape[1]
+
+
+def split(x: torch.Tensor, y: torch.Tensor, val_fraction: float, seed: int, num_classes: int):
+    """Shuffle with a fixed seed and hold out `val_fraction` of the samples for validation."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction!r}")
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    num_val = max(1, int(len(x) * val_fraction))
+    val, train = order[:num_val], order[num_val:]
+    return Splits(x[train], y[train], x[val], y[val], num_classes)
+
+
+def _normalise(x: torch.Tensor) -> torch.Tensor:
+    # Per-channel standardisation over the whole set: (N, C, H, W) -> same shape.
+    mean = x.mean(dim=(0, 2, 3), keepdim=True)
+    std = x.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
+    return ((x - mean) / std).contiguous()
+
+
+def digits(val_fraction: float = 0.2, seed: int = 0) -> Splits:
+    """scikit-learn's 1,797 handwritten 8x8 digits: real data that is always offline."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1)  # (N, 8, 8) -> (N, 1, 8, 8)
+    y = torch.tensor(bunch.target, dtype=torch.int64)
+    return split(_normalise(x), y, val_fraction, seed, num_classes=10)
+
+
+def synthetic(
+    num_samples: int = 4096,
+    num_classes: int = 10,
+    channels: int = 3,
+    image_size: int = 32,
+    noise: float = 1.0,
+    val_fraction: float = 0.2,
+    seed: int = 0,
+) -> Splits:
+    """Learnable class-dependent images of any shape: a fixed random template per class plus
+    Gaussian noise, so accuracy rises with training while the shape stays realistic."""
+    gen = torch.Generator().manual_seed(seed)
+    templates = torch.randn(num_classes, channels, image_size, image_size, generator=gen)
+    y = torch.randint(0, num_classes, (num_samples,), generator=gen)
+    x = templates[y] + noise * torch.randn(
+        num_samples, channels, image_size, image_size, generator=gen
+    )
+    return split(x, y, val_fraction, seed, num_classes)
+
+
+def cifar10(
+    root: str = "data",
+    download: bool = True,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    max_samples: int | None = None,
+    verify_checksums: bool = True,
+    download_timeout_s: float = 10.0,
+) -> Splits:
+    """CIFAR-10's 50,000 training images through torchvision's loader (validation is held
+    out of them; the test set stays untouched). Downloads into `root` when it is missing."""
+    dataset = _load_cifar10(Path(root), download, verify_checksums, download_timeout_s)
+    x = torch.from_numpy(np.ascontiguousarray(dataset.data)).permute(0, 3, 1, 2)  # NHWC -> NCHW
+    y = torch.tensor(dataset.targets, dtype=torch.int64)
+    if max_samples is not None:
+        x, y = x[:max_samples], y[:max_samples]
+    return split(_normalise(x.float() / 255), y, val_fraction, seed, num_classes=10)
+
+
+def _cifar10_present(root: Path, verify_checksums: bool) -> bool:
+    from torchvision.datasets import CIFAR10
+    from torchvision.datasets.utils import check_integrity
+
+    folder = root / CIFAR10.base_folder
+    for name, md5 in CIFAR10.train_list + CIFAR10.test_list:
+        path = folder / name
+        if not (check_integrity(str(path), md5) if verify_checksums else path.is_file()):
+            return False
+    return True
+
+
+def _load_cifar10(root: Path, download: bool, verify_checksums: bool, timeout_s: float):
+    from torchvision.datasets import CIFAR10
+
+    class Cifar10(CIFAR10):
+        def _check_integrity(self) -> bool:
+            return _cifar10_present(Path(self.root), verify_checksums)
+
+    if _cifar10_present(root, verify_checksums):
+        return Cifar10(str(root), train=True, download=False)
+    if not download:
+        raise FileNotFoundError(
+            f"CIFAR-10 is not in data.root={str(root)!r} and data.download=false; put the "
+            f"'cifar-10-batches-py' folder there, set data.download=true, or use the "
+            f"{OFFLINE_HINT}"
+        )
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(timeout_s)  # an unreachable mirror must fail in seconds, not hang
+    try:
+        return Cifar10(str(root), train=True, download=True)
+    except (OSError, RuntimeError) as error:
+        raise FileNotFoundError(
+            f"CIFAR-10 is not in data.root={str(root)!r} and could not be downloaded "
+            f"({type(error).__name__}: {error}); copy the 'cifar-10-batches-py' folder into "
+            f"data.root, or use the {OFFLINE_HINT}"
+        ) from None
+    finally:
+        socket.setdefaulttimeout(previous)

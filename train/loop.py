@@ -1,0 +1,317 @@
+"""The training loop: accumulation, mixed precision, timing, memory measurement, hooks.
+
+One optimizer step = up to `accum_steps` micro-batches of `batch_size` samples. The loss is
+summed over samples and divided by the samples in the whole step, so a ragged last step
+gives exactly the full-batch gradient. No host sync in the hot loop: losses accumulate on
+the device and are read at logging intervals, where the clock is also read.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.config import TrainerConfig
+from train.data import Splits
+from train.memory import (
+    MemoryMeter,
+    OutOfMemory,
+    TensorMemoryTracker,
+    is_oom_error,
+    release_memory,
+)
+from train.precision import Precision
+
+Metrics = dict[str, float]
+
+
+class Diverged(Exception):
+    """The training loss became NaN or infinite."""
+
+    def __init__(self, step: int, loss: float):
+        super().__init__(f"train loss is {loss} at step {step}")
+        self.step = step
+        self.loss = loss
+
+
+@dataclass
+class Hooks:
+    """Callbacks into the caller. An exception raised by a hook stops the run and propagates."""
+
+    # (seconds per sample of one small forward/backward, samples the run will train on),
+    # before the first step: lets a caller stop a hopeless configuration in seconds.
+    on_probe: Callable[[float, int], None] | None = None
+    on_step: Callable[[int, int, float], None] | None = None  # (step, num_steps, elapsed_s)
+    on_log: Callable[[int, Metrics], None] | None = None  # every trainer.log_every_steps
+    on_eval: Callable[[int, Metrics], None] | None = None  # after each validation
+
+
+@dataclass
+class RunResult:
+    num_steps: int
+    num_samples: int
+    throughput_samples_per_sec: float
+    step_ms: float
+    peak_bytes: int
+    reserved_bytes: int | None
+    val_acc: float
+    val_loss: float
+    train_loss: float
+    evals: list[Metrics] = field(default_factory=list)
+
+
+def optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    precision: Precision,
+    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    grad_clip_norm: float | None = None,
+) -> torch.Tensor:
+    """One optimizer step over `micro_batches`; returns the step's mean loss (on device)."""
+    num_samples = sum(len(y) for _, y in micro_batches)
+    step_loss = torch.zeros((), device=micro_batches[0][1].device)
+    for x, y in micro_batches:
+        with precision.autocast():
+            logits = model(x)
+        # Sum, then divide by the samples of the whole step: micro-batches of unequal size
+        # contribute in proportion to their samples, as in one big batch.
+        loss = F.cross_entropy(logits.float(), y, reduction="sum") / num_samples
+        scaler.scale(loss).backward()
+        step_loss += loss.detach()
+    if grad_clip_norm is not None:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+        nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return step_loss
+
+
+def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Tensors alive across steps: parameters, buffers, gradients, optimizer state."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+class _Clock:
+    """Seconds of training, excluding validation; synchronises the device before reading."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = 0.0
+        self._started: float | None = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self._sync()
+        self._started = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._started is not None:
+            self._sync()
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+
+    def read(self) -> float:
+        self.stop()
+        self.start()
+        return self.seconds
+
+
+def probe_seconds_per_sample(
+    model: nn.Module, data: Splits, cfg: TrainerConfig, precision: Precision, device: torch.device
+) -> float:
+    """Seconds per sample of a forward/backward on a few samples; parameters and buffers are
+    left as found. The first pass pays one-time start-up costs, so the second one is timed.
+
+    A batch of at most 4 runs less efficiently than the real micro-batch, so this
+    overestimates the run's time: good enough to tell a configuration that is 50x too slow.
+    """
+    n = min(cfg.batch_size, 4)  # >= 2 where possible: BatchNorm needs two samples in training
+    x = data.train_x[:n].to(device)
+    y = data.train_y[:n].to(device)
+    saved = [b.clone() for b in model.buffers()]  # BatchNorm statistics must not see the probe
+    clock = _Clock(device)
+    for _ in range(2):
+        clock.seconds = 0.0
+        clock.start()
+        with precision.matmul_mode(), precision.autocast():
+            logits = model(x)
+        F.cross_entropy(logits.float(), y).backward()
+        clock.stop()
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for buffer, value in zip(model.buffers(), saved, strict=True):
+            buffer.copy_(value)
+    return clock.seconds / n
+
+
+def samples_planned(num_train: int, cfg: TrainerConfig) -> int:
+    steps_per_epoch, num_steps = steps_plan(num_train, cfg)
+    full_epochs, rest_steps = divmod(num_steps, steps_per_epoch)
+    return full_epochs * num_train + min(rest_steps * cfg.effective_batch_size, num_train)
+
+
+def steps_plan(num_train: int, cfg: TrainerConfig) -> tuple[int, int]:
+    """(steps per epoch, total steps) for the configured epoch/step budget."""
+    steps_per_epoch = math.ceil(num_train / cfg.effective_batch_size)
+    total = math.inf if cfg.max_epochs is None else cfg.max_epochs * steps_per_epoch
+    if cfg.max_steps is not None:
+        total = min(total, cfg.max_steps)
+    return steps_per_epoch, int(total)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, data: Splits, batch_size: int, precision: Precision, device: torch.device
+) -> Metrics:
+    """Accuracy and mean loss on the validation split (one host sync at the end)."""
+    model.eval()
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    loss_sum = torch.zeros((), device=device)
+    for start in range(0, len(data.val_y), batch_size):
+        x = data.val_x[start : start + batch_size].to(device, non_blocking=True)
+        y = data.val_y[start : start + batch_size].to(device, non_blocking=True)
+        with precision.autocast():
+            logits = model(x)
+        loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
+        correct += (logits.argmax(dim=1) == y).sum()
+    model.train()
+    num = len(data.val_y)
+    return {"val/acc": correct.item() / num, "val/loss": loss_sum.item() / num}
+
+
+def fit(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    data: Splits,
+    cfg: TrainerConfig,
+    device: torch.device,
+    meter: MemoryMeter,
+    hooks: Hooks | None = None,
+) -> RunResult:
+    """Train under the memory budget. Raises OutOfMemory, Diverged, or what a hook raises.
+
+    A device OOM is turned into OutOfMemory only after its exception (whose traceback pins
+    the failed step's activations) has been dropped and memory released.
+    """
+    meter.start()
+    oom_message = None
+    try:
+        return _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks or Hooks())
+    except Exception as error:
+        if not is_oom_error(error):
+            raise
+        oom_message = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    release_memory(device)
+    raise OutOfMemory(oom_message, meter.stats().peak_bytes, meter.budget_bytes)
+
+
+def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunResult:  # noqa: ANN001
+    precision = Precision(cfg.precision, device.type)
+    scaler = precision.grad_scaler()
+    steps_per_epoch, num_steps = steps_plan(len(data.train_y), cfg)
+    # On CPU, steps 0 and 1 run under the memory tracker: step 0 may already exceed the budget
+    # (stop early), step 1 is the first with optimizer state in place (the steady-state
+    # footprint). Both stay out of the throughput timing.
+    measured_steps = range(min(2, num_steps)) if meter.needs_tracker else range(0)
+    first_timed_step = min(max(cfg.warmup_steps, len(measured_steps)), num_steps - 1)
+    if hooks.on_probe:
+        seconds = probe_seconds_per_sample(model, data, cfg, precision, device)
+        hooks.on_probe(seconds, samples_planned(len(data.train_y), cfg))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    clock = _Clock(device)
+    started = time.perf_counter()
+    loss_sum = torch.zeros((), device=device)
+    interval_steps, last_loss, timed_samples, num_samples = 0, math.nan, 0, 0
+    evals: list[Metrics] = []
+    model.train()
+    with precision.matmul_mode():
+        for step in range(num_steps):
+            epoch, index_in_epoch = divmod(step, steps_per_epoch)
+            if index_in_epoch == 0:
+                order = torch.randperm(len(data.train_y), generator=gen)
+            if step == first_timed_step:
+                clock.start()
+            start = index_in_epoch * cfg.effective_batch_size
+            idx = order[start : start + cfg.effective_batch_size]
+            micro = [
+                (
+                    data.train_x[chunk].to(device, non_blocking=True),
+                    data.train_y[chunk].to(device, non_blocking=True),
+                )
+                for chunk in idx.split(cfg.batch_size)
+            ]
+            if step in measured_steps:
+                tracker = TensorMemoryTracker()
+                tracker.register(_state_tensors(model, optimizer))
+                with tracker:
+                    step_loss = optimizer_step(
+                        model, optimizer, scaler, precision, micro, cfg.grad_clip_norm
+                    )
+                meter.record_tracked_peak(tracker)
+            else:
+                step_loss = optimizer_step(
+                    model, optimizer, scaler, precision, micro, cfg.grad_clip_norm
+                )
+            del micro
+            scheduler.step()
+            loss_sum += step_loss
+            interval_steps += 1
+            num_samples += len(idx)
+            if step >= first_timed_step:
+                timed_samples += len(idx)
+            if hooks.on_step:
+                hooks.on_step(step + 1, num_steps, time.perf_counter() - started)
+            last_step = step + 1 == num_steps
+            if (step + 1) % cfg.log_every_steps == 0 or last_step:
+                last_loss = loss_sum.item() / interval_steps  # host sync: once per interval
+                if not math.isfinite(last_loss):
+                    raise Diverged(step + 1, last_loss)
+                loss_sum.zero_()
+                interval_steps = 0
+                if hooks.on_log:
+                    metrics = {"train/loss": last_loss, "lr": scheduler.get_last_lr()[0]}
+                    if step >= first_timed_step and clock.read() > 0:
+                        metrics["throughput/samples_per_sec"] = timed_samples / clock.seconds
+                    hooks.on_log(step + 1, metrics)
+            end_of_epoch = index_in_epoch + 1 == steps_per_epoch
+            due = cfg.val_every_steps and (step + 1) % cfg.val_every_steps == 0
+            if (due if cfg.val_every_steps else end_of_epoch) or last_step:
+                clock.stop()
+                metrics = evaluate(model, data, cfg.batch_size, precision, device)
+                metrics.update(step=step + 1, epoch=epoch + (index_in_epoch + 1) / steps_per_epoch)
+                evals.append(metrics)
+                if hooks.on_eval:
+                    hooks.on_eval(step + 1, metrics)
+                if step >= first_timed_step and not last_step:
+                    clock.start()
+    clock.stop()
+    timed_steps = num_steps - first_timed_step
+    memory = meter.stats()
+    return RunResult(
+        num_steps=num_steps,
+        num_samples=num_samples,
+        throughput_samples_per_sec=timed_samples / clock.seconds if clock.seconds else math.nan,
+        step_ms=1000 * clock.seconds / timed_steps if timed_steps else math.nan,
+        peak_bytes=memory.peak_bytes,
+        reserved_bytes=memory.reserved_bytes,
+        val_acc=evals[-1]["val/acc"],
+        val_loss=evals[-1]["val/loss"],
+        train_loss=last_loss,
+        evals=evals,
+    )

@@ -1,0 +1,201 @@
+"""Device-memory budget: parse it, enforce it, measure peak memory, release it after an OOM.
+
+On CUDA the budget is real: `set_per_process_memory_fraction` makes the caching allocator raise
+`torch.OutOfMemoryError` past it, and the allocator's peak statistics are the measurement.
+On CPU the budget is accounted: one full optimizer step runs under `TensorMemoryTracker`, which
+sees every tensor storage created or freed, and a peak above the budget is the same OOM.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_iter
+from torch.utils.weak import WeakIdKeyDictionary
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+def parse_budget(value: int | float | str | None, total_bytes: int) -> int | None:
+    """Bytes of a budget given as bytes, a size string (`8GiB`, `512MiB`) or a share (`90%`).
+
+    None means no budget beyond the device itself. Raises ValueError with the accepted forms.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a memory size")
+    if isinstance(value, int | float):
+        if value <= 0:
+            raise ValueError(f"{value!r} is not a positive number of bytes")
+        return int(value)
+    percent = _PERCENT.match(value)
+    if percent:
+        share = float(percent.group(1))
+        if not 0 < share <= 100:
+            raise ValueError(f"{value!r} is not a share between 0% and 100%")
+        return int(total_bytes * share / 100)
+    size = _SIZE.match(value)
+    if size and size.group(2).lower() in _UNITS and float(size.group(1)) > 0:
+        return int(float(size.group(1)) * _UNITS[size.group(2).lower()])
+    raise ValueError(
+        f"{value!r} is not a memory size; use bytes (8589934592), a size with a unit "
+        "(8GiB, 512MiB, 16GB) or a share of the device (90%)"
+    )
+
+
+def device_total_bytes(device: torch.device) -> int:
+    """Memory of the device: the GPU's for CUDA, the host's physical memory for CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def format_bytes(num_bytes: float | None) -> str:
+    if num_bytes is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(num_bytes) < 1024 or unit == "GiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+class OutOfMemory(Exception):
+    """A run needed more memory than its budget. Carries plain numbers, never tensors."""
+
+    def __init__(self, message: str, peak_bytes: int | None, budget_bytes: int | None):
+        super().__init__(message)
+        self.peak_bytes = peak_bytes
+        self.budget_bytes = budget_bytes
+
+
+class TensorMemoryTracker(TorchDispatchMode):
+    """Exact live and peak bytes of tensor storages while active.
+
+    Every op's outputs are looked at: a storage not seen before is counted until Python
+    frees it (a weakref callback on the storage). Storages that exist before the tracker
+    starts count only if passed to `register` (parameters, gradients, optimizer state);
+    any other pre-existing storage met as an op input (host-side dataset, say) counts as
+    zero, so views of it are not mistaken for new memory.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sizes: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._refs: list[weakref.ref] = []
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def register(self, tensors: Iterable[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self._track(tensor, count=True)
+
+    def _track(self, tensor: torch.Tensor, count: bool) -> None:
+        storage = tensor.untyped_storage()
+        size = self._sizes.get(storage)
+        nbytes = storage.nbytes() if count else 0
+        if size is None:
+            self._sizes[storage] = nbytes
+            self._refs.append(weakref.ref(storage, self._freed_callback(nbytes)))
+            self._add(nbytes)
+        elif count and size != nbytes and size != 0:  # resized in place
+            self._sizes[storage] = nbytes
+            self._add(nbytes - size)
+
+    def _freed_callback(self, nbytes: int):  # noqa: ANN202 - weakref callback
+        def freed(_ref: weakref.ref) -> None:
+            self.live_bytes -= nbytes
+
+        return freed
+
+    def _add(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        for value in tree_iter((args, kwargs)):
+            if isinstance(value, torch.Tensor) and value.untyped_storage() not in self._sizes:
+                self._track(value, count=False)
+        out = func(*args, **kwargs)
+        for value in tree_iter(out):
+            if isinstance(value, torch.Tensor):
+                self._track(value, count=True)
+        return out
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    peak_bytes: int
+    reserved_bytes: int | None  # CUDA caching allocator only
+
+
+class MemoryMeter:
+    """Peak memory of one run on its device, under an optional budget."""
+
+    def __init__(self, device: torch.device, budget_bytes: int | None):
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self._cpu_peak = 0
+
+    def start(self) -> None:
+        """Reset statistics and apply the budget; call at the start of each run."""
+        release_memory(self.device)
+        if self.device.type == "cuda":
+            total = device_total_bytes(self.device)
+            fraction = 1.0 if self.budget_bytes is None else min(1.0, self.budget_bytes / total)
+            torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._cpu_peak = 0
+
+    @property
+    def needs_tracker(self) -> bool:
+        return self.device.type != "cuda"
+
+    def record_tracked_peak(self, tracker: TensorMemoryTracker) -> None:
+        """Take the peak of a tracked step and raise OutOfMemory if it exceeds the budget."""
+        self._cpu_peak = max(self._cpu_peak, tracker.peak_bytes)
+        if self.budget_bytes is not None and tracker.peak_bytes > self.budget_bytes:
+            raise OutOfMemory(
+                f"one optimizer step needs {format_bytes(tracker.peak_bytes)}, over the budget "
+                f"of {format_bytes(self.budget_bytes)}",
+                peak_bytes=tracker.peak_bytes,
+                budget_bytes=self.budget_bytes,
+            )
+
+    def stats(self) -> MemoryStats:
+        if self.device.type == "cuda":
+            return MemoryStats(
+                peak_bytes=torch.cuda.max_memory_allocated(self.device),
+                reserved_bytes=torch.cuda.max_memory_reserved(self.device),
+            )
+        return MemoryStats(peak_bytes=self._cpu_peak, reserved_bytes=None)
+
+
+def is_oom_error(error: BaseException) -> bool:
+    """True for a device out-of-memory error (CUDA's, or the host allocator's)."""
+    if isinstance(error, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+
+
+def release_memory(device: torch.device) -> None:
+    """Free what a finished or failed run left: reference cycles first, then cached blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
