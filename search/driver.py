@@ -14,7 +14,7 @@ from rich.console import Console
 
 from search import report
 from search.objective import Objective, TrialFailed
-from search.study import StopWhenFinished, num_finished, open_study
+from search.study import StopWhenFinished, flatten, num_finished, open_study
 from search.tracking import ROLE_TAG, StudyRun, Tracker
 from search.validate import Checked, validate
 
@@ -47,16 +47,6 @@ def fixed_config(cfg: DictConfig, searched: Sequence[str]) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(fixed), sort_keys=True)
 
 
-def _flatten(cfg: dict, prefix: str = "") -> dict[str, object]:
-    flat: dict[str, object] = {}
-    for key, value in cfg.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 class StudyDriver:
     def __init__(self, cfg, checked: Checked, base_overrides, study, tracker, parent, console):  # noqa: ANN001
         self.cfg = cfg
@@ -72,7 +62,7 @@ class StudyDriver:
         cls, cfg: DictConfig, overrides: list[str], choices: dict[str, str], console: Console
     ) -> StudyDriver:
         name = cfg.search.study_name or default_study_name(choices)
-        searched = OmegaConf.to_container(cfg.search.params or {}, resolve=True)
+        searched = OmegaConf.to_container(cfg.search.params, resolve=True) if cfg.search.params else {}
         # A trial's overrides replace the command line's for the same key.
         base = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in searched]
 
@@ -98,8 +88,8 @@ class StudyDriver:
             parent = tracker.start_run(name, tags={ROLE_TAG: "study", "batchfit.study": name})
             study.set_user_attr(PARENT_ATTR, parent.run_id)
             fixed = OmegaConf.to_container(OmegaConf.create(fixed_config(cfg, searched)))
-            parent.params(_flatten(fixed))
-            parent.text(OmegaConf.to_yaml(cfg.search.params or {}), "search_space.yaml")
+            parent.params(flatten(fixed))
+            parent.text(OmegaConf.to_yaml(searched), "search_space.yaml")
             parent.text(fixed_config(cfg, searched), "fixed_config.yaml")
         return cls(cfg, checked, base, study, tracker, StudyRun(parent, settings.metrics), console)
 

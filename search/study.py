@@ -12,6 +12,7 @@ from typing import Any
 
 import optuna
 from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
+from omegaconf import OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
 from train.config import ConfigError
@@ -99,11 +100,22 @@ def _check_same_study(study: optuna.Study, directions: list[str], fixed_config: 
         raise ConfigError(problems)
 
 
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}"""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def _changed_lines(before: str, after: str) -> str:
-    old, new = set(before.splitlines()), set(after.splitlines())
-    removed = sorted(old - new)[:3]
-    added = sorted(new - old)[:3]
-    return "was: " + "; ".join(removed) + " | now: " + "; ".join(added)
+    old = flatten(OmegaConf.to_container(OmegaConf.create(before)))
+    new = flatten(OmegaConf.to_container(OmegaConf.create(after)))
+    changed = [k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+    return "; ".join(f"{k} was {old.get(k)!r}, now {new.get(k)!r}" for k in changed[:5])
 
 
 def counts_as_finished(trial: FrozenTrial) -> bool:

@@ -131,28 +131,37 @@ class _Clock:
         return self.seconds
 
 
+PROBE_MIN_SECONDS = 0.25  # a probe pass this long is long enough to time
+PROBE_MAX_SAMPLES = 64
+
+
 def probe_seconds_per_sample(
     model: nn.Module, data: Splits, cfg: TrainerConfig, precision: Precision, device: torch.device
 ) -> float:
-    """Seconds per sample of a forward/backward on a few samples; parameters and buffers are
-    left as found. The first pass pays one-time start-up costs, so the second one is timed.
+    """Seconds per sample of forward/backward passes, parameters and buffers left as found.
 
-    A batch of at most 4 runs less efficiently than the real micro-batch, so this
-    overestimates the run's time: good enough to tell a configuration that is 50x too slow.
+    Starts with 2 samples (one untimed pass pays start-up costs) and doubles up to the
+    micro-batch (at most 64) until a pass takes PROBE_MIN_SECONDS: a fast configuration is
+    timed at a realistic batch, a hopeless one is known after a pass or two.
     """
-    n = min(cfg.batch_size, 4)  # >= 2 where possible: BatchNorm needs two samples in training
-    x = data.train_x[:n].to(device)
-    y = data.train_y[:n].to(device)
     saved = [b.clone() for b in model.buffers()]  # BatchNorm statistics must not see the probe
     clock = _Clock(device)
-    for _ in range(2):
+    limit = min(cfg.batch_size, PROBE_MAX_SAMPLES)
+    n = min(2, limit)  # BatchNorm needs two samples in training mode
+    for timed in (False, *([True] * 8)):
+        x = data.train_x[:n].to(device)
+        y = data.train_y[:n].to(device)
         clock.seconds = 0.0
         clock.start()
         with precision.matmul_mode(), precision.autocast():
             logits = model(x)
         F.cross_entropy(logits.float(), y).backward()
         clock.stop()
-    model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        if timed and (clock.seconds >= PROBE_MIN_SECONDS or n >= limit):
+            break
+        if timed:
+            n = min(2 * n, limit)
     with torch.no_grad():
         for buffer, value in zip(model.buffers(), saved, strict=True):
             buffer.copy_(value)

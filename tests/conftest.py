@@ -1,0 +1,60 @@
+"""Shared fixtures: the real Hydra config, composed in-process, and outputs under tmp_path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+# A tiny, fast setup: small CNN on scikit-learn's digits, one epoch.
+FAST = [
+    "model=small_cnn",
+    "model.width=4",
+    "data=digits",
+    "trainer.max_epochs=1",
+    "trainer.batch_size=64",
+    "trainer.device=cpu",
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def hydra_conf() -> Iterator[Callable[..., DictConfig]]:
+    """compose(overrides) with conf/ initialised, as the entry points see it."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+
+        def _compose(overrides: list[str] | None = None) -> DictConfig:
+            return compose(config_name="config", overrides=list(overrides or []))
+
+        yield _compose
+
+
+@pytest.fixture
+def stores(tmp_path: Path) -> dict:
+    """Optuna and MLflow stores under tmp_path, and the overrides that select them."""
+    optuna_url = f"sqlite:///{tmp_path}/optuna.db"
+    mlflow_url = f"sqlite:///{tmp_path}/mlflow.db"
+    artifacts = str(tmp_path / "artifacts")
+    return {
+        "optuna": optuna_url,
+        "mlflow": mlflow_url,
+        "artifacts": artifacts,
+        "overrides": [
+            f"search.storage={optuna_url}",
+            f"mlflow.tracking_uri={mlflow_url}",
+            f"mlflow.artifact_root={artifacts}",
+        ],
+    }

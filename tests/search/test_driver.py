@@ -1,0 +1,224 @@
+"""Studies run in-process through the real driver: states, reasons, records, resume."""
+
+from __future__ import annotations
+
+import gc
+
+import optuna
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from optuna.trial import TrialState
+from rich.console import Console
+
+from search.driver import PARENT_ATTR, StudyDriver
+from train.config import ConfigError
+
+FAST = [
+    "model=small_cnn",
+    "model.width=4",
+    "data=digits",
+    "trainer.max_epochs=1",
+    "trainer.device=cpu",
+    "search.trial_time_budget_s=null",
+    "search.objectives={val/acc:maximize}",
+    "search.sampler._target_=optuna.samplers.RandomSampler",
+    "~search.sampler.multivariate",
+]
+
+
+def _driver(hydra_conf, overrides: list[str], name: str = "t") -> StudyDriver:
+    overrides = [*FAST, f"search.study_name={name}", *overrides]
+    cfg = hydra_conf(overrides)
+    console = Console(record=True, width=200)
+    return StudyDriver.prepare(cfg, overrides, {"model": "small_cnn", "data": "digits"}, console)
+
+
+def _trials_by_number(study: optuna.Study) -> dict[int, optuna.trial.FrozenTrial]:
+    return {t.number: t for t in study.get_trials()}
+
+
+def _mlflow_runs(stores: dict, experiment: str) -> list:
+    client = MlflowClient(stores["mlflow"])
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id], max_results=1000)
+
+
+def test_oom_trials_are_pruned_with_reason_and_memory_figures(hydra_conf, stores) -> None:
+    # small_cnn(width=4) on digits peaks at ~0.66 MB at batch 64 and ~2.6 MB at 256
+    # (measured by the CPU tracker), so a 1 MiB budget fits 16/64 and not 256/512.
+    driver = _driver(
+        hydra_conf,
+        [
+            *stores["overrides"],
+            "search.n_trials=6",
+            "search.memory_budget=1MiB",
+            "+search.params={trainer.batch_size:'choice(16,64,256,512)'}",
+        ],
+    )
+    driver.run()
+    study = driver.study
+    trials = study.get_trials()
+    assert len(trials) == 6
+    by_batch = {}
+    for t in trials:
+        batch = t.params["trainer.batch_size"]
+        by_batch.setdefault(batch, set()).add(t.state)
+        if batch >= 256:
+            assert t.state == TrialState.PRUNED
+            assert t.user_attrs["reason"] == "oom"
+            assert t.user_attrs["peak_bytes"] > t.user_attrs["budget_bytes"] == 2**20
+            assert t.user_attrs["trainer.precision"] == "fp32"
+            assert t.user_attrs["trainer.accum_steps"] == 1
+        else:
+            assert t.state == TrialState.COMPLETE
+            assert t.user_attrs["peak_bytes"] <= 2**20
+    assert any(b >= 256 for b in by_batch) and any(b < 256 for b in by_batch)
+
+    runs = {r.data.tags["mlflow.runName"]: r for r in _mlflow_runs(stores, "t")}
+    parent = runs.pop("t")
+    assert study.user_attrs[PARENT_ATTR] == parent.info.run_id
+    assert parent.data.metrics["trials/finished"] == 6
+    assert parent.data.params["search.memory_budget"] == "1MiB"
+    assert len(runs) == 6
+    for t in trials:
+        run = runs[f"trial-{t.number}"]
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert run.info.run_id == t.user_attrs["mlflow_run_id"]
+        assert run.data.params["trainer.batch_size"] == str(t.params["trainer.batch_size"])
+        assert run.data.metrics["memory/budget_bytes"] == 2**20
+        assert "memory/peak_bytes" in run.data.metrics
+        assert run.data.tags["batchfit.state"] == t.state.name
+        if t.state == TrialState.PRUNED:
+            assert run.data.tags["batchfit.prune_reason"] == "oom"
+            assert "val/acc" not in run.data.metrics
+        else:
+            assert 0 <= run.data.metrics["val/acc"] <= 1
+            assert run.data.metrics["throughput/samples_per_sec"] > 0
+
+
+def _live_tensor_bytes() -> int:
+    gc.collect()
+    total = 0
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                total += obj.untyped_storage().nbytes()
+        except Exception:  # noqa: BLE001, S112 - objects that are not real tensors
+            continue
+    return total
+
+
+def test_twenty_oom_trials_in_a_row_leave_memory_at_baseline(hydra_conf, stores) -> None:
+    driver = _driver(
+        hydra_conf,
+        [
+            *stores["overrides"],
+            "search.n_trials=20",
+            "search.memory_budget=64KiB",
+            "+search.params={trainer.batch_size:'choice(256,512)'}",
+        ],
+        name="oom20",
+    )
+    # Warm everything up (dataset cache, allocator) with one trial, then take the baseline.
+    driver.checked.settings = driver.checked.settings  # settings are frozen; n_trials from cfg
+    seen: list[int] = []
+    baseline = {}
+
+    def check(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        assert trial.user_attrs["reason"] == "oom"
+        live = _live_tensor_bytes()
+        baseline.setdefault("bytes", live)
+        seen.append(live)
+
+    original = driver.study.optimize
+
+    def optimize(*args, **kwargs):
+        kwargs["callbacks"] = [*kwargs["callbacks"], check]
+        return original(*args, **kwargs)
+
+    driver.study.optimize = optimize
+    driver.run()
+    assert len(seen) == 20
+    # Identical after every OOM trial: nothing of a failed trial survives it.
+    assert all(live == baseline["bytes"] for live in seen), seen
+    states = {t.state for t in driver.study.get_trials()}
+    assert states == {TrialState.PRUNED}
+
+
+def test_a_failing_trial_is_recorded_and_the_study_goes_on(hydra_conf, stores) -> None:
+    # model.width=0 makes the model builder fail at build time (Conv2d with 0 channels).
+    driver = _driver(
+        hydra_conf,
+        [*stores["overrides"], "search.n_trials=4", "+search.params={model.width:'choice(0,4)'}"],
+        name="fail",
+    )
+    driver.run()
+    trials = driver.study.get_trials()
+    assert len(trials) == 4
+    failed = [t for t in trials if t.params["model.width"] == 0]
+    ok = [t for t in trials if t.params["model.width"] == 4]
+    assert failed and ok
+    assert all(t.state == TrialState.FAIL and "error" in t.user_attrs for t in failed)
+    assert all(t.state == TrialState.COMPLETE for t in ok)
+    runs = {r.info.run_id: r for r in _mlflow_runs(stores, "fail")}
+    for t in failed:
+        run = runs[t.user_attrs["mlflow_run_id"]]
+        assert run.info.status == "FAILED"
+        assert run.data.tags["batchfit.state"] == "FAIL"
+
+
+def test_diverged_and_slow_trials_are_pruned_with_their_reason(hydra_conf, stores) -> None:
+    driver = _driver(
+        hydra_conf,
+        [
+            *stores["overrides"],
+            "search.n_trials=2",
+            "optimizer.lr=1e12",
+            "trainer.log_every_steps=1",
+        ],
+        name="diverge",
+    )
+    driver.run()
+    (trial, *_) = driver.study.get_trials()
+    assert trial.state == TrialState.PRUNED
+    assert trial.user_attrs["reason"] == "diverged"
+    assert "train loss is nan" in trial.user_attrs["message"] or "inf" in trial.user_attrs["message"]
+
+    slow = _driver(
+        hydra_conf,
+        [*stores["overrides"], "search.n_trials=1", "search.trial_time_budget_s=0.001"],
+        name="slow",
+    )
+    slow.run()
+    (trial,) = slow.study.get_trials()
+    assert trial.state == TrialState.PRUNED and trial.user_attrs["reason"] == "slow"
+    assert "search.trial_time_budget_s" in trial.user_attrs["message"]
+
+
+def test_resume_runs_to_n_trials_without_duplicates(hydra_conf, stores) -> None:
+    common = [*stores["overrides"], "+search.params={trainer.batch_size:'choice(16,32,64)'}"]
+    first = _driver(hydra_conf, [*common, "search.n_trials=2"], name="resume")
+    first.run()
+    second = _driver(hydra_conf, [*common, "search.n_trials=5"], name="resume")
+    second.run()
+    again = _driver(hydra_conf, [*common, "search.n_trials=5"], name="resume")
+    again.run()  # already finished: runs nothing
+    trials = again.study.get_trials()
+    assert [t.number for t in trials] == [0, 1, 2, 3, 4]
+    runs = _mlflow_runs(stores, "resume")
+    parents = [r for r in runs if r.data.tags.get("batchfit.role") == "study"]
+    assert len(parents) == 1
+    assert len(runs) == 1 + 5
+    assert parents[0].data.metrics["trials/finished"] == 5
+    assert parents[0].info.status == "FINISHED"
+
+
+def test_resume_with_another_fixed_config_is_refused(hydra_conf, stores) -> None:
+    _driver(hydra_conf, [*stores["overrides"], "search.n_trials=1"], name="fixed").run()
+    with pytest.raises(ConfigError, match=r"(?s)trainer.max_epochs was 1, now 2.*search.study_name=fixed-2"):
+        _driver(
+            hydra_conf,
+            [*stores["overrides"], "search.n_trials=2", "trainer.max_epochs=2"],
+            name="fixed",
+        )

@@ -1,0 +1,98 @@
+"""One training run, the same code path as a search trial, logged to MLflow as a plain run:
+
+    python -m train +experiment=resnet data=digits trainer.batch_size=64 \
+        trainer.accum_steps=2 trainer.precision=bf16 optimizer.lr=0.05
+
+compose (Hydra) -> validate -> run -> report. `search.memory_budget` applies here too.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from search.tracking import ROLE_TAG, Tracker
+from train.config import ConfigError
+from train.loop import Diverged, Hooks
+from train.memory import OutOfMemory, format_bytes
+from train.run import check_budget_fits_model, plan, run
+
+# The entry point is the composition root: it wires MLflow (search.tracking) to the training
+# loop's hooks. The train/ library modules themselves know nothing of MLflow.
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    console, errors = Console(), Console(stderr=True)
+    try:
+        spec = plan(cfg, cfg.search.memory_budget)
+        check_budget_fits_model(cfg, spec)
+    except ConfigError as error:
+        errors.print(f"[bold red]Configuration error[/bold red]\n{error}")
+        sys.exit(2)
+    tracker = Tracker(cfg.mlflow.tracking_uri, "train", cfg.mlflow.artifact_root)
+    log = tracker.start_run("train", tags={ROLE_TAG: "train"})
+    log.params(
+        {
+            "trainer.batch_size": spec.trainer.batch_size,
+            "trainer.accum_steps": spec.trainer.accum_steps,
+            "trainer.precision": spec.trainer.precision,
+            "optimizer.lr": spec.base_lr,
+            "effective_batch_size": spec.trainer.effective_batch_size,
+            "lr_scaled": spec.lr,
+            "device": str(spec.device),
+        }
+    )
+    log.text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+    console.print(
+        f"Training on {spec.device}: batch {spec.trainer.batch_size} x {spec.trainer.accum_steps} "
+        f"= {spec.trainer.effective_batch_size}, {spec.trainer.precision}, lr {spec.lr:.4g}; "
+        f"MLflow run {log.run_id}",
+        soft_wrap=True,
+    )
+
+    def on_eval(step: int, metrics: dict) -> None:
+        log.metrics({k: v for k, v in metrics.items() if "/" in k}, step, flush=True)
+        console.print(
+            f"step {step} epoch {metrics['epoch']:.2f}: val acc {metrics['val/acc']:.4f} "
+            f"val loss {metrics['val/loss']:.4f}"
+        )
+
+    hooks = Hooks(on_log=lambda step, metrics: log.metrics(metrics, step), on_eval=on_eval)
+    failure = None
+    try:
+        result = run(cfg, spec, hooks)
+    except (OutOfMemory, Diverged) as error:
+        failure = ("oom" if isinstance(error, OutOfMemory) else "diverged", str(error))
+    except BaseException:
+        log.finish("FAILED")
+        raise
+    if failure:
+        log.tags({"batchfit.state": "PRUNED", "batchfit.prune_reason": failure[0]})
+        log.finish("FAILED")
+        errors.print(f"[bold red]{failure[0]}[/bold red]: {failure[1]}")
+        sys.exit(1)
+    log.metrics(
+        {
+            "throughput/samples_per_sec": result.throughput_samples_per_sec,
+            "time/step_ms": result.step_ms,
+            "memory/peak_bytes": result.peak_bytes,
+            **({"memory/budget_bytes": spec.budget_bytes} if spec.budget_bytes else {}),
+            **({"memory/reserved_bytes": result.reserved_bytes} if result.reserved_bytes else {}),
+        },
+        step=result.num_steps,
+    )
+    log.tags({"batchfit.state": "COMPLETE"})
+    log.finish()
+    console.print(
+        f"val acc {result.val_acc:.4f} | {result.throughput_samples_per_sec:.0f} samples/s | "
+        f"{result.step_ms:.0f} ms/step | peak {format_bytes(result.peak_bytes)}",
+        soft_wrap=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
