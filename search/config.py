@@ -7,14 +7,13 @@ from typing import Any
 
 from train.config import ConfigError
 
-# Metrics a trial can be optimised for, with the direction that makes sense for each.
+# Metrics a trial can be optimised for, each with the only direction that makes sense.
 OBJECTIVE_METRICS = {
     "val/acc": "maximize",
     "val/loss": "minimize",
     "throughput/samples_per_sec": "maximize",
     "memory/peak_bytes": "minimize",
 }
-DIRECTIONS = ("maximize", "minimize")
 
 
 @dataclass(frozen=True)
@@ -23,17 +22,17 @@ class SearchConfig:
     storage: str
     n_trials: int
     memory_budget: Any
-    objectives: tuple[tuple[str, str], ...]  # (metric, direction), in order
+    objectives: tuple[str, ...]  # metric names, in order
     trial_time_budget_s: float | None
     heartbeat_interval_s: int | None
 
     @property
     def metrics(self) -> list[str]:
-        return [metric for metric, _ in self.objectives]
+        return list(self.objectives)
 
     @property
     def directions(self) -> list[str]:
-        return [direction for _, direction in self.objectives]
+        return [OBJECTIVE_METRICS[metric] for metric in self.objectives]
 
     def __post_init__(self) -> None:
         problems = []
@@ -52,16 +51,12 @@ class SearchConfig:
                 "search.storage=sqlite:///mlruns/optuna.db"
             )
         if not self.objectives:
-            problems.append("search.objectives is empty; e.g. search.objectives={val/acc:maximize}")
-        for metric, direction in self.objectives:
+            problems.append("search.objectives is empty; e.g. search.objectives=[val/acc]")
+        for metric in self.objectives:
             if metric not in OBJECTIVE_METRICS:
                 problems.append(
                     f"search.objectives: unknown metric {metric!r}; use one of "
                     f"{', '.join(OBJECTIVE_METRICS)}"
-                )
-            if direction not in DIRECTIONS:
-                problems.append(
-                    f"search.objectives.{metric} must be maximize or minimize, got {direction!r}"
                 )
         budget = self.trial_time_budget_s
         if budget is not None and (isinstance(budget, bool) or not budget > 0):

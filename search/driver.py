@@ -62,7 +62,9 @@ class StudyDriver:
         cls, cfg: DictConfig, overrides: list[str], choices: dict[str, str], console: Console
     ) -> StudyDriver:
         name = cfg.search.study_name or default_study_name(choices)
-        searched = OmegaConf.to_container(cfg.search.params, resolve=True) if cfg.search.params else {}
+        searched = (
+            OmegaConf.to_container(cfg.search.params, resolve=True) if cfg.search.params else {}
+        )
         # A trial's overrides replace the command line's for the same key.
         base = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in searched]
 

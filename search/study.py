@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
 from omegaconf import OmegaConf
+from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from train.config import ConfigError

@@ -39,13 +39,15 @@ class Checked:
 
 def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
     search = cfg.search
-    objectives = OmegaConf.to_container(search.objectives, resolve=True) or {}
+    objectives = search.objectives
+    if isinstance(objectives, str):
+        objectives = [objectives]
     return SearchConfig(
         study_name=study_name,
         storage=search.storage,
         n_trials=search.n_trials,
         memory_budget=search.memory_budget,
-        objectives=tuple((str(k), str(v)) for k, v in objectives.items()),
+        objectives=tuple(str(metric) for metric in objectives or ()),
         trial_time_budget_s=search.trial_time_budget_s,
         heartbeat_interval_s=search.heartbeat_interval_s,
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -85,7 +86,12 @@ def _data(data_yaml: str) -> Splits:
 
 
 def build_data(cfg: DictConfig) -> Splits:
-    return _data(OmegaConf.to_yaml(cfg.data, resolve=True))
+    try:
+        return _data(OmegaConf.to_yaml(cfg.data, resolve=True))
+    except InstantiationException as error:
+        if isinstance(error.__cause__, FileNotFoundError):  # data absent: the user's to fix
+            raise ConfigError([str(error.__cause__)]) from None
+        raise
 
 
 def build_model(cfg: DictConfig, data: Splits) -> torch.nn.Module:

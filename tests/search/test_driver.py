@@ -21,7 +21,7 @@ FAST = [
     "trainer.max_epochs=1",
     "trainer.device=cpu",
     "search.trial_time_budget_s=null",
-    "search.objectives={val/acc:maximize}",
+    "search.objectives=[val/acc]",
     "search.sampler._target_=optuna.samplers.RandomSampler",
     "~search.sampler.multivariate",
 ]
@@ -183,7 +183,9 @@ def test_diverged_and_slow_trials_are_pruned_with_their_reason(hydra_conf, store
     (trial, *_) = driver.study.get_trials()
     assert trial.state == TrialState.PRUNED
     assert trial.user_attrs["reason"] == "diverged"
-    assert "train loss is nan" in trial.user_attrs["message"] or "inf" in trial.user_attrs["message"]
+    assert (
+        "train loss is nan" in trial.user_attrs["message"] or "inf" in trial.user_attrs["message"]
+    )
 
     slow = _driver(
         hydra_conf,
@@ -216,7 +218,9 @@ def test_resume_runs_to_n_trials_without_duplicates(hydra_conf, stores) -> None:
 
 def test_resume_with_another_fixed_config_is_refused(hydra_conf, stores) -> None:
     _driver(hydra_conf, [*stores["overrides"], "search.n_trials=1"], name="fixed").run()
-    with pytest.raises(ConfigError, match=r"(?s)trainer.max_epochs was 1, now 2.*search.study_name=fixed-2"):
+    with pytest.raises(
+        ConfigError, match=r"(?s)trainer.max_epochs was 1, now 2.*search.study_name=fixed-2"
+    ):
         _driver(
             hydra_conf,
             [*stores["overrides"], "search.n_trials=2", "trainer.max_epochs=2"],

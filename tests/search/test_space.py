@@ -58,7 +58,10 @@ def test_restrict_choices_drops_unsupported_values() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("interval(0.5, 0.1)", r"search.params.optimizer.lr: interval\(0.5, 0.1\) has low 0.5 > high 0.1; swap"),
+        (
+            "interval(0.5, 0.1)",
+            r"search.params.optimizer.lr: interval\(0.5, 0.1\) has low 0.5 > high 0.1; swap",
+        ),
         ("tag(log, interval(0, 0.1))", r"log scale but its low bound 0.0 is not positive"),
         ("range(9, 1)", r"low 9 > high 1"),
         ("choice(1,", r"cannot parse 'choice\(1,'"),
