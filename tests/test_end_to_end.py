@@ -1,0 +1,144 @@
+"""`python -m search` and `python -m train` as a user runs them, in subprocesses, then the
+Optuna storage and the MLflow store read back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow.tracking import MlflowClient
+from optuna.trial import TrialState
+
+pytestmark = pytest.mark.slow
+
+STUDY = [
+    "model=small_cnn",
+    "model.width=4",
+    "data=digits",
+    "trainer.max_epochs=2",
+    "search.study_name=e2e",
+    "search.n_trials=6",
+    # small_cnn(width=4) peaks at ~0.66 MB at batch 64, ~2.6 MB at 256 (CPU accounting)
+    "search.memory_budget=1MiB",
+    "search.objectives=[val/acc,throughput/samples_per_sec]",
+    "+search.params={trainer.batch_size:'choice(16,64,256)',"
+    "trainer.accum_steps:'choice(1,2)',optimizer.lr:'tag(log, interval(0.01, 0.3))'}",
+]
+
+
+def _run(module: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
+    out = _run("search", STUDY, tmp_path).stdout
+    # Defaults put both stores under ./mlruns of the working directory.
+    optuna_url = f"sqlite:///{tmp_path}/mlruns/optuna.db"
+    mlflow_url = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    assert "Pareto front" in out and "Memory boundary" in out and "python -m train" in out
+
+    study = optuna.load_study(study_name="e2e", storage=optuna_url)
+    trials = study.get_trials()
+    assert len(trials) == 6
+    assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
+    oom = [t for t in trials if t.user_attrs.get("reason") == "oom"]
+    assert oom and all(t.params["trainer.batch_size"] == 256 for t in oom)
+    for t in oom:
+        assert t.state == TrialState.PRUNED
+        assert t.user_attrs["peak_bytes"] > t.user_attrs["budget_bytes"] == 2**20
+        assert "trainer.precision" in t.user_attrs and "effective_batch_size" in t.user_attrs
+
+    client = MlflowClient(mlflow_url)
+    experiment = client.get_experiment_by_name("e2e")
+    runs = client.search_runs([experiment.experiment_id])
+    parent = [r for r in runs if r.data.tags.get("batchfit.role") == "study"]
+    assert len(parent) == 1
+    parent = parent[0]
+    nested = {r.data.tags["mlflow.runName"]: r for r in runs if r is not parent}
+    assert parent.info.run_id == study.user_attrs["mlflow_parent_run_id"]
+    assert parent.data.params["model.width"] == "4"
+    assert parent.data.metrics["trials/finished"] == 6
+    assert parent.data.metrics["trials/pruned_oom"] == len(oom)
+    assert "best/val/acc" in parent.data.metrics
+    assert sorted(nested) == sorted(f"trial-{t.number}" for t in trials)
+    for t in trials:
+        run = nested[f"trial-{t.number}"]
+        assert run.info.run_id == t.user_attrs["mlflow_run_id"]
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert run.data.tags["batchfit.trial"] == str(t.number)
+        assert run.data.tags["batchfit.state"] == t.state.name
+        params = run.data.params
+        for key, value in t.params.items():
+            assert params[key] == str(value)
+        eff = t.params["trainer.batch_size"] * t.params["trainer.accum_steps"]
+        assert params["effective_batch_size"] == str(eff)
+        # lr follows the effective batch (the default rule here is none: lr as given)
+        assert float(params["lr_scaled"]) == pytest.approx(t.params["optimizer.lr"])
+        metrics = run.data.metrics
+        assert metrics["memory/budget_bytes"] == 2**20
+        assert metrics["memory/peak_bytes"] > 0
+        artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
+        assert "config.yaml" in artifacts
+        if t.state == TrialState.COMPLETE:
+            assert metrics["throughput/samples_per_sec"] > 0 and metrics["time/step_ms"] > 0
+            history = client.get_metric_history(run.info.run_id, "val/acc")
+            assert len(history) == 2  # one per epoch, with the step
+            assert history[0].step < history[1].step
+            assert client.get_metric_history(run.info.run_id, "train/loss")
+            assert t.values[0] == pytest.approx(metrics["val/acc"])
+        else:
+            assert run.data.tags["batchfit.prune_reason"] == t.user_attrs["reason"]
+
+    # The same command with a larger n_trials resumes: same study, same parent run.
+    _run("search", [*STUDY, "search.n_trials=8"], tmp_path)
+    study = optuna.load_study(study_name="e2e", storage=optuna_url)
+    assert [t.number for t in study.get_trials()] == list(range(8))
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1 + 8
+    assert [r for r in runs if r.data.tags.get("batchfit.role") == "study"][0].info.run_id == (
+        parent.info.run_id
+    )
+
+    # The printed rerun command trains the winner as a plain MLflow run.
+    rerun = next(line for line in out.splitlines() if line.startswith("Rerun it: "))
+    args = rerun.removeprefix("Rerun it: python -m train ").split()
+    done = _run("train", args, tmp_path)
+    assert "val acc" in done.stdout
+    train_runs = client.search_runs([client.get_experiment_by_name("train").experiment_id])
+    assert len(train_runs) == 1
+    assert train_runs[0].data.tags["batchfit.state"] == "COMPLETE"
+    assert "mlflow.parentRunId" not in train_runs[0].data.tags
+
+
+def test_train_entry_point_with_the_issue_command(tmp_path: Path) -> None:
+    done = _run(
+        "train",
+        [
+            "+experiment=resnet", "data=digits", "model=small_cnn", "trainer.batch_size=64",
+            "trainer.accum_steps=2", "trainer.precision=bf16", "optimizer.lr=0.05",
+            "trainer.max_steps=3", "search.memory_budget=150MiB",
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert "batch 64 x 2 = 128, bf16" in done.stdout
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("train").experiment_id])
+    assert run.data.params["trainer.precision"] == "bf16"
+    assert run.data.params["effective_batch_size"] == "128"
+    # lr_scaling=linear with reference 128 in the resnet experiment: 0.05 x 128/128
+    assert float(run.data.params["lr_scaled"]) == pytest.approx(0.05)
+    assert run.data.metrics["memory/budget_bytes"] == 150 * 2**20
