@@ -226,3 +226,18 @@ def test_resume_with_another_fixed_config_is_refused(hydra_conf, stores) -> None
             [*stores["overrides"], "search.n_trials=2", "trainer.max_epochs=2"],
             name="fixed",
         )
+
+
+def test_group_choices_are_searched_by_recomposing(hydra_conf, stores) -> None:
+    driver = _driver(
+        hydra_conf,
+        [*stores["overrides"], "search.n_trials=3", "+search.params={optimizer:'choice(sgd,adamw)'}"],
+        name="groups",
+    )
+    driver.run()
+    client = MlflowClient(stores["mlflow"])
+    for t in driver.study.get_trials():
+        assert t.state == TrialState.COMPLETE
+        path = client.download_artifacts(t.user_attrs["mlflow_run_id"], "config.yaml")
+        target = "torch.optim.SGD" if t.params["optimizer"] == "sgd" else "torch.optim.AdamW"
+        assert f"_target_: {target}" in open(path).read()
