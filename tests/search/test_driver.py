@@ -231,7 +231,11 @@ def test_resume_with_another_fixed_config_is_refused(hydra_conf, stores) -> None
 def test_group_choices_are_searched_by_recomposing(hydra_conf, stores) -> None:
     driver = _driver(
         hydra_conf,
-        [*stores["overrides"], "search.n_trials=3", "+search.params={optimizer:'choice(sgd,adamw)'}"],
+        [
+            *stores["overrides"],
+            "search.n_trials=3",
+            "+search.params={optimizer:'choice(sgd,adamw)'}",
+        ],
         name="groups",
     )
     driver.run()
@@ -241,3 +245,25 @@ def test_group_choices_are_searched_by_recomposing(hydra_conf, stores) -> None:
         path = client.download_artifacts(t.user_attrs["mlflow_run_id"], "config.yaml")
         target = "torch.optim.SGD" if t.params["optimizer"] == "sgd" else "torch.optim.AdamW"
         assert f"_target_: {target}" in open(path).read()
+
+
+def test_single_objective_studies_use_the_pruner_on_val_acc(hydra_conf, stores) -> None:
+    # ThresholdPruner prunes any trial whose reported val/acc is below `lower`: no trial of
+    # a 2-epoch small CNN reaches 0.999, so each is pruned at its first validation.
+    driver = _driver(
+        hydra_conf,
+        [
+            *stores["overrides"],
+            "search.n_trials=2",
+            "trainer.max_epochs=2",
+            "search.pruner._target_=optuna.pruners.ThresholdPruner",
+            "~search.pruner.n_startup_trials",
+            "~search.pruner.n_warmup_steps",
+            "+search.pruner.lower=0.999",
+        ],
+        name="pruner",
+    )
+    driver.run()
+    for t in driver.study.get_trials():
+        assert t.state == TrialState.PRUNED and t.user_attrs["reason"] == "pruner"
+        assert len(t.intermediate_values) == 1  # stopped at the first of two validations

@@ -1,0 +1,48 @@
+"""The summary's derived facts: the OOM boundary and the rerun command."""
+
+from __future__ import annotations
+
+import optuna
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState, create_trial
+
+from search.report import oom_boundary, rerun_overrides, trial_line
+
+
+def _trial(batch: int, precision: str, state: TrialState, **attrs) -> optuna.trial.FrozenTrial:
+    return create_trial(
+        state=state,
+        value=0.5 if state == TrialState.COMPLETE else None,
+        params={"trainer.batch_size": batch},
+        distributions={"trainer.batch_size": CategoricalDistribution([16, 64, 256, 512])},
+        user_attrs={"trainer.batch_size": batch, "trainer.precision": precision, **attrs},
+    )
+
+
+def test_oom_boundary_per_precision() -> None:
+    trials = [
+        _trial(16, "fp32", TrialState.COMPLETE, peak_bytes=10),
+        _trial(64, "fp32", TrialState.COMPLETE, peak_bytes=20),
+        _trial(512, "fp32", TrialState.PRUNED, reason="oom", peak_bytes=99),
+        _trial(256, "fp32", TrialState.PRUNED, reason="oom", peak_bytes=90),
+        _trial(512, "bf16", TrialState.PRUNED, reason="slow"),  # never measured: unknown
+        _trial(256, "bf16", TrialState.PRUNED, reason="diverged", peak_bytes=50),
+    ]
+    assert oom_boundary(trials) == {"bf16": (256, None), "fp32": (64, 256)}
+
+
+def test_rerun_overrides_replace_sampled_keys_and_drop_study_settings() -> None:
+    trial = _trial(64, "fp32", TrialState.COMPLETE, peak_bytes=1)
+    base = ["+experiment=resnet", "data=digits", "trainer.batch_size=8", "search.n_trials=3"]
+    assert rerun_overrides(trial, base) == [
+        "+experiment=resnet",
+        "data=digits",
+        "trainer.batch_size=64",
+    ]
+
+
+def test_trial_line_shows_state_reason_and_figures() -> None:
+    line = trial_line(
+        _trial(512, "fp32", TrialState.PRUNED, reason="oom", peak_bytes=3 * 2**20, message="over")
+    )
+    assert "PRUNED (oom)" in line and "batch_size=512" in line and "peak 3.0 MiB" in line
