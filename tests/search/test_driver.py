@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import optuna
 import pytest
@@ -244,7 +245,7 @@ def test_group_choices_are_searched_by_recomposing(hydra_conf, stores) -> None:
         assert t.state == TrialState.COMPLETE
         path = client.download_artifacts(t.user_attrs["mlflow_run_id"], "config.yaml")
         target = "torch.optim.SGD" if t.params["optimizer"] == "sgd" else "torch.optim.AdamW"
-        assert f"_target_: {target}" in open(path).read()
+        assert f"_target_: {target}" in Path(path).read_text()
 
 
 def test_single_objective_studies_use_the_pruner_on_val_acc(hydra_conf, stores) -> None:
