@@ -82,7 +82,10 @@ class TrainerConfig:
                 f"trainer.device must be one of {', '.join(DEVICES)}, got {self.device!r}; "
                 "override with trainer.device=auto"
             )
-        if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
+        clip = self.grad_clip_norm
+        if clip is not None and (
+            isinstance(clip, bool) or not isinstance(clip, int | float) or not clip > 0
+        ):
             problems.append(
                 f"trainer.grad_clip_norm must be > 0 or null, got {self.grad_clip_norm!r}; "
                 "override with trainer.grad_clip_norm=1.0"
@@ -93,12 +96,14 @@ class TrainerConfig:
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> TrainerConfig:
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(
-                [
-                    f"trainer.{key} is not a trainer setting; known: {', '.join(sorted(known))}"
-                    for key in unknown
-                ]
-            )
-        return cls(**values)
+        problems = [
+            f"trainer.{key} is not a trainer setting; known: {', '.join(sorted(known))}"
+            for key in sorted(set(values) - known)
+        ]
+        try:
+            config = cls(**{k: v for k, v in values.items() if k in known})
+        except ConfigError as error:
+            problems += error.problems
+        if problems:
+            raise ConfigError(problems)
+        return config

@@ -7,6 +7,7 @@ dataset itself does not count against the device-memory budget.
 
 from __future__ import annotations
 
+import pickle
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,7 +102,10 @@ def _cifar10_present(root: Path, verify_checksums: bool) -> bool:
     from torchvision.datasets.utils import check_integrity
 
     folder = root / CIFAR10.base_folder
-    for name, md5 in CIFAR10.train_list + CIFAR10.test_list:
+    files = (
+        CIFAR10.train_list + CIFAR10.test_list + [(CIFAR10.meta["filename"], CIFAR10.meta["md5"])]
+    )
+    for name, md5 in files:
         path = folder / name
         if not (check_integrity(str(path), md5) if verify_checksums else path.is_file()):
             return False
@@ -114,6 +118,13 @@ def _load_cifar10(root: Path, download: bool, verify_checksums: bool, timeout_s:
     class Cifar10(CIFAR10):
         def _check_integrity(self) -> bool:
             return _cifar10_present(Path(self.root), verify_checksums)
+
+        def _load_meta(self) -> None:
+            # torchvision checks the meta file's md5 even when integrity checks are off.
+            path = Path(self.root) / self.base_folder / self.meta["filename"]
+            with path.open("rb") as infile:
+                self.classes = pickle.load(infile, encoding="latin1")[self.meta["key"]]
+            self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
 
     if _cifar10_present(root, verify_checksums):
         return Cifar10(str(root), train=True, download=False)

@@ -80,9 +80,11 @@ def optimizer_step(
     for x, y in micro_batches:
         with precision.autocast():
             logits = model(x)
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the loss in fp32: softmax over low-precision logits is lossy
         # Sum, then divide by the samples of the whole step: micro-batches of unequal size
         # contribute in proportion to their samples, as in one big batch.
-        loss = F.cross_entropy(logits.float(), y, reduction="sum") / num_samples
+        loss = F.cross_entropy(logits, y, reduction="sum") / num_samples
         scaler.scale(loss).backward()
         step_loss += loss.detach()
     if grad_clip_norm is not None:
@@ -92,6 +94,19 @@ def optimizer_step(
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return step_loss
+
+
+def _micro_batches(
+    data: Splits, idx: torch.Tensor, batch_size: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The step's samples `idx`, gathered from the host tensors in micro-batches on device."""
+    return [
+        (
+            data.train_x[chunk].to(device, non_blocking=True),
+            data.train_y[chunk].to(device, non_blocking=True),
+        )
+        for chunk in idx.split(batch_size)
+    ]
 
 
 def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -225,7 +240,7 @@ def fit(
     except Exception as error:
         if not is_oom_error(error):
             raise
-        oom_message = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        oom_message = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
     release_memory(device)
     raise OutOfMemory(oom_message, meter.stats().peak_bytes, meter.budget_bytes)
 
@@ -258,26 +273,23 @@ def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunRes
                 clock.start()
             start = index_in_epoch * cfg.effective_batch_size
             idx = order[start : start + cfg.effective_batch_size]
-            micro = [
-                (
-                    data.train_x[chunk].to(device, non_blocking=True),
-                    data.train_y[chunk].to(device, non_blocking=True),
-                )
-                for chunk in idx.split(cfg.batch_size)
-            ]
             if step in measured_steps:
                 tracker = TensorMemoryTracker()
                 tracker.register(_state_tensors(model, optimizer))
-                with tracker:
+                with tracker:  # the micro-batches count too: on a GPU they live on the device
+                    micro = _micro_batches(data, idx, cfg.batch_size, device)
                     step_loss = optimizer_step(
                         model, optimizer, scaler, precision, micro, cfg.grad_clip_norm
                     )
+                    del micro
                 meter.record_tracked_peak(tracker)
             else:
+                micro = _micro_batches(data, idx, cfg.batch_size, device)
                 step_loss = optimizer_step(
                     model, optimizer, scaler, precision, micro, cfg.grad_clip_norm
                 )
-            del micro
+                del micro
+            step_lr = scheduler.get_last_lr()[0]  # the rate this step used
             scheduler.step()
             loss_sum += step_loss
             interval_steps += 1
@@ -294,7 +306,7 @@ def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunRes
                 loss_sum.zero_()
                 interval_steps = 0
                 if hooks.on_log:
-                    metrics = {"train/loss": last_loss, "lr": scheduler.get_last_lr()[0]}
+                    metrics = {"train/loss": last_loss, "lr": step_lr}
                     if step >= first_timed_step and clock.read() > 0:
                         metrics["throughput/samples_per_sec"] = timed_samples / clock.seconds
                     hooks.on_log(step + 1, metrics)

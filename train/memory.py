@@ -9,6 +9,7 @@ sees every tensor storage created or freed, and a peak above the budget is the s
 from __future__ import annotations
 
 import gc
+import math
 import os
 import re
 import weakref
@@ -39,18 +40,20 @@ def parse_budget(value: int | float | str | None, total_bytes: int) -> int | Non
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a memory size")
     if isinstance(value, int | float):
-        if value <= 0:
-            raise ValueError(f"{value!r} is not a positive number of bytes")
+        if not math.isfinite(value) or value < 1:
+            raise ValueError(f"{value!r} is not a positive number of bytes (finite, at least 1)")
         return int(value)
     percent = _PERCENT.match(value)
     if percent:
         share = float(percent.group(1))
-        if not 0 < share <= 100:
+        if not 0 < share <= 100 or total_bytes * share / 100 < 1:
             raise ValueError(f"{value!r} is not a share between 0% and 100%")
         return int(total_bytes * share / 100)
     size = _SIZE.match(value)
-    if size and size.group(2).lower() in _UNITS and float(size.group(1)) > 0:
-        return int(float(size.group(1)) * _UNITS[size.group(2).lower()])
+    if size and size.group(2).lower() in _UNITS:
+        num_bytes = float(size.group(1)) * _UNITS[size.group(2).lower()]
+        if num_bytes >= 1:
+            return int(num_bytes)
     raise ValueError(
         f"{value!r} is not a memory size; use bytes (8589934592), a size with a unit "
         "(8GiB, 512MiB, 16GB) or a share of the device (90%)"
@@ -95,7 +98,7 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self._sizes: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._cells: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._refs: list[weakref.ref] = []
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -106,19 +109,19 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def _track(self, tensor: torch.Tensor, count: bool) -> None:
         storage = tensor.untyped_storage()
-        size = self._sizes.get(storage)
-        nbytes = storage.nbytes() if count else 0
-        if size is None:
-            self._sizes[storage] = nbytes
-            self._refs.append(weakref.ref(storage, self._freed_callback(nbytes)))
-            self._add(nbytes)
-        elif count and size != nbytes and size != 0:  # resized in place
-            self._sizes[storage] = nbytes
-            self._add(nbytes - size)
+        cell = self._cells.get(storage)  # [bytes counted now, counted at all]
+        if cell is None:
+            cell = [storage.nbytes() if count else 0, count]
+            self._cells[storage] = cell
+            self._refs.append(weakref.ref(storage, self._freed_callback(cell)))
+            self._add(cell[0])
+        elif cell[1] and cell[0] != storage.nbytes():  # resized in place
+            self._add(storage.nbytes() - cell[0])
+            cell[0] = storage.nbytes()
 
-    def _freed_callback(self, nbytes: int):  # noqa: ANN202 - weakref callback
+    def _freed_callback(self, cell: list):  # noqa: ANN202 - weakref callback
         def freed(_ref: weakref.ref) -> None:
-            self.live_bytes -= nbytes
+            self.live_bytes -= cell[0]
 
         return freed
 
@@ -129,7 +132,7 @@ class TensorMemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
         for value in tree_iter((args, kwargs)):
-            if isinstance(value, torch.Tensor) and value.untyped_storage() not in self._sizes:
+            if isinstance(value, torch.Tensor) and value.untyped_storage() not in self._cells:
                 self._track(value, count=False)
         out = func(*args, **kwargs)
         for value in tree_iter(out):
