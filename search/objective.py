@@ -99,19 +99,6 @@ def objective_values(result: RunResult, metrics: list[str]) -> list[float]:
     return [by_name[m] for m in metrics]
 
 
-def run_params(cfg: DictConfig, spec: RunSpec) -> dict[str, Any]:
-    """What a trial trains with, sampled or not, and what follows from it."""
-    return {
-        "trainer.batch_size": spec.trainer.batch_size,
-        "trainer.accum_steps": spec.trainer.accum_steps,
-        "trainer.precision": spec.trainer.precision,
-        "optimizer.lr": spec.base_lr,
-        "effective_batch_size": spec.trainer.effective_batch_size,
-        "lr_scaled": spec.lr,
-        "device": str(spec.device),
-    }
-
-
 class Objective:
     def __init__(
         self,
@@ -131,7 +118,7 @@ class Objective:
         params = self.space.suggest(trial)
         cfg = self.compose(self.space.overrides(params))
         spec = plan(cfg, self.settings.memory_budget)
-        values = run_params(cfg, spec)
+        values = spec.params()
         for key, value in values.items():
             trial.set_user_attr(key, value)
         run_log = self.tracker.start_run(

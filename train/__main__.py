@@ -35,17 +35,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     tracker = Tracker(cfg.mlflow.tracking_uri, "train", cfg.mlflow.artifact_root)
     log = tracker.start_run("train", tags={ROLE_TAG: "train"})
-    log.params(
-        {
-            "trainer.batch_size": spec.trainer.batch_size,
-            "trainer.accum_steps": spec.trainer.accum_steps,
-            "trainer.precision": spec.trainer.precision,
-            "optimizer.lr": spec.base_lr,
-            "effective_batch_size": spec.trainer.effective_batch_size,
-            "lr_scaled": spec.lr,
-            "device": str(spec.device),
-        }
-    )
+    log.params(spec.params())
     log.text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
     console.print(
         f"Training on {spec.device}: batch {spec.trainer.batch_size} x {spec.trainer.accum_steps} "

@@ -34,6 +34,18 @@ class RunSpec:
     base_lr: float
     lr: float  # base_lr scaled to the effective batch size by trainer.lr_scaling
 
+    def params(self) -> dict[str, Any]:
+        """What the run trains with, searched or not, and what follows from it."""
+        return {
+            "trainer.batch_size": self.trainer.batch_size,
+            "trainer.accum_steps": self.trainer.accum_steps,
+            "trainer.precision": self.trainer.precision,
+            "optimizer.lr": self.base_lr,
+            "effective_batch_size": self.trainer.effective_batch_size,
+            "lr_scaled": self.lr,
+            "device": str(self.device),
+        }
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
