@@ -20,6 +20,8 @@ from train.config import ConfigError
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     console = Console()
+    if not console.is_terminal:  # piped to a file or CI log: rich would assume 80 columns
+        console = Console(width=160)
     hydra_cfg = HydraConfig.get()
     try:
         driver = StudyDriver.prepare(

@@ -73,7 +73,7 @@ class StudyDriver:
 
         checked = validate(cfg, name, compose)
         for note in checked.notes:
-            console.print(f"[yellow]note[/yellow] {note}")
+            console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
         settings = checked.settings
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own lines report each trial
         study = open_study(
@@ -109,7 +109,8 @@ class StudyDriver:
         done = num_finished(self.study)
         self.console.print(
             f"Study [bold]{settings.study_name}[/bold] in {settings.storage}: {done} of "
-            f"{settings.n_trials} trials finished; MLflow: {self.tracker.tracking_uri}"
+            f"{settings.n_trials} trials finished; MLflow: {self.tracker.tracking_uri}",
+            soft_wrap=True,
         )
         with report.progress_bar(self.console) as progress:
             task = progress.add_task("trials", total=settings.n_trials, completed=done)
