@@ -33,6 +33,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         return driver.run()
     except ConfigError as error:  # a trial met a config problem the checks could not see
+        driver.parent.log.finish("FAILED")
         Console(stderr=True).print(f"[bold red]Configuration error[/bold red]\n{error}")
         sys.exit(2)
     except KeyboardInterrupt:

@@ -56,7 +56,7 @@ class SearchConfig:
             if metric not in OBJECTIVE_METRICS:
                 problems.append(
                     f"search.objectives: unknown metric {metric!r}; use one of "
-                    f"{', '.join(OBJECTIVE_METRICS)}"
+                    f"{', '.join(OBJECTIVE_METRICS)}, e.g. search.objectives=[val/acc]"
                 )
         budget = self.trial_time_budget_s
         if budget is not None and (isinstance(budget, bool) or not budget > 0):
@@ -67,7 +67,8 @@ class SearchConfig:
         beat = self.heartbeat_interval_s
         if beat is not None and (isinstance(beat, bool) or not isinstance(beat, int) or beat < 1):
             problems.append(
-                f"search.heartbeat_interval_s must be an integer >= 1 or null, got {beat!r}"
+                f"search.heartbeat_interval_s must be an integer >= 1 or null, got {beat!r}; "
+                "override with search.heartbeat_interval_s=60"
             )
         if problems:
             raise ConfigError(problems)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import hydra
 import optuna
@@ -48,9 +48,18 @@ def fixed_config(cfg: DictConfig, searched: Sequence[str]) -> str:
 
 
 class StudyDriver:
-    def __init__(self, cfg, checked: Checked, base_overrides, study, tracker, parent, console):  # noqa: ANN001
-        self.cfg = cfg
+    def __init__(
+        self,
+        checked: Checked,
+        compose: Callable[[list[str]], DictConfig],
+        base_overrides: list[str],
+        study: optuna.Study,
+        tracker: Tracker,
+        parent: StudyRun,
+        console: Console,
+    ):
         self.checked = checked
+        self.compose = compose  # the command line's overrides + a trial's, composed by Hydra
         self.base_overrides = base_overrides
         self.study = study
         self.tracker = tracker
@@ -75,6 +84,9 @@ class StudyDriver:
         for note in checked.notes:
             console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
         settings = checked.settings
+        # What every trial shares: the config with the space's fixed values applied, less the
+        # searched keys. A resume must find the same, or it would mix incomparable trials.
+        fixed = fixed_config(compose(checked.space.overrides({})), list(searched))
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own lines report each trial
         study = open_study(
             name,
@@ -82,25 +94,26 @@ class StudyDriver:
             settings.directions,
             instantiate(cfg.search.sampler),
             instantiate(cfg.search.pruner),
-            fixed_config(cfg, list(checked.space.distributions)),
+            fixed,
         )
+        if study.trials:
+            # A resumed study (or another worker) must not replay the seeded first proposals.
+            study.sampler.reseed_rng()
         tracker = Tracker(cfg.mlflow.tracking_uri, name, cfg.mlflow.artifact_root)
         parent = tracker.resume_run(study.user_attrs.get(PARENT_ATTR))
         if parent is None:
             parent = tracker.start_run(name, tags={ROLE_TAG: "study", "batchfit.study": name})
             study.set_user_attr(PARENT_ATTR, parent.run_id)
-            fixed = OmegaConf.to_container(OmegaConf.create(fixed_config(cfg, searched)))
-            parent.params(flatten(fixed))
+            parent.params(flatten(OmegaConf.to_container(OmegaConf.create(fixed))))
             parent.text(OmegaConf.to_yaml(searched), "search_space.yaml")
-            parent.text(fixed_config(cfg, searched), "fixed_config.yaml")
-        return cls(cfg, checked, base, study, tracker, StudyRun(parent, settings.metrics), console)
+            parent.text(fixed, "fixed_config.yaml")
+        parent_run = StudyRun(parent, settings.metrics)
+        return cls(checked, compose, base, study, tracker, parent_run, console)
 
     def run(self) -> float | None:
         settings = self.checked.settings
         objective = Objective(
-            lambda extra: hydra.compose(
-                config_name="config", overrides=self.base_overrides + extra
-            ),
+            self.compose,
             self.checked.space,
             settings,
             self.tracker,
@@ -128,7 +141,13 @@ class StudyDriver:
                 )
         self.parent.update(self.study)
         self.parent.log.finish("FINISHED")
-        report.summary(self.console, self.study, settings.metrics, self.base_overrides)
+        report.summary(
+            self.console,
+            self.study,
+            settings.metrics,
+            self.base_overrides,
+            self.checked.space.fixed,
+        )
         best = report.best_trials(self.study, limit=1)
         return best[0].values[0] if best else None
 

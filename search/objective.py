@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import optuna
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from search.config import SearchConfig
@@ -29,10 +30,10 @@ from train.loop import Diverged, Hooks, RunResult
 from train.memory import OutOfMemory, release_memory
 from train.run import RunSpec, plan, run
 
-# The probe overestimates per-sample time (a batch of at most 4 runs inefficiently), so it
-# only stops a trial projected far past its budget. Calibrated on ResNet-18/digits on a 2-core
-# CPU: fp32 probes project 3-5x the real training time, bf16/fp16 without native kernels
-# project 10-14x the budget of 60 s.
+# The probe overestimates per-sample time (small batches run less efficiently, start-up
+# costs), so it only stops a trial projected far past its budget. Calibrated on
+# ResNet-18/digits on a 2-core CPU: fp32 probes project up to 2x the real training time (4x
+# under heavy load), bf16/fp16 without native kernels project 10-14x the budget of 60 s.
 PROBE_MARGIN = 4.0
 # After a few real steps the projection is close; allow some slack for validation.
 STEP_MARGIN = 1.5
@@ -116,7 +117,11 @@ class Objective:
 
     def __call__(self, trial: optuna.Trial) -> list[float]:
         params = self.space.suggest(trial)
-        cfg = self.compose(self.space.overrides(params))
+        overrides = self.space.overrides(params)
+        try:
+            cfg = self.compose(overrides)
+        except HydraException as error:
+            raise ConfigError([f"trial overrides {overrides} do not compose: {error}"]) from None
         spec = plan(cfg, self.settings.memory_budget)
         values = spec.params()
         for key, value in values.items():
@@ -133,7 +138,7 @@ class Objective:
             started = time.perf_counter()
             outcome = self._train(trial, cfg, spec, run_log)
             seconds = time.perf_counter() - started
-        except BaseException:
+        except KeyboardInterrupt:
             run_log.tags({"batchfit.state": "INTERRUPTED"})
             run_log.finish("KILLED")
             raise
@@ -146,6 +151,7 @@ class Objective:
             on_step=budget.on_step,
             on_log=lambda step, metrics: log.metrics(metrics, step),
             on_eval=self._on_eval(trial, log),
+            on_memory=lambda peak: trial.set_user_attr("peak_bytes", peak),
         )
         outcome = None
         try:
@@ -156,7 +162,7 @@ class Objective:
             outcome = Outcome("PRUNED", "diverged", str(diverged))
         except Prune as prune:
             outcome = Outcome("PRUNED", prune.reason, str(prune))
-        except (ConfigError, KeyboardInterrupt):
+        except ConfigError:
             raise
         except Exception as error:  # noqa: BLE001 - one trial's error must not end the study
             outcome = Outcome(
@@ -172,17 +178,25 @@ class Objective:
     def _on_eval(self, trial: optuna.Trial, log: RunLog) -> Callable[[int, dict], None]:
         single = len(self.settings.objectives) == 1
 
+        validations = 0
+
         def on_eval(step: int, metrics: dict) -> None:
+            nonlocal validations
             log.metrics({k: v for k, v in metrics.items() if "/" in k}, step, flush=True)
+            validations += 1
             if single:
                 metric = self.settings.metrics[0]
                 value = metrics.get(metric)
                 if value is not None:
-                    trial.report(value, step)
+                    # Report per validation, not per optimizer step: trials with different
+                    # effective batches validate at different steps, and pruners compare
+                    # trials at equal steps.
+                    trial.report(value, validations)
                     if trial.should_prune():
                         raise Prune(
                             "pruner",
-                            f"{metric}={value:.4f} at step {step} is below the pruner's bar",
+                            f"{metric}={value:.4f} at validation {validations} (step {step}) "
+                            "is worse than the pruner allows",
                         )
 
         return on_eval

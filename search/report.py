@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shlex
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -90,20 +90,27 @@ def oom_boundary(trials: Sequence[FrozenTrial]) -> dict[str, tuple[int | None, i
     return {p: (fitted.get(p), failed.get(p)) for p in sorted(set(fitted) | set(failed))}
 
 
-def rerun_overrides(trial: FrozenTrial, base: Sequence[str]) -> list[str]:
-    """The command line's overrides (study settings left out) plus the trial's values."""
-    sampled = {k: override_value(v) for k, v in trial.params.items()}
-    keys = [o.split("=", 1)[0].lstrip("+~") for o in base]
-    kept = [
-        o
-        for o, k in zip(base, keys, strict=True)
-        if k not in sampled and not k.startswith("search.")
-    ]
-    return kept + [f"{k}={v}" for k, v in sampled.items()]
+def rerun_overrides(
+    trial: FrozenTrial, base: Sequence[str], fixed: Mapping[str, str] | None = None
+) -> list[str]:
+    """The command line's overrides plus the space's fixed values and the trial's sampled
+    ones: what `python -m train` needs to train exactly this trial. Study settings are left
+    out, except the memory budget, which `python -m train` honours."""
+    values = {**(fixed or {}), **{k: override_value(v) for k, v in trial.params.items()}}
+    kept = []
+    for override in base:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key not in values and (not key.startswith("search.") or key == "search.memory_budget"):
+            kept.append(override)
+    return kept + [f"{k}={v}" for k, v in values.items()]
 
 
 def summary(
-    console: Console, study: optuna.Study, metrics: list[str], base_overrides: Sequence[str]
+    console: Console,
+    study: optuna.Study,
+    metrics: list[str],
+    base_overrides: Sequence[str],
+    fixed: Mapping[str, str] | None = None,
 ) -> None:
     trials = study.get_trials(deepcopy=False)
     by_state: dict[str, int] = defaultdict(int)
@@ -139,7 +146,7 @@ def summary(
         boundary.add_row(precision, str(fit or "-"), str(oom or "-"))
     console.print(boundary)
     winner = best[0]
-    overrides = rerun_overrides(winner, base_overrides)
+    overrides = rerun_overrides(winner, base_overrides, fixed)
     console.print(
         f"Best configuration (trial {winner.number}): " + " ".join(overrides), soft_wrap=True
     )

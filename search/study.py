@@ -2,7 +2,8 @@
 
 A study is resumable: the same command finds it by name in the same storage and runs until
 `search.n_trials` trials have finished. Several processes may share it through an RDB or
-journal storage; heartbeats fail a trial whose worker died, and it is queued again.
+journal storage. With an RDB storage, heartbeats fail a trial whose worker died and queue it
+again (Optuna's journal storage has no heartbeats).
 """
 
 from __future__ import annotations
@@ -59,8 +60,7 @@ def open_study(
     fixed_config: str,
 ) -> optuna.Study:
     """Create the study, or load it and check it was made for the same fixed config."""
-    existing = {s.study_name: s for s in optuna.get_all_study_summaries(storage)}
-    if name in existing:
+    if name in optuna.get_all_study_names(storage):
         study = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
         _check_same_study(study, directions, fixed_config)
         return study

@@ -17,7 +17,6 @@ from mlflow.tracking import MlflowClient
 
 PARENT_TAG = "mlflow.parentRunId"
 ROLE_TAG = "batchfit.role"
-_MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
 
 
 def _now_ms() -> int:
@@ -51,9 +50,10 @@ class RunLog:
             self._pending = []
 
     def params(self, values: Mapping[str, Any]) -> None:
-        items = [Param(k, _param_str(v)) for k, v in values.items()]
-        for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=items[i : i + _MAX_PARAMS_PER_BATCH])
+        # MlflowClient.log_batch splits into chunks within the server's per-request limits.
+        self.client.log_batch(
+            self.run_id, params=[Param(k, _param_str(v)) for k, v in values.items()]
+        )
 
     def tags(self, values: Mapping[str, Any]) -> None:
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in values.items()])

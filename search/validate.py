@@ -23,7 +23,7 @@ from search.space import SearchSpace, parse_space
 from search.study import open_storage
 from train.config import ConfigError
 from train.precision import unsupported_reason
-from train.run import RunSpec, check_budget_fits_model, plan, resolve_device
+from train.run import RunSpec, check_builds, plan, resolve_device
 
 _MISSING = object()
 
@@ -70,12 +70,14 @@ def validate(
     space = _collect(problems, lambda: parse_space(cfg.search.params or {}))
     spec = _collect(problems, lambda: plan(cfg, cfg.search.memory_budget))
     if space is not None:
-        device = resolve_device(str(cfg.trainer.get("device", "auto")))
+        device = spec.device if spec else resolve_device("auto")
         notes += _drop_unsupported_precisions(space, device, problems)
         for key in space.distributions:
             problems += _check_key(cfg, key, space, compose, problems)
     if spec is not None and not problems:
-        _collect(problems, lambda: check_budget_fits_model(cfg, spec))
+        _collect(problems, lambda: check_builds(cfg, spec))
+    if space is not None and not problems:
+        _collect(problems, lambda: _compose_trial(compose, space))
     storage = None
     if settings is not None:
         storage = _collect(
@@ -86,6 +88,16 @@ def validate(
     return Checked(settings, space, spec, storage, notes)
 
 
+def _compose_trial(compose: Callable[[list[str]], DictConfig], space: SearchSpace) -> None:
+    """A trial's overrides compose (fixed values included), with the first value of each key."""
+    first = {key: _corner_values(dist)[0] for key, dist in space.distributions.items()}
+    overrides = space.overrides(first)
+    try:
+        compose(overrides)
+    except HydraException as error:
+        raise ConfigError([f"search.params: {overrides} do not compose: {error}"]) from None
+
+
 def _drop_unsupported_precisions(space: SearchSpace, device, problems: list[str]) -> list[str]:  # noqa: ANN001
     key = "trainer.precision"
     dist = space.distributions.get(key)
@@ -93,7 +105,10 @@ def _drop_unsupported_precisions(space: SearchSpace, device, problems: list[str]
         return []
     reasons = {c: unsupported_reason(str(c), device) for c in dist.choices}
     if all(reasons.values()):
-        problems.append(f"search.params.{key}: no choice can run on {device.type}: {reasons}")
+        problems.append(
+            f"search.params.{key}: no choice can run on {device.type} "
+            f"({'; '.join(map(str, reasons.values()))}); add fp32, e.g. choice(fp32, bf16)"
+        )
         return []
     dropped = space.restrict_choices(key, lambda c: not reasons[c])
     return [f"{key}: dropped {c} ({reasons[c]})" for c in dropped]

@@ -18,7 +18,7 @@ from search.tracking import ROLE_TAG, Tracker
 from train.config import ConfigError
 from train.loop import Diverged, Hooks
 from train.memory import OutOfMemory, format_bytes
-from train.run import check_budget_fits_model, plan, run
+from train.run import check_builds, plan, run
 
 # The entry point is the composition root: it wires MLflow (search.tracking) to the training
 # loop's hooks. The train/ library modules themselves know nothing of MLflow.
@@ -29,7 +29,7 @@ def main(cfg: DictConfig) -> None:
     console, errors = Console(), Console(stderr=True)
     try:
         spec = plan(cfg, cfg.search.memory_budget)
-        check_budget_fits_model(cfg, spec)
+        check_builds(cfg, spec)
     except ConfigError as error:
         errors.print(f"[bold red]Configuration error[/bold red]\n{error}")
         sys.exit(2)
@@ -57,6 +57,10 @@ def main(cfg: DictConfig) -> None:
         result = run(cfg, spec, hooks)
     except (OutOfMemory, Diverged) as error:
         failure = ("oom" if isinstance(error, OutOfMemory) else "diverged", str(error))
+    except ConfigError as error:
+        log.finish("FAILED")
+        errors.print(f"[bold red]Configuration error[/bold red]\n{error}")
+        sys.exit(2)
     except BaseException:
         log.finish("FAILED")
         raise

@@ -34,7 +34,10 @@ class Splits:
 def split(x: torch.Tensor, y: torch.Tensor, val_fraction: float, seed: int, num_classes: int):
     """Shuffle with a fixed seed and hold out `val_fraction` of the samples for validation."""
     if not 0 < val_fraction < 1:
-        raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction!r}")
+        raise ValueError(
+            f"data.val_fraction must be in (0, 1), got {val_fraction!r}; "
+            "override with data.val_fraction=0.2"
+        )
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     num_val = max(1, int(len(x) * val_fraction))
     val, train = order[:num_val], order[num_val:]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +48,8 @@ class Hooks:
     # before the first step: lets a caller stop a hopeless configuration in seconds.
     on_probe: Callable[[float, int], None] | None = None
     on_step: Callable[[int, int, float], None] | None = None  # (step, num_steps, elapsed_s)
+    # (peak bytes so far) once the run is past its memory check: it fits the budget
+    on_memory: Callable[[int], None] | None = None
     on_log: Callable[[int, Metrics], None] | None = None  # every trainer.log_every_steps
     on_eval: Callable[[int, Metrics], None] | None = None  # after each validation
 
@@ -71,13 +73,22 @@ def optimizer_step(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
     precision: Precision,
-    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     grad_clip_norm: float | None = None,
+    num_samples: int | None = None,
 ) -> torch.Tensor:
-    """One optimizer step over `micro_batches`; returns the step's mean loss (on device)."""
-    num_samples = sum(len(y) for _, y in micro_batches)
-    step_loss = torch.zeros((), device=micro_batches[0][1].device)
+    """One optimizer step over `micro_batches`; returns the step's mean loss (on device).
+
+    `micro_batches` may be a generator (one micro-batch on the device at a time), in which
+    case `num_samples`, the samples of the whole step, must be given.
+    """
+    if num_samples is None:
+        micro_batches = list(micro_batches)
+        num_samples = sum(len(y) for _, y in micro_batches)
+    step_loss = None
     for x, y in micro_batches:
+        if step_loss is None:
+            step_loss = torch.zeros((), device=y.device)
         with precision.autocast():
             logits = model(x)
         if logits.dtype in (torch.float16, torch.bfloat16):
@@ -98,15 +109,11 @@ def optimizer_step(
 
 def _micro_batches(
     data: Splits, idx: torch.Tensor, batch_size: int, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The step's samples `idx`, gathered from the host tensors in micro-batches on device."""
-    return [
-        (
-            data.train_x[chunk].to(device, non_blocking=True),
-            data.train_y[chunk].to(device, non_blocking=True),
-        )
-        for chunk in idx.split(batch_size)
-    ]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The step's samples `idx`, gathered from the host tensors one micro-batch at a time, so
+    only one micro-batch of inputs is on the device, whatever trainer.accum_steps is."""
+    for chunk in idx.split(batch_size):
+        yield data.train_x[chunk].to(device), data.train_y[chunk].to(device)
 
 
 def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -279,16 +286,16 @@ def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunRes
                 with tracker:  # the micro-batches count too: on a GPU they live on the device
                     micro = _micro_batches(data, idx, cfg.batch_size, device)
                     step_loss = optimizer_step(
-                        model, optimizer, scaler, precision, micro, cfg.grad_clip_norm
+                        model, optimizer, scaler, precision, micro, cfg.grad_clip_norm, len(idx)
                     )
-                    del micro
                 meter.record_tracked_peak(tracker)
             else:
                 micro = _micro_batches(data, idx, cfg.batch_size, device)
                 step_loss = optimizer_step(
-                    model, optimizer, scaler, precision, micro, cfg.grad_clip_norm
+                    model, optimizer, scaler, precision, micro, cfg.grad_clip_norm, len(idx)
                 )
-                del micro
+            if hooks.on_memory and step == max(len(measured_steps) - 1, 0):
+                hooks.on_memory(meter.stats().peak_bytes)
             step_lr = scheduler.get_last_lr()[0]  # the rate this step used
             scheduler.step()
             loss_sum += step_loss
@@ -306,7 +313,7 @@ def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunRes
                 loss_sum.zero_()
                 interval_steps = 0
                 if hooks.on_log:
-                    metrics = {"train/loss": last_loss, "lr": step_lr}
+                    metrics = {"train/loss": last_loss, "train/lr": step_lr}
                     if step >= first_timed_step and clock.read() > 0:
                         metrics["throughput/samples_per_sec"] = timed_samples / clock.seconds
                     hooks.on_log(step + 1, metrics)

@@ -2,8 +2,8 @@
 
 On CUDA the budget is real: `set_per_process_memory_fraction` makes the caching allocator raise
 `torch.OutOfMemoryError` past it, and the allocator's peak statistics are the measurement.
-On CPU the budget is accounted: one full optimizer step runs under `TensorMemoryTracker`, which
-sees every tensor storage created or freed, and a peak above the budget is the same OOM.
+On CPU the budget is accounted: the first two optimizer steps run under `TensorMemoryTracker`,
+which sees every tensor storage created or freed, and a peak above the budget is the same OOM.
 """
 
 from __future__ import annotations

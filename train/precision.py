@@ -19,7 +19,7 @@ def unsupported_reason(name: str, device: torch.device) -> str | None:
         major, _ = torch.cuda.get_device_capability(device)
         if name == "tf32" and major < 8:
             return f"tf32 needs compute capability >= 8.0, {torch.cuda.get_device_name(device)}"
-        if name == "bf16" and not torch.cuda.is_bf16_supported():
+        if name == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
             return f"bf16 is not supported by {torch.cuda.get_device_name(device)}"
         return None
     if name == "tf32":

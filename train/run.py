@@ -101,8 +101,13 @@ def build_data(cfg: DictConfig) -> Splits:
     try:
         return _data(OmegaConf.to_yaml(cfg.data, resolve=True))
     except InstantiationException as error:
-        if isinstance(error.__cause__, FileNotFoundError):  # data absent: the user's to fix
-            raise ConfigError([str(error.__cause__)]) from None
+        cause = error.__cause__
+        if isinstance(cause, FileNotFoundError):  # data absent: the user's to fix
+            raise ConfigError([str(cause)]) from None
+        if isinstance(cause, TypeError | ValueError):  # bad builder arguments
+            raise ConfigError(
+                [f"data ({cfg.data.get('_target_')}) cannot be built: {cause}"]
+            ) from None
         raise
 
 
@@ -112,13 +117,21 @@ def build_model(cfg: DictConfig, data: Splits) -> torch.nn.Module:
     return model
 
 
-def check_budget_fits_model(cfg: DictConfig, spec: RunSpec) -> None:
-    """The budget must at least hold the parameters (training needs much more)."""
-    if spec.budget_bytes is None:
-        return
+def check_builds(cfg: DictConfig, spec: RunSpec) -> None:
+    """Data and model build, and the budget holds at least the parameters (training needs
+    much more). Errors in the user's builder arguments become ConfigErrors naming the group."""
     torch.manual_seed(spec.trainer.seed)
-    needed = param_bytes(build_model(cfg, build_data(cfg)))
-    if spec.budget_bytes < needed:
+    data = build_data(cfg)
+    try:
+        model = build_model(cfg, data)
+    except InstantiationException as error:
+        if isinstance(error.__cause__, TypeError | ValueError):
+            raise ConfigError(
+                [f"model ({cfg.model.get('_target_')}) cannot be built: {error.__cause__}"]
+            ) from None
+        raise
+    needed = param_bytes(model)
+    if spec.budget_bytes is not None and spec.budget_bytes < needed:
         raise ConfigError(
             [
                 f"search.memory_budget={format_bytes(spec.budget_bytes)} is smaller than the "

@@ -33,10 +33,18 @@ def test_oom_boundary_per_precision() -> None:
 
 def test_rerun_overrides_replace_sampled_keys_and_drop_study_settings() -> None:
     trial = _trial(64, "fp32", TrialState.COMPLETE, peak_bytes=1)
-    base = ["+experiment=resnet", "data=digits", "trainer.batch_size=8", "search.n_trials=3"]
-    assert rerun_overrides(trial, base) == [
+    base = [
         "+experiment=resnet",
         "data=digits",
+        "trainer.batch_size=8",
+        "search.n_trials=3",
+        "search.memory_budget=1GiB",
+    ]
+    assert rerun_overrides(trial, base, {"optimizer.momentum": "0.8"}) == [
+        "+experiment=resnet",
+        "data=digits",
+        "search.memory_budget=1GiB",
+        "optimizer.momentum=0.8",
         "trainer.batch_size=64",
     ]
 

@@ -314,7 +314,7 @@ def test_fit_end_to_end_results_and_hooks():
     assert [s[1] for s in logs] == [4, 8, 12, 15]
     for _, _, metrics in logs:
         assert math.isfinite(metrics["train/loss"])
-        assert metrics["lr"] == pytest.approx(0.1)
+        assert metrics["train/lr"] == pytest.approx(0.1)
         # Logged steps are past the untimed first steps, so throughput is reported.
         assert metrics["throughput/samples_per_sec"] > 0
     assert logs[-1][2]["train/loss"] == result.train_loss
