@@ -30,10 +30,10 @@ from train.loop import Diverged, Hooks, RunResult
 from train.memory import OutOfMemory, release_memory
 from train.run import RunSpec, plan, run
 
-# The probe overestimates per-sample time (small batches run less efficiently, start-up
-# costs), so it only stops a trial projected far past its budget. Calibrated on
-# ResNet-18/digits on a 2-core CPU: fp32 probes project up to 2x the real training time (4x
-# under heavy load), bf16/fp16 without native kernels project 10-14x the budget of 60 s.
+# The probe overestimates per-sample time (8 samples run less efficiently than a real
+# micro-batch), so it only stops a trial projected far past its budget. Calibrated on
+# ResNet-18/digits on an idle 2-core CPU: fp32 probes project 41-53 s for trials that train
+# in 20-28 s; bf16/fp16 without native kernels project 680-840 s, over 4 x 60 s = 240 s.
 PROBE_MARGIN = 4.0
 # After a few real steps the projection is close; allow some slack for validation.
 STEP_MARGIN = 1.5
