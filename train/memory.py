@@ -159,10 +159,14 @@ class MemoryMeter:
         """Reset statistics and apply the budget; call at the start of each run."""
         release_memory(self.device)
         if self.device.type == "cuda":
+            # set_per_process_memory_fraction needs an index: torch.device("cuda") has none
+            index = (
+                self.device.index if self.device.index is not None else torch.cuda.current_device()
+            )
             total = device_total_bytes(self.device)
             fraction = 1.0 if self.budget_bytes is None else min(1.0, self.budget_bytes / total)
-            torch.cuda.set_per_process_memory_fraction(fraction, self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            torch.cuda.set_per_process_memory_fraction(fraction, index)
+            torch.cuda.reset_peak_memory_stats(index)
         self._cpu_peak = 0
 
     @property

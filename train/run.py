@@ -48,8 +48,12 @@ class RunSpec:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device for `trainer.device`; CUDA devices carry their index (the memory-fraction
+    and statistics APIs need one)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
 
 

@@ -604,3 +604,15 @@ def test_cuda_meter_does_not_need_the_tracker(cuda_clean):
     kept = torch.empty(MiB, device=cuda_clean)  # 4 MiB
     assert meter.stats().peak_bytes >= 4 * MiB
     del kept
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device_without_index_is_accepted_by_the_meter():
+    # torch.device("cuda") has no index; set_per_process_memory_fraction needs one.
+    from train.run import resolve_device
+
+    assert resolve_device("auto").index is not None
+    meter = MemoryMeter(torch.device("cuda"), 2**30)
+    meter.start()
+    assert meter.stats().peak_bytes >= 0
