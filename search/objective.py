@@ -216,16 +216,7 @@ class Objective:
                 val_acc=result.val_acc,
                 peak_bytes=result.peak_bytes,
             )
-            metrics.update(
-                {
-                    "throughput/samples_per_sec": result.throughput_samples_per_sec,
-                    "time/step_ms": result.step_ms,
-                    "memory/peak_bytes": result.peak_bytes,
-                    "train/final_loss": result.train_loss,
-                }
-            )
-            if result.reserved_bytes is not None:
-                metrics["memory/reserved_bytes"] = result.reserved_bytes
+            metrics.update(result.metrics())
         elif outcome.peak_bytes is not None:
             attrs["peak_bytes"] = metrics["memory/peak_bytes"] = outcome.peak_bytes
         if outcome.reason:

@@ -15,6 +15,9 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from search.report import best_trials, state_label
+from search.study import counts_as_finished
+
 PARENT_TAG = "mlflow.parentRunId"
 ROLE_TAG = "batchfit.role"
 
@@ -122,9 +125,6 @@ class StudyRun:
 
     def update(self, study: Any) -> None:
         """Optuna callback: refresh counts and best values after each finished trial."""
-        from search.report import best_trials, state_label  # report reads the same study
-        from search.study import counts_as_finished
-
         counts: dict[str, float] = {}
         for trial in study.get_trials(deepcopy=False):
             if counts_as_finished(trial):

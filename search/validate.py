@@ -73,7 +73,7 @@ def validate(
         device = spec.device if spec else resolve_device("auto")
         notes += _drop_unsupported_precisions(space, device, problems)
         for key in space.distributions:
-            problems += _check_key(cfg, key, space, compose, problems)
+            problems += _check_key(cfg, key, space, problems)
     if spec is not None and not problems:
         _collect(problems, lambda: check_builds(cfg, spec))
     if space is not None and not problems:
@@ -118,7 +118,6 @@ def _check_key(
     cfg: DictConfig,
     key: str,
     space: SearchSpace,
-    compose: Callable[[list[str]], DictConfig],
     known: list[str],
 ) -> list[str]:
     """Problems with searching `key`: unknown key, or a value the run would reject."""

@@ -69,16 +69,8 @@ def main(cfg: DictConfig) -> None:
         log.finish("FAILED")
         errors.print(f"[bold red]{failure[0]}[/bold red]: {failure[1]}")
         sys.exit(1)
-    log.metrics(
-        {
-            "throughput/samples_per_sec": result.throughput_samples_per_sec,
-            "time/step_ms": result.step_ms,
-            "memory/peak_bytes": result.peak_bytes,
-            **({"memory/budget_bytes": spec.budget_bytes} if spec.budget_bytes else {}),
-            **({"memory/reserved_bytes": result.reserved_bytes} if result.reserved_bytes else {}),
-        },
-        step=result.num_steps,
-    )
+    budget = {"memory/budget_bytes": spec.budget_bytes} if spec.budget_bytes else {}
+    log.metrics({**result.metrics(), **budget}, step=result.num_steps)
     log.tags({"batchfit.state": "COMPLETE"})
     log.finish()
     console.print(

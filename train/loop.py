@@ -67,6 +67,18 @@ class RunResult:
     train_loss: float
     evals: list[Metrics] = field(default_factory=list)
 
+    def metrics(self) -> Metrics:
+        """The run's final figures under their metric names (NaN ones left out)."""
+        values = {
+            "throughput/samples_per_sec": self.throughput_samples_per_sec,
+            "time/step_ms": self.step_ms,
+            "memory/peak_bytes": float(self.peak_bytes),
+            "train/final_loss": self.train_loss,
+        }
+        if self.reserved_bytes is not None:
+            values["memory/reserved_bytes"] = float(self.reserved_bytes)
+        return {k: v for k, v in values.items() if not math.isnan(v)}
+
 
 def optimizer_step(
     model: nn.Module,

@@ -243,14 +243,19 @@ def _linear_step_peak(n: int, d: int, c: int) -> int:
     return 4 * c * d + 16 * n * c + 12
 
 
-@pytest.mark.parametrize(("n", "d", "c"), [(7, 5, 3), (16, 8, 10), (4, 8, 2)])
-def test_tracker_exact_peak_of_a_linear_sgd_step(n, d, c):
+def _linear_setup(n: int, d: int, c: int):
+    """A batch of n samples, nn.Linear(d, c, bias=False) and plain SGD, in fp32 on CPU."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, d, generator=gen)
     y = torch.randint(0, c, (n,), generator=gen)
     model = nn.Linear(d, c, bias=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    precision = Precision("fp32", "cpu")
+    return x, y, model, optimizer, Precision("fp32", "cpu")
+
+
+@pytest.mark.parametrize(("n", "d", "c"), [(7, 5, 3), (16, 8, 10), (4, 8, 2)])
+def test_tracker_exact_peak_of_a_linear_sgd_step(n, d, c):
+    x, y, model, optimizer, precision = _linear_setup(n, d, c)
     scaler = precision.grad_scaler()
     for _ in range(2):  # identical peak on a second step: no state is kept between steps
         tracker = TensorMemoryTracker()
@@ -267,12 +272,7 @@ def test_tracker_counts_a_batch_created_inside_it():
     # A batch copied inside the tracker (what .to('cuda') would do) is counted for the whole
     # step: + 4*n*d for x and + 8*n for the int64 labels.
     n, d, c = 7, 5, 3
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(n, d, generator=gen)
-    y = torch.randint(0, c, (n,), generator=gen)
-    model = nn.Linear(d, c, bias=False)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    precision = Precision("fp32", "cpu")
+    x, y, model, optimizer, precision = _linear_setup(n, d, c)
     tracker = TensorMemoryTracker()
     tracker.register(model.parameters())
     with tracker:
