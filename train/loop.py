@@ -128,7 +128,7 @@ def _micro_batches(
         yield data.train_x[chunk].to(device), data.train_y[chunk].to(device)
 
 
-def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Tensors alive across steps: parameters, buffers, gradients, optimizer state."""
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
@@ -214,6 +214,25 @@ def steps_plan(num_train: int, cfg: TrainerConfig) -> tuple[int, int]:
     return steps_per_epoch, int(total)
 
 
+def step_micro_batch_sizes(num_train: int, cfg: TrainerConfig, step: int) -> list[int]:
+    """Samples per micro-batch of optimizer step `step`, sliced as `fit` slices them: the last
+    step of an epoch may be short, and so may its last micro-batch."""
+    steps_per_epoch, _ = steps_plan(num_train, cfg)
+    start = (step % steps_per_epoch) * cfg.effective_batch_size
+    samples = min(cfg.effective_batch_size, num_train - start)
+    return [min(cfg.batch_size, samples - i) for i in range(0, samples, cfg.batch_size)]
+
+
+def memory_steps(num_train: int, cfg: TrainerConfig, num_steps: int) -> list[int]:
+    """The steps whose memory the CPU tracker measures: step 0 (it may already exceed the
+    budget: stop early) and the first full-size step with optimizer state in place, the
+    steady-state peak that train/predict.py predicts. That is step 1, or step 2 when step 1
+    is the short last step of a two-step epoch. Both stay out of the throughput timing."""
+    full = sum(step_micro_batch_sizes(num_train, cfg, 0))
+    steady = 1 if sum(step_micro_batch_sizes(num_train, cfg, 1)) == full else 2
+    return [s for s in (0, steady) if s < num_steps]
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module, data: Splits, batch_size: int, precision: Precision, device: torch.device
@@ -265,11 +284,8 @@ def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunRes
     precision = Precision(cfg.precision, device.type)
     scaler = precision.grad_scaler()
     steps_per_epoch, num_steps = steps_plan(len(data.train_y), cfg)
-    # On CPU, steps 0 and 1 run under the memory tracker: step 0 may already exceed the budget
-    # (stop early), step 1 is the first with optimizer state in place (the steady-state
-    # footprint). Both stay out of the throughput timing.
-    measured_steps = range(min(2, num_steps)) if meter.needs_tracker else range(0)
-    first_timed_step = min(max(cfg.warmup_steps, len(measured_steps)), num_steps - 1)
+    measured_steps = memory_steps(len(data.train_y), cfg, num_steps) if meter.needs_tracker else []
+    first_timed_step = min(max([cfg.warmup_steps, *(s + 1 for s in measured_steps)]), num_steps - 1)
     if hooks.on_probe:
         seconds = probe_seconds_per_sample(model, data, cfg, precision, device)
         hooks.on_probe(seconds, samples_planned(len(data.train_y), cfg))
@@ -291,7 +307,7 @@ def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunRes
             idx = order[start : start + cfg.effective_batch_size]
             if step in measured_steps:
                 tracker = TensorMemoryTracker()
-                tracker.register(_state_tensors(model, optimizer))
+                tracker.register(state_tensors(model, optimizer))
                 with tracker:  # the micro-batches count too: on a GPU they live on the device
                     micro = _micro_batches(data, idx, cfg.batch_size, device)
                     step_loss = optimizer_step(
@@ -303,7 +319,7 @@ def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunRes
                 step_loss = optimizer_step(
                     model, optimizer, scaler, precision, micro, cfg.grad_clip_norm, len(idx)
                 )
-            if hooks.on_memory and step == max(len(measured_steps) - 1, 0):
+            if hooks.on_memory and step == max(measured_steps, default=0):
                 hooks.on_memory(meter.stats().peak_bytes)
             step_lr = scheduler.get_last_lr()[0]  # the rate this step used
             scheduler.step()

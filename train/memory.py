@@ -96,12 +96,16 @@ class TensorMemoryTracker(TorchDispatchMode):
     zero, so views of it are not mistaken for new memory.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None, record: bool = False) -> None:
         super().__init__()
+        self.device = device  # None: every storage; else storages on other devices count 0
         self._cells: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._refs: list[weakref.ref] = []
         self.live_bytes = 0
         self.peak_bytes = 0
+        # With record: (storage number, bytes) per allocation and (number, -1) per free, in
+        # order, for a model of the CUDA caching allocator (train/predict.py).
+        self.events: list[tuple[int, int]] | None = [] if record else None
 
     def register(self, tensors: Iterable[torch.Tensor]) -> None:
         for tensor in tensors:
@@ -109,19 +113,31 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def _track(self, tensor: torch.Tensor, count: bool) -> None:
         storage = tensor.untyped_storage()
-        cell = self._cells.get(storage)  # [bytes counted now, counted at all]
+        cell = self._cells.get(storage)  # [bytes counted now, counted at all, number]
         if cell is None:
-            cell = [storage.nbytes() if count else 0, count]
+            if self.device is not None and tensor.device != self.device:
+                count = False
+            cell = [storage.nbytes() if count else 0, count, len(self._refs)]
             self._cells[storage] = cell
             self._refs.append(weakref.ref(storage, self._freed_callback(cell)))
             self._add(cell[0])
+            self._record(cell)
         elif cell[1] and cell[0] != storage.nbytes():  # resized in place
             self._add(storage.nbytes() - cell[0])
+            if self.events is not None:
+                self.events.append((cell[2], -1))
             cell[0] = storage.nbytes()
+            self._record(cell)
+
+    def _record(self, cell: list) -> None:
+        if self.events is not None and cell[0] > 0:
+            self.events.append((cell[2], cell[0]))
 
     def _freed_callback(self, cell: list):  # noqa: ANN202 - weakref callback
         def freed(_ref: weakref.ref) -> None:
             self.live_bytes -= cell[0]
+            if self.events is not None and cell[0] > 0:
+                self.events.append((cell[2], -1))
 
         return freed
 

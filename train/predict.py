@@ -1,0 +1,318 @@
+"""Peak-memory prediction: a training step computed on fake tensors, before anything is allocated.
+
+The model is built once and its parameters and buffers are replaced by FakeTensors (shape, dtype
+and device, no storage); one step on fake gradients gives the optimizer its state. A prediction
+then runs `optimizer_step`, the function `fit` runs, on fake micro-batches of the run's sizes,
+under the `TensorMemoryTracker` that measures CPU runs. On CPU, prediction and measurement are
+therefore the same accounting. On CUDA the caching allocator holds more than the live tensors;
+`cuda_reserved_bytes` replays the step's allocations through a model of it.
+
+Only the steady-state step is computed: a full-size step with optimizer state in place (step 0
+holds the same tensors less that state; `fit` measures this step too, see `memory_steps`). Of
+its micro-batches only the first two run: from the second on, each starts from the same state
+(gradients allocated, the previous logits alive), and a short last micro-batch peaks lower.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from train.config import TrainerConfig
+from train.loop import optimizer_step, state_tensors, step_micro_batch_sizes
+from train.memory import TensorMemoryTracker
+from train.precision import Precision
+
+
+class PredictionUnsupported(Exception):
+    """The model or optimizer cannot run on fake tensors; its memory must be measured."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    peak_bytes: int  # to compare with the budget: live tensors (CPU), allocator reserve (CUDA)
+    tensor_bytes: int  # peak of live tensor bytes during the step
+    seconds: float  # time the prediction took
+
+
+class _FakeGradScaler(torch.amp.GradScaler):
+    """GradScaler.step reads found-inf flags with .item(); fake tensors hold no values.
+    The memory of the step is the same either way, so always step."""
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):  # noqa: ANN001, ANN202
+        return optimizer.step(*args, **kwargs)
+
+
+def _fake_module(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> None:
+    """Replace parameters and buffers by fake tensors on `device`, in place."""
+    with mode:
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    fake = torch.empty_strided(
+                        param.shape, param.stride(), dtype=param.dtype, device=device
+                    )
+                    module._parameters[name] = nn.Parameter(fake, param.requires_grad)
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = torch.empty_strided(
+                        buffer.shape, buffer.stride(), dtype=buffer.dtype, device=device
+                    )
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+class MemoryPredictor:
+    """Peak memory of a run's optimizer step for any batch geometry and precision of one
+    (model, optimizer, data) triple. Build once per study; each prediction takes a fraction
+    of a second for the bundled models, and repeated geometries are answered from a cache."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        example: tuple[torch.Tensor, torch.Tensor],
+        device: torch.device,
+    ):
+        """`model` is consumed (its tensors become fake); `example` is one real (x, y) pair
+        whose shapes past the batch dimension and dtypes the micro-batches copy."""
+        self.device = device
+        self.mode = FakeTensorMode()
+        self._x, self._y = example
+        self._cache: dict[tuple, Prediction] = {}
+        try:
+            _fake_module(model, self.mode, device)
+            with self.mode:
+                self.model = model
+                self.optimizer = make_optimizer(list(model.parameters()))
+                # One step on fake gradients creates the optimizer state (momentum, moments).
+                for param in model.parameters():
+                    if param.requires_grad:
+                        param.grad = torch.empty_like(param)
+                self.optimizer.step()
+                self.state_bytes = _storage_bytes(state_tensors(model, self.optimizer))
+                self.optimizer.zero_grad(set_to_none=True)
+        except Exception as error:  # noqa: BLE001 - whatever a user's model does on fake tensors
+            raise PredictionUnsupported(_reason(error)) from error
+
+    def predict(self, trainer: TrainerConfig, num_train: int) -> Prediction:
+        """Peak memory of a full-size step of a run with `trainer`'s geometry and precision."""
+        sizes = step_micro_batch_sizes(num_train, trainer, 0)
+        key = (tuple(sizes[:2]), sum(sizes), trainer.precision, trainer.grad_clip_norm)
+        if key not in self._cache:
+            try:
+                self._cache[key] = self._predict(sizes, trainer)
+            except Exception as error:  # noqa: BLE001 - as above
+                raise PredictionUnsupported(_reason(error)) from error
+        return self._cache[key]
+
+    def _predict(self, sizes: list[int], trainer: TrainerConfig) -> Prediction:
+        started = time.perf_counter()
+        precision = Precision(trainer.precision, self.device.type)
+        cuda = self.device.type == "cuda"
+        tracker = TensorMemoryTracker(self.device, record=cuda)
+        with self.mode, precision.matmul_mode():
+            scaler = _FakeGradScaler(self.device.type, enabled=precision.name == "fp16")
+            tracker.register(state_tensors(self.model, self.optimizer))
+            with tracker:
+                optimizer_step(
+                    self.model,
+                    self.optimizer,
+                    scaler,
+                    precision,
+                    self._micro_batches(sizes[:2]),
+                    trainer.grad_clip_norm,
+                    sum(sizes),
+                )
+        peak = tracker.peak_bytes
+        if cuda:
+            peak = cuda_reserved_bytes(tracker.events, self.device)
+        return Prediction(peak, tracker.peak_bytes, time.perf_counter() - started)
+
+    def _micro_batches(self, sizes: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for n in sizes:
+            x = torch.empty((n, *self._x.shape[1:]), dtype=self._x.dtype, device=self.device)
+            y = torch.empty((n, *self._y.shape[1:]), dtype=self._y.dtype, device=self.device)
+            yield x, y
+
+
+def _reason(error: BaseException) -> str:
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return f"{type(error).__name__}: {first}"
+
+
+def largest_fitting_batch(
+    predictor: MemoryPredictor,
+    trainer: TrainerConfig,
+    num_train: int,
+    budget_bytes: int,
+    margin: float,
+) -> tuple[int, Prediction] | None:
+    """For `trainer`'s effective batch E: the largest micro-batch b dividing E whose step is
+    predicted to fit `budget_bytes` with `margin` to spare, and its prediction; None when even
+    b = 1 does not fit. Peak memory grows with b, so the divisors are bisected."""
+    effective = trainer.effective_batch_size
+    divisors = [b for b in range(1, effective + 1) if effective % b == 0]
+
+    def fits(b: int) -> Prediction | None:
+        geometry = replace(trainer, batch_size=b, accum_steps=effective // b)
+        prediction = predictor.predict(geometry, num_train)
+        return prediction if prediction.peak_bytes * (1 + margin) <= budget_bytes else None
+
+    best = None
+    low, high = 0, len(divisors) - 1
+    while low <= high:
+        mid = (low + high) // 2
+        prediction = fits(divisors[mid])
+        if prediction is not None:
+            best, low = (divisors[mid], prediction), mid + 1
+        else:
+            high = mid - 1
+    return best
+
+
+# --- The CUDA caching allocator, as far as it decides how much memory is reserved ----------
+# Constants of c10/cuda/CUDACachingAllocator.cpp: every block is rounded up to 512 bytes;
+# blocks up to 1 MiB come from 2 MiB segments of the small pool; larger ones from 20 MiB
+# segments when under 10 MiB, else from a segment of their own rounded up to 2 MiB. A free
+# block is reused best-fit and split when the rest is worth keeping; segments are kept.
+_MIN_BLOCK = 512
+_SMALL_SIZE = 1 << 20
+_SMALL_BUFFER = 2 << 20
+_LARGE_BUFFER = 20 << 20
+_MIN_LARGE_ALLOC = 10 << 20
+_ROUND_LARGE = 2 << 20
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+@dataclass
+class _Block:
+    segment: int
+    offset: int
+    size: int
+    free: bool = True
+
+
+class CachingAllocatorModel:
+    """Reserved bytes of PyTorch's CUDA caching allocator for a sequence of allocations and
+    frees (one stream, no `empty_cache`). With expandable segments (PYTORCH_CUDA_ALLOC_CONF=
+    expandable_segments:True) the large pool is one segment that grows in 2 MiB pages."""
+
+    def __init__(self, expandable: bool = False):
+        self.expandable = expandable
+        self.segments: list[list[_Block]] = []  # blocks of each segment, by offset
+        self.small: set[int] = set()  # segments of the small pool
+        self.live: dict[int, _Block] = {}
+        self.reserved_bytes = 0
+        self.peak_reserved_bytes = 0
+
+    def malloc(self, key: int, nbytes: int) -> None:
+        size = max(_MIN_BLOCK, _round_up(nbytes, _MIN_BLOCK))
+        small = size <= _SMALL_SIZE
+        block = self._best_fit(size, small) or self._new_segment(size, small)
+        rest = block.size - size
+        if rest >= _MIN_BLOCK if small else rest > _SMALL_SIZE:
+            blocks = self.segments[block.segment]
+            tail = _Block(block.segment, block.offset + size, rest)
+            blocks.insert(blocks.index(block) + 1, tail)
+            block.size = size
+        block.free = False
+        self.live[key] = block
+
+    def free(self, key: int) -> None:
+        block = self.live.pop(key)
+        block.free = True
+        blocks = self.segments[block.segment]
+        i = blocks.index(block)
+        if i + 1 < len(blocks) and blocks[i + 1].free:  # merge with the next free block
+            block.size += blocks.pop(i + 1).size
+        if i > 0 and blocks[i - 1].free:  # and with the previous one
+            blocks[i - 1].size += blocks.pop(i).size
+
+    def _best_fit(self, size: int, small: bool) -> _Block | None:
+        candidates = [
+            b
+            for s, blocks in enumerate(self.segments)
+            if (s in self.small) == small
+            for b in blocks
+            if b.free and b.size >= size
+        ]
+        return min(candidates, key=lambda b: (b.size, b.segment, b.offset), default=None)
+
+    def _new_segment(self, size: int, small: bool) -> _Block:
+        if self.expandable and not small and self.segments and self._large_segment() is not None:
+            return self._grow(size)
+        if small:
+            segment_bytes = _SMALL_BUFFER
+        elif size < _MIN_LARGE_ALLOC and not self.expandable:
+            segment_bytes = _LARGE_BUFFER
+        else:
+            segment_bytes = _round_up(size, _ROUND_LARGE)
+        index = len(self.segments)
+        self.segments.append([_Block(index, 0, segment_bytes)])
+        if small:
+            self.small.add(index)
+        self._reserve(segment_bytes)
+        return self.segments[index][0]
+
+    def _large_segment(self) -> int | None:
+        return next((s for s in range(len(self.segments)) if s not in self.small), None)
+
+    def _grow(self, size: int) -> _Block:
+        """Expandable segment: map pages at the end, merging with a free block there."""
+        index = self._large_segment()
+        blocks = self.segments[index]
+        last = blocks[-1]
+        if not last.free:
+            last = _Block(index, last.offset + last.size, 0)
+            blocks.append(last)
+        grow = _round_up(size - last.size, _ROUND_LARGE)
+        last.size += grow
+        self._reserve(grow)
+        return last
+
+    def _reserve(self, nbytes: int) -> None:
+        self.reserved_bytes += nbytes
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+
+
+def cublas_workspace_bytes(device: torch.device) -> int:
+    """The workspace cuBLAS keeps per handle and stream, from the caching allocator: the
+    CUBLAS_WORKSPACE_CONFIG sizes if set, else PyTorch's defaults (32 MiB on Hopper and later,
+    4096 KiB x 2 + 16 KiB x 8 before)."""
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if config:
+        parts = [int(p) for p in config.strip(":").split(":") if p.isdigit()]
+        return sum(size * count for size, count in zip(parts[::2], parts[1::2])) * 1024
+    major = torch.cuda.get_device_capability(device)[0] if torch.cuda.is_available() else 8
+    return 32 * 2**20 if major >= 9 else (4096 * 2 + 16 * 8) * 1024
+
+
+def expandable_segments() -> bool:
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def cuda_reserved_bytes(events: list[tuple[int, int]], device: torch.device) -> int:
+    """Peak reserved bytes for a tracked step's allocations: the allocator model, with the
+    cuBLAS workspace allocated first (it lives from the first matmul on)."""
+    allocator = CachingAllocatorModel(expandable=expandable_segments())
+    allocator.malloc(-1, cublas_workspace_bytes(device))
+    for key, nbytes in events:
+        if nbytes < 0:
+            allocator.free(key)
+        else:
+            allocator.malloc(key, nbytes)
+    return allocator.peak_reserved_bytes
