@@ -15,6 +15,10 @@ OBJECTIVE_METRICS = {
     "memory/peak_bytes": "minimize",
 }
 
+# searched: batch size and accumulation are searched as given. derived: the effective batch is
+# searched and each trial uses the largest micro-batch that is predicted to fit the budget.
+ACCUMULATION_MODES = ("searched", "derived")
+
 
 @dataclass(frozen=True)
 class SearchConfig:
@@ -25,6 +29,10 @@ class SearchConfig:
     objectives: tuple[str, ...]  # metric names, in order
     trial_time_budget_s: float | None
     heartbeat_interval_s: int | None
+    preflight: bool = True  # predict each trial's peak memory; prune it if over the budget
+    preflight_margin: float = 0.05  # prune when predicted x (1 + this) exceeds the budget
+    oom_constraint: bool = True  # tell the sampler OOM trials are infeasible
+    accumulation: str = "searched"  # or "derived": see conf/search/default.yaml
 
     @property
     def metrics(self) -> list[str]:
@@ -69,6 +77,23 @@ class SearchConfig:
             problems.append(
                 f"search.heartbeat_interval_s must be an integer >= 1 or null, got {beat!r}; "
                 "override with search.heartbeat_interval_s=60"
+            )
+        for key in ("preflight", "oom_constraint"):
+            if not isinstance(getattr(self, key), bool):
+                problems.append(
+                    f"search.{key} must be true or false, got {getattr(self, key)!r}; "
+                    f"override with search.{key}=true"
+                )
+        margin = self.preflight_margin
+        if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin < 1:
+            problems.append(
+                f"search.preflight_margin must be a number in [0, 1), got {margin!r}; "
+                "override with search.preflight_margin=0.05"
+            )
+        if self.accumulation not in ACCUMULATION_MODES:
+            problems.append(
+                f"search.accumulation must be one of {', '.join(ACCUMULATION_MODES)}, got "
+                f"{self.accumulation!r}; override with search.accumulation=searched"
             )
         if problems:
             raise ConfigError(problems)

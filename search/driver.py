@@ -22,7 +22,7 @@ PARENT_ATTR = "mlflow_parent_run_id"
 # Study settings that may change between runs of one study without making it another study.
 _RESUMABLE_KEYS = (
     "n_trials", "params", "sampler", "pruner", "trial_time_budget_s", "heartbeat_interval_s",
-    "storage", "study_name",
+    "storage", "study_name", "preflight", "preflight_margin", "oom_constraint",
 )  # fmt: skip
 
 
@@ -118,6 +118,7 @@ class StudyDriver:
             settings,
             self.tracker,
             self.parent.log.run_id,
+            notify=lambda message: self.console.print(f"[yellow]note[/yellow] {message}"),
         )
         done = num_finished(self.study)
         self.console.print(

@@ -3,11 +3,15 @@
 The trial re-composes the config from the command line's overrides plus its own, so group
 choices and interpolations behave exactly as on the command line. How it ends:
 - COMPLETE with the objective values;
-- PRUNED with a reason: `oom` (over the memory budget), `diverged` (NaN/inf loss), `slow`
-  (its measured speed cannot finish within search.trial_time_budget_s), `pruner` (the
-  study's pruner, on per-epoch val/acc);
+- PRUNED with a reason: `oom_predicted` (its step, computed on fake tensors before training,
+  needs more than the budget), `oom` (over the budget when it ran), `diverged` (NaN/inf
+  loss), `slow` (its measured speed cannot finish within search.trial_time_budget_s),
+  `pruner` (the study's pruner, on per-epoch val/acc);
 - FAIL with the error's message for anything unexpected; the study goes on.
 Memory of a failed run is released after its exception is dropped, before the next trial.
+With search.oom_constraint, every trial with a known (or predicted) peak also reports the
+constraint `memory` = (peak - budget) / budget, positive for OOM, so that the sampler learns
+where the boundary is (Optuna's samplers rank infeasible trials below all feasible ones).
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from search.space import SearchSpace
 from search.tracking import RunLog, Tracker
 from train.config import ConfigError
 from train.loop import Diverged, Hooks, RunResult
-from train.memory import OutOfMemory, release_memory
-from train.run import RunSpec, plan, run
+from train.memory import OutOfMemory, device_total_bytes, format_bytes, release_memory
+from train.predict import Prediction, PredictionUnsupported, largest_fitting_batch
+from train.run import RunSpec, build_data, memory_predictor, plan, predict, run
 
 # The probe overestimates per-sample time (8 samples run less efficiently than a real
 # micro-batch), so it only stops a trial projected far past its budget. Calibrated on
@@ -59,6 +64,7 @@ class Outcome:
     result: RunResult | None = None
     peak_bytes: int | None = None
     error_traceback: str | None = None
+    prediction: Prediction | None = None
 
 
 class TimeBudget:
@@ -90,6 +96,23 @@ class TimeBudget:
             )
 
 
+def _memory_violation(outcome: Outcome, peak_bytes: int | None, budget_bytes: int) -> float | None:
+    """(peak - budget) / budget: > 0 for a trial that did not fit, <= 0 for one that did;
+    None when nothing is known of its memory. A CUDA OOM stops the allocator before the
+    peak, so an OOM's violation is at least 1%."""
+    predicted = outcome.prediction.peak_bytes if outcome.prediction else None
+    if outcome.reason in ("oom", "oom_predicted"):
+        peak = max(outcome.peak_bytes or 0, predicted or 0)
+        return max((peak - budget_bytes) / budget_bytes, 0.01)
+    if outcome.result is not None:
+        peak = outcome.result.reserved_bytes or outcome.result.peak_bytes
+    else:
+        peak = peak_bytes if peak_bytes is not None else predicted
+    if peak is None:
+        return None
+    return min((peak - budget_bytes) / budget_bytes, 0.0)  # it ran: it fitted
+
+
 def objective_values(result: RunResult, metrics: list[str]) -> list[float]:
     by_name = {
         "val/acc": result.val_acc,
@@ -108,21 +131,92 @@ class Objective:
         settings: SearchConfig,
         tracker: Tracker,
         parent_run_id: str,
+        notify: Callable[[str], None] = print,
     ):
         self.compose = compose
         self.space = space
         self.settings = settings
         self.tracker = tracker
         self.parent_run_id = parent_run_id
+        self.notify = notify  # says a thing once to the user, between trial lines
+        self._unsupported_said = False
 
-    def __call__(self, trial: optuna.Trial) -> list[float]:
-        params = self.space.suggest(trial)
-        overrides = self.space.overrides(params)
+    def _compose(self, overrides: list[str]) -> DictConfig:
         try:
-            cfg = self.compose(overrides)
+            return self.compose(overrides)
         except HydraException as error:
             raise ConfigError([f"trial overrides {overrides} do not compose: {error}"]) from None
+
+    def _prediction(self, cfg: DictConfig, spec: RunSpec) -> Prediction | None:
+        """The trial's predicted peak, or None (and a note, once) when the model cannot run
+        on fake tensors: the trial then measures its memory as it trains."""
+        try:
+            return predict(cfg, spec)
+        except PredictionUnsupported as error:
+            self._say_unsupported(error)
+            return None
+
+    def _say_unsupported(self, error: PredictionUnsupported) -> None:
+        if not self._unsupported_said:
+            self._unsupported_said = True
+            self.notify(
+                f"memory is not predicted for this model: it does not run on fake tensors "
+                f"({error}); trials measure their memory as they train"
+            )
+
+    def _configure(
+        self, params: dict[str, Any]
+    ) -> tuple[DictConfig, RunSpec, Prediction | None, bool]:
+        """The trial's config, run spec and predicted peak, and whether it is predicted to fit.
+        With search.accumulation=derived the effective batch is sampled and the micro-batch is
+        the largest divisor of it that is predicted to fit."""
+        overrides = self.space.overrides(params)
+        if self.settings.accumulation == "derived":
+            return self._derive(overrides)
+        cfg = self._compose(overrides)
         spec = plan(cfg, self.settings.memory_budget)
+        if not self.settings.preflight:
+            return cfg, spec, None, True
+        prediction = self._prediction(cfg, spec)
+        return cfg, spec, prediction, self._fits(prediction, spec.budget_bytes)
+
+    def _fits(self, prediction: Prediction | None, budget_bytes: int | None) -> bool:
+        if prediction is None or budget_bytes is None:
+            return True
+        return prediction.peak_bytes * (1 + self.settings.preflight_margin) <= budget_bytes
+
+    def _derive(self, overrides: list[str]) -> tuple[DictConfig, RunSpec, Prediction | None, bool]:
+        # First as one micro-batch of the whole effective batch (a consistent config) ...
+        cfg = self._compose(overrides)
+        effective = cfg.trainer.effective_batch_size
+        whole = [f"trainer.batch_size={effective}", "trainer.accum_steps=1"]
+        cfg = self._compose(overrides + whole)
+        spec = plan(cfg, self.settings.memory_budget)
+        budget = spec.budget_bytes or device_total_bytes(spec.device)
+        try:
+            predictor = memory_predictor(cfg, spec)
+            num_train = len(build_data(cfg).train_y)
+            found = largest_fitting_batch(
+                predictor, spec.trainer, num_train, budget, self.settings.preflight_margin
+            )
+        except PredictionUnsupported as error:
+            self._say_unsupported(error)
+            return cfg, spec, None, True
+        if found is None:  # not even a micro-batch of 1: report the whole batch's prediction
+            return cfg, spec, predictor.predict(spec.trainer, num_train), False
+        # ... then as the largest micro-batch that fits, accumulated to the effective batch.
+        batch_size, prediction = found
+        split = [
+            f"trainer.batch_size={batch_size}",
+            f"trainer.accum_steps={effective // batch_size}",
+        ]
+        cfg = self._compose(overrides + split)
+        return cfg, plan(cfg, self.settings.memory_budget), prediction, True
+
+    def __call__(self, trial: optuna.Trial) -> list[float]:
+        started = time.perf_counter()
+        params = self.space.suggest(trial)
+        cfg, spec, prediction, fits = self._configure(params)
         values = spec.params()
         for key, value in values.items():
             trial.set_user_attr(key, value)
@@ -135,8 +229,17 @@ class Objective:
         try:
             run_log.params({**values, **params})
             run_log.text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
-            started = time.perf_counter()
-            outcome = self._train(trial, cfg, spec, run_log)
+            if fits:
+                outcome = self._train(trial, cfg, spec, run_log)
+            else:
+                outcome = Outcome(
+                    "PRUNED",
+                    "oom_predicted",
+                    f"its step is predicted to need {format_bytes(prediction.peak_bytes)}, over "
+                    f"the budget of {format_bytes(spec.budget_bytes)} less "
+                    f"search.preflight_margin={self.settings.preflight_margin:g}",
+                )
+            outcome.prediction = prediction
             seconds = time.perf_counter() - started
         except KeyboardInterrupt:
             run_log.tags({"batchfit.state": "INTERRUPTED"})
@@ -219,6 +322,20 @@ class Objective:
             metrics.update(result.metrics())
         elif outcome.peak_bytes is not None:
             attrs["peak_bytes"] = metrics["memory/peak_bytes"] = outcome.peak_bytes
+        if outcome.prediction is not None:
+            predicted = outcome.prediction.peak_bytes
+            attrs["predicted_bytes"] = metrics["memory/predicted_bytes"] = predicted
+            metrics["time/prediction_s"] = outcome.prediction.seconds
+            if result is not None:
+                # The caching allocator's reserve is what runs out on CUDA; on CPU the peak.
+                measured = result.reserved_bytes or result.peak_bytes
+                error = (predicted - measured) / measured
+                attrs["prediction_error"] = metrics["memory/prediction_error"] = error
+        if self.settings.oom_constraint and spec.budget_bytes is not None:
+            violation = _memory_violation(outcome, attrs.get("peak_bytes"), spec.budget_bytes)
+            if violation is not None:
+                trial.set_constraint("memory", violation)
+                attrs["memory_violation"] = violation
         if outcome.reason:
             attrs["reason"] = outcome.reason
             attrs["message"] = outcome.message[:1000]

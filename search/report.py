@@ -45,6 +45,12 @@ def trial_line(trial: FrozenTrial) -> str:
         parts.append(f"{attrs['throughput']:.0f} samples/s")
     if "peak_bytes" in attrs:
         parts.append(f"peak {format_bytes(attrs['peak_bytes'])}")
+    if "predicted_bytes" in attrs:
+        error = attrs.get("prediction_error")
+        parts.append(
+            f"predicted {format_bytes(attrs['predicted_bytes'])}"
+            + (f" ({error:+.1%})" if error is not None else "")
+        )
     if "val_acc" in attrs:
         parts.append(f"val acc {attrs['val_acc']:.3f}")
     if "seconds" in attrs:
@@ -83,7 +89,7 @@ def oom_boundary(trials: Sequence[FrozenTrial]) -> dict[str, tuple[int | None, i
         precision, batch = t.user_attrs.get(PRECISION_KEY), t.user_attrs.get(BATCH_KEY)
         if precision is None or batch is None:
             continue
-        if t.user_attrs.get("reason") == "oom":
+        if t.user_attrs.get("reason") in ("oom", "oom_predicted"):
             failed[precision] = min(batch, failed.get(precision, batch))
         elif "peak_bytes" in t.user_attrs:  # it trained past the memory check
             fitted[precision] = max(batch, fitted.get(precision, batch))

@@ -50,6 +50,10 @@ def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
         objectives=tuple(str(metric) for metric in objectives or ()),
         trial_time_budget_s=search.trial_time_budget_s,
         heartbeat_interval_s=search.heartbeat_interval_s,
+        preflight=search.preflight,
+        preflight_margin=search.preflight_margin,
+        oom_constraint=search.oom_constraint,
+        accumulation=search.accumulation,
     )
 
 
@@ -75,7 +79,9 @@ def validate(
         for key in space.distributions:
             problems += _check_key(cfg, key, space, problems)
     if spec is not None and not problems:
-        _collect(problems, lambda: check_builds(cfg, spec))
+        note = _collect(problems, lambda: check_builds(cfg, spec))
+        if note:
+            notes.append(note)
     if space is not None and not problems:
         _collect(problems, lambda: _compose_trial(compose, space))
     storage = None

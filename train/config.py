@@ -47,15 +47,25 @@ class TrainerConfig:
     lr_ref_batch_size: int = 256
     device: str = "auto"
     seed: int = 0
-
-    @property
-    def effective_batch_size(self) -> int:
-        return self.batch_size * self.accum_steps
+    # Samples per optimizer step. None: batch_size x accum_steps, filled in here; given, it
+    # must equal that product (search.accumulation=derived sets the two from it).
+    effective_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
         _check_int(problems, "trainer.batch_size", self.batch_size, 1)
         _check_int(problems, "trainer.accum_steps", self.accum_steps, 1)
+        if not problems:
+            product = self.batch_size * self.accum_steps
+            if self.effective_batch_size is None:
+                object.__setattr__(self, "effective_batch_size", product)
+            elif self.effective_batch_size != product:
+                problems.append(
+                    f"trainer.effective_batch_size={self.effective_batch_size!r} is not "
+                    f"trainer.batch_size x trainer.accum_steps = {self.batch_size} x "
+                    f"{self.accum_steps} = {product}; leave it null, set the two to match, or "
+                    "search it with search.accumulation=derived, which sets both from it"
+                )
         _check_int(problems, "trainer.log_every_steps", self.log_every_steps, 1)
         _check_int(problems, "trainer.warmup_steps", self.warmup_steps, 0)
         _check_int(problems, "trainer.lr_ref_batch_size", self.lr_ref_batch_size, 1)

@@ -164,7 +164,7 @@ def largest_fitting_batch(
     divisors = [b for b in range(1, effective + 1) if effective % b == 0]
 
     def fits(b: int) -> Prediction | None:
-        geometry = replace(trainer, batch_size=b, accum_steps=effective // b)
+        geometry = replace(trainer, batch_size=b, accum_steps=effective // b)  # same effective
         prediction = predictor.predict(geometry, num_train)
         return prediction if prediction.peak_bytes * (1 + margin) <= budget_bytes else None
 
@@ -295,7 +295,9 @@ def cublas_workspace_bytes(device: torch.device) -> int:
     config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if config:
         parts = [int(p) for p in config.strip(":").split(":") if p.isdigit()]
-        return sum(size * count for size, count in zip(parts[::2], parts[1::2])) * 1024
+        return (
+            sum(size * count for size, count in zip(parts[::2], parts[1::2], strict=False)) * 1024
+        )
     major = torch.cuda.get_device_capability(device)[0] if torch.cuda.is_available() else 8
     return 32 * 2**20 if major >= 9 else (4096 * 2 + 16 * 8) * 1024
 

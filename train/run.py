@@ -6,6 +6,7 @@ rerun execute the same code.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from train.lr import scaled_lr
 from train.memory import MemoryMeter, device_total_bytes, format_bytes, parse_budget
 from train.models import materialize, param_bytes
 from train.precision import unsupported_reason
+from train.predict import MemoryPredictor, Prediction, PredictionUnsupported
 
 
 @dataclass(frozen=True)
@@ -121,9 +123,54 @@ def build_model(cfg: DictConfig, data: Splits) -> torch.nn.Module:
     return model
 
 
-def check_builds(cfg: DictConfig, spec: RunSpec) -> None:
-    """Data and model build, and the budget holds at least the parameters (training needs
-    much more). Errors in the user's builder arguments become ConfigErrors naming the group."""
+# One predictor per (model, optimizer, data, device): a study builds it once. A model that
+# cannot run on fake tensors is remembered as such.
+_PREDICTORS: dict[str, MemoryPredictor | PredictionUnsupported] = {}
+
+
+def memory_predictor(cfg: DictConfig, spec: RunSpec) -> MemoryPredictor:
+    """The memory predictor for this run's model, optimizer and data on its device; raises
+    PredictionUnsupported when the model cannot run on fake tensors."""
+    optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
+    optimizer.pop("lr", None)  # the rate does not change the memory
+    parts = {
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "optimizer": optimizer,
+        "data": OmegaConf.to_container(cfg.data, resolve=True),
+        "device": str(spec.device),
+    }
+    key = OmegaConf.to_yaml(OmegaConf.create(parts))
+    if key not in _PREDICTORS:
+        if len(_PREDICTORS) >= 4:
+            _PREDICTORS.clear()
+        data = build_data(cfg)
+        torch.manual_seed(spec.trainer.seed)
+        model = build_model(cfg, data)
+        try:
+            _PREDICTORS[key] = MemoryPredictor(
+                model,
+                lambda params: instantiate(cfg.optimizer, lr=spec.lr)(params),
+                (data.train_x[:1], data.train_y[:1]),
+                spec.device,
+            )
+        except PredictionUnsupported as error:
+            _PREDICTORS[key] = error
+    predictor = _PREDICTORS[key]
+    if isinstance(predictor, PredictionUnsupported):
+        raise predictor
+    return predictor
+
+
+def predict(cfg: DictConfig, spec: RunSpec) -> Prediction:
+    """Predicted peak memory of this run's training step (PredictionUnsupported: measure)."""
+    return memory_predictor(cfg, spec).predict(spec.trainer, len(build_data(cfg).train_y))
+
+
+def check_builds(cfg: DictConfig, spec: RunSpec) -> str | None:
+    """Data and model build, and the budget holds what training needs whatever the batch:
+    parameters, gradients and optimizer state (predicted; the parameters alone when the model
+    cannot be predicted, which is returned as a note). Errors in the user's builder arguments
+    become ConfigErrors naming the group."""
     torch.manual_seed(spec.trainer.seed)
     data = build_data(cfg)
     try:
@@ -134,15 +181,50 @@ def check_builds(cfg: DictConfig, spec: RunSpec) -> None:
                 [f"model ({cfg.model.get('_target_')}) cannot be built: {error.__cause__}"]
             ) from None
         raise
-    needed = param_bytes(model)
-    if spec.budget_bytes is not None and spec.budget_bytes < needed:
+    if spec.budget_bytes is None:
+        return None
+    try:
+        predictor = memory_predictor(cfg, spec)
+    except PredictionUnsupported as error:
+        needed, what, note = param_bytes(model), "the model's parameters alone", str(error)
+        smallest = 4 * needed
+    else:
+        needed, note = predictor.state_bytes, None
+        what = "the parameters, gradients and optimizer state alone (predicted)"
+    if spec.budget_bytes < needed:
+        smallest = _smallest_step(predictor, spec, len(data.train_y)) if note is None else None
+        step = (
+            f"; the smallest step ({smallest[0]}) needs {format_bytes(smallest[1])}"
+            if smallest
+            else ""
+        )
+        suggest = smallest[1] if smallest else 2 * needed
         raise ConfigError(
             [
-                f"search.memory_budget={format_bytes(spec.budget_bytes)} is smaller than the "
-                f"model's parameters alone ({format_bytes(needed)}); raise it, e.g. "
-                f"search.memory_budget={max(1, 4 * needed // 2**20)}MiB, or pick a smaller model"
+                f"search.memory_budget={format_bytes(spec.budget_bytes)} is below the "
+                f"{format_bytes(needed)} that {what} need{step}. Raise it, e.g. "
+                f"search.memory_budget={-(-suggest * 5 // 4 // 2**20)}MiB, or pick a smaller "
+                "model or optimizer"
             ]
         )
+    return note and f"memory cannot be predicted for this model, so trials measure it ({note})"
+
+
+def _smallest_step(
+    predictor: MemoryPredictor, spec: RunSpec, num_train: int
+) -> tuple[str, int] | None:
+    """(description, predicted peak) of the smallest batch this model trains with (BatchNorm
+    over a 1x1 feature map needs 2 samples, for one)."""
+    for batch_size in (1, 2, 4, 8):
+        trainer = dataclasses.replace(
+            spec.trainer, batch_size=batch_size, accum_steps=1, effective_batch_size=None
+        )
+        try:
+            peak = predictor.predict(trainer, num_train).peak_bytes
+        except PredictionUnsupported:
+            continue
+        return f"batch size {batch_size} in {trainer.precision}", peak
+    return None
 
 
 def run(cfg: DictConfig, spec: RunSpec, hooks: Hooks | None = None) -> RunResult:
