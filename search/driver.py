@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -12,11 +13,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from search import report
+from search import fit, report
 from search.objective import Objective, TrialFailed
+from search.sampler import FeasibilityFilter
 from search.study import StopWhenFinished, flatten, num_finished, open_study
-from search.tracking import ROLE_TAG, StudyRun, Tracker
+from search.tracking import ROLE_TAG, RunLog, StudyRun, Tracker
 from search.validate import Checked, validate
+from train.predict import PredictionUnsupported
 
 PARENT_ATTR = "mlflow_parent_run_id"
 # Study settings that may change between runs of one study without making it another study.
@@ -45,6 +48,27 @@ def fixed_config(cfg: DictConfig, searched: Sequence[str]) -> str:
         if isinstance(node, dict):
             node.pop(leaf, None)
     return OmegaConf.to_yaml(OmegaConf.create(fixed), sort_keys=True)
+
+
+def _sampler(cfg: DictConfig, oom_constraint: bool) -> optuna.samplers.BaseSampler:
+    sampler = instantiate(cfg.search.sampler)
+    # Memory-infeasible trials (constraint `memory` > 0) keep the sampler off their region.
+    return FeasibilityFilter(sampler) if oom_constraint else sampler
+
+
+def _log_fit_report(cfg: DictConfig, checked: Checked, parent: RunLog, console: Console) -> None:
+    """Predict the space's (precision, batch size) grid, show it and log it to the parent run;
+    the trials' own predictions then come from the same cache."""
+    try:
+        report = fit.fit_report(cfg, checked.space, checked.spec, checked.settings)
+    except PredictionUnsupported:
+        return  # said by the first trial, which measures instead
+    table = fit.render(report)
+    console.print(table)
+    recorder = Console(record=True, width=120, file=io.StringIO())
+    recorder.print(table)
+    parent.text(recorder.export_text(), "fit_report.txt")
+    parent.table(report.rows(), "fit_report.json")
 
 
 class StudyDriver:
@@ -92,7 +116,7 @@ class StudyDriver:
             name,
             checked.storage,
             settings.directions,
-            instantiate(cfg.search.sampler),
+            _sampler(cfg, settings.oom_constraint),
             instantiate(cfg.search.pruner),
             fixed,
         )
@@ -107,6 +131,7 @@ class StudyDriver:
             parent.params(flatten(OmegaConf.to_container(OmegaConf.create(fixed))))
             parent.text(OmegaConf.to_yaml(searched), "search_space.yaml")
             parent.text(fixed, "fixed_config.yaml")
+            _log_fit_report(cfg, checked, parent, console)
         parent_run = StudyRun(parent, settings.metrics)
         return cls(checked, compose, base, study, tracker, parent_run, console)
 

@@ -10,8 +10,8 @@ choices and interpolations behave exactly as on the command line. How it ends:
 - FAIL with the error's message for anything unexpected; the study goes on.
 Memory of a failed run is released after its exception is dropped, before the next trial.
 With search.oom_constraint, every trial with a known (or predicted) peak also reports the
-constraint `memory` = (peak - budget) / budget, positive for OOM, so that the sampler learns
-where the boundary is (Optuna's samplers rank infeasible trials below all feasible ones).
+constraint `memory` = (peak - budget) / budget, positive for OOM, from which the sampler
+learns where the boundary is (search/sampler.py).
 """
 
 from __future__ import annotations

@@ -64,6 +64,10 @@ class RunLog:
     def text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)
 
+    def table(self, columns: Mapping[str, list], artifact_file: str) -> None:
+        """A table (column name -> values) the MLflow UI shows as one (artifact view)."""
+        self.client.log_table(self.run_id, data=dict(columns), artifact_file=artifact_file)
+
     def finish(self, status: str = "FINISHED") -> None:
         self.flush()
         self.client.set_terminated(self.run_id, status=status)

@@ -26,6 +26,7 @@ from train.precision import unsupported_reason
 from train.run import RunSpec, check_builds, plan, resolve_device
 
 _MISSING = object()
+EFFECTIVE_KEY = "trainer.effective_batch_size"
 
 
 @dataclass
@@ -66,18 +67,23 @@ def _collect(problems: list[str], check: Callable[[], object]) -> object | None:
 
 
 def validate(
-    cfg: DictConfig, study_name: str, compose: Callable[[list[str]], DictConfig]
+    cfg: DictConfig,
+    study_name: str,
+    compose: Callable[[list[str]], DictConfig],
+    open_store: bool = True,
 ) -> Checked:
     problems: list[str] = []
     notes: list[str] = []
     settings = _collect(problems, lambda: search_config(cfg, study_name))
     space = _collect(problems, lambda: parse_space(cfg.search.params or {}))
     spec = _collect(problems, lambda: plan(cfg, cfg.search.memory_budget))
+    derived = settings is not None and settings.accumulation == "derived"
     if space is not None:
         device = spec.device if spec else resolve_device("auto")
         notes += _drop_unsupported_precisions(space, device, problems)
+        problems += _check_accumulation(space, derived)
         for key in space.distributions:
-            problems += _check_key(cfg, key, space, problems)
+            problems += _check_key(cfg, key, space, problems, derived)
     if spec is not None and not problems:
         note = _collect(problems, lambda: check_builds(cfg, spec))
         if note:
@@ -85,7 +91,7 @@ def validate(
     if space is not None and not problems:
         _collect(problems, lambda: _compose_trial(compose, space))
     storage = None
-    if settings is not None:
+    if settings is not None and open_store:
         storage = _collect(
             problems, lambda: open_storage(settings.storage, settings.heartbeat_interval_s)
         )
@@ -120,11 +126,35 @@ def _drop_unsupported_precisions(space: SearchSpace, device, problems: list[str]
     return [f"{key}: dropped {c} ({reasons[c]})" for c in dropped]
 
 
+def _check_accumulation(space: SearchSpace, derived: bool) -> list[str]:
+    keys = set(space.distributions) | set(space.fixed)
+    if derived:
+        problems = [
+            f"search.params.{key}: search.accumulation=derived sets {key} itself from the "
+            f"budget; remove it from search.params and search {EFFECTIVE_KEY} instead"
+            for key in ("trainer.batch_size", "trainer.accum_steps")
+            if key in keys
+        ]
+        if EFFECTIVE_KEY not in keys:
+            problems.append(
+                f"search.accumulation=derived searches the effective batch size: add "
+                f"search.params.{EFFECTIVE_KEY}, e.g. choice(64, 128, 256, 512)"
+            )
+        return problems
+    if EFFECTIVE_KEY in keys:
+        return [
+            f"search.params.{EFFECTIVE_KEY} is searched only with search.accumulation=derived; "
+            "set it, or search trainer.batch_size and trainer.accum_steps instead"
+        ]
+    return []
+
+
 def _check_key(
     cfg: DictConfig,
     key: str,
     space: SearchSpace,
     known: list[str],
+    derived: bool = False,
 ) -> list[str]:
     """Problems with searching `key`: unknown key, or a value the run would reject."""
     where = f"search.params.{key}"
@@ -149,6 +179,9 @@ def _check_key(
         trial_cfg = copy.deepcopy(cfg)
         try:
             OmegaConf.update(trial_cfg, key, value, merge=False)
+            if derived and key == EFFECTIVE_KEY:  # a trial's first, consistent geometry
+                OmegaConf.update(trial_cfg, "trainer.batch_size", value, merge=False)
+                OmegaConf.update(trial_cfg, "trainer.accum_steps", 1, merge=False)
             plan(trial_cfg, trial_cfg.search.memory_budget)
         except ConfigError as error:
             problems += [
