@@ -1,0 +1,175 @@
+"""Accuracy and cost of the peak-memory prediction (train/predict.py) against real runs.
+
+For each model x precision x batch size, a prediction (a step on fake tensors) and a real
+run of 3 optimizer steps through `train.run.run`, the code path of a trial:
+
+- CPU: the measurement is the tracked tensor peak of `fit` (steps 0 and the steady step),
+  the same accounting as the prediction, so this is a consistency check: target |error| <= 1%.
+- CUDA (where a GPU is present): the measurement is `torch.cuda.max_memory_reserved`, what
+  actually runs out; the prediction replays the step's allocations through the caching
+  allocator model. Targets: median |error| <= 5%, worst <= 15%. The table also shows the
+  error of live tensors alone against `max_memory_allocated`.
+
+Also printed: seconds per prediction against seconds per real optimizer step.
+
+    python bench/prediction.py                      # CPU grid (skips cells too slow to run)
+    python bench/prediction.py --models resnet18 --batch-sizes 1 8 64 512 --image-size 32
+    python bench/prediction.py --device cuda        # on a GPU: the allocator comparison
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python bench/prediction.py --device cuda
+
+On CPUs without bf16/fp16 kernels a real low-precision step is ~100x slower than fp32; cells
+whose real run is estimated to take more than --max-run-s seconds are predicted but not
+measured, and listed as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from train.memory import format_bytes  # noqa: E402
+from train.run import build_data, memory_predictor, plan, run  # noqa: E402
+
+MODELS = ["small_cnn", "mlp", "resnet18", "resnet50"]
+PRECISIONS = ["fp32", "bf16", "fp16"]
+BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+
+def _config(model: str, device: str, image_size: int, num_samples: int):  # noqa: ANN202
+    return compose(
+        config_name="config",
+        overrides=[
+            f"model={model}",
+            "data=synthetic",
+            f"data.image_size={image_size}",
+            f"data.num_samples={num_samples}",
+            "data.val_fraction=0.02",
+            "trainer.max_epochs=null",
+            "trainer.max_steps=3",  # step 0, the steady step 1 and one timed step
+            "trainer.warmup_steps=0",
+            f"trainer.device={device}",
+        ],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--models", nargs="+", default=MODELS)
+    parser.add_argument("--precisions", nargs="+", default=PRECISIONS)
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=BATCH_SIZES)
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--max-run-s", type=float, default=20.0, help="skip longer real runs")
+    args = parser.parse_args()
+    console = Console(width=160)
+    # Room for two full steps of the largest batch, so that the steady step exists.
+    num_samples = int(2.2 * max(args.batch_sizes) / 0.98) + 8
+    cuda = args.device == "cuda"
+    rows, errors, skipped = [], [], []
+    predict_s, step_s = [], []
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        for model in args.models:
+            cfg = _config(model, args.device, args.image_size, num_samples)
+            spec = plan(cfg, None)
+            num_train = len(build_data(cfg).train_y)
+            predictor = memory_predictor(cfg, spec)
+            for precision in args.precisions:
+                seconds_per_sample = None  # of the last measured run, to skip hopeless ones
+                for batch_size in args.batch_sizes:
+                    trainer = dataclasses.replace(
+                        spec.trainer,
+                        batch_size=batch_size,
+                        precision=precision,
+                        effective_batch_size=None,
+                    )
+                    prediction = predictor.predict(trainer, num_train)
+                    predict_s.append(prediction.seconds)
+                    estimate = 3 * batch_size * seconds_per_sample if seconds_per_sample else 0
+                    if estimate > args.max_run_s:
+                        skipped.append(f"{model}/{precision}/{batch_size} (~{estimate:.0f} s)")
+                        continue
+                    started = time.perf_counter()
+                    result = run(cfg, dataclasses.replace(spec, trainer=trainer))
+                    elapsed = time.perf_counter() - started
+                    seconds_per_sample = elapsed / (3 * batch_size)
+                    step_s.append(result.step_ms / 1000)
+                    measured = result.reserved_bytes if cuda else result.peak_bytes
+                    error = (prediction.peak_bytes - measured) / measured
+                    errors.append(error)
+                    live_error = None
+                    if cuda:
+                        live_error = (
+                            prediction.tensor_bytes - result.peak_bytes
+                        ) / result.peak_bytes
+                    rows.append(
+                        (model, precision, batch_size, prediction, measured, error, live_error,
+                         result.step_ms / 1000)
+                    )  # fmt: skip
+                    console.print(
+                        f"{model:>9} {precision:>4} {batch_size:>4}: predicted "
+                        f"{format_bytes(prediction.peak_bytes)}, measured "
+                        f"{format_bytes(measured)} ({error:+.2%}); "
+                        f"{prediction.seconds:.2f} s to predict, "
+                        f"{result.step_ms / 1000:.2f} s a step"
+                    )
+    _report(console, args, rows, errors, skipped, predict_s, step_s, cuda)
+
+
+def _report(console, args, rows, errors, skipped, predict_s, step_s, cuda) -> None:  # noqa: ANN001
+    what = "max_memory_reserved (CUDA)" if cuda else "tracked tensor peak (CPU)"
+    table = Table(title=f"Predicted peak vs measured {what}, image {args.image_size}px")
+    for column in ("model", "precision", "batch", "predicted", "measured", "error"):
+        table.add_column(column, justify="right")
+    if cuda:
+        table.add_column("live tensors vs allocated", justify="right")
+    table.add_column("predict s", justify="right")
+    table.add_column("step s", justify="right")
+    for model, precision, batch, prediction, measured, error, live, step in rows:
+        cells = [model, precision, str(batch), format_bytes(prediction.peak_bytes),
+                 format_bytes(measured), f"{error:+.2%}"]  # fmt: skip
+        if cuda:
+            cells.append(f"{live:+.2%}")
+        table.add_row(*cells, f"{prediction.seconds:.2f}", f"{step:.2f}")
+    console.print(table)
+    if not errors:
+        console.print("nothing measured")
+        return
+    absolute = [abs(e) for e in errors]
+    median, worst = statistics.median(absolute), max(absolute)
+    if cuda:
+        verdict = "PASS" if median <= 0.05 and worst <= 0.15 else "FAIL"
+        target = "median <= 5%, worst <= 15%"
+    else:
+        verdict = "PASS" if worst <= 0.01 else "FAIL"
+        target = "every cell within 1%"
+    console.print(
+        f"{len(errors)} cells measured: median |error| {median:.3%}, worst {worst:.3%} "
+        f"(target {target}): [bold]{verdict}[/bold]"
+    )
+    console.print(
+        f"time per prediction: median {statistics.median(predict_s):.2f} s, max "
+        f"{max(predict_s):.2f} s over {len(predict_s)} predictions; time per real step: median "
+        f"{statistics.median(step_s):.2f} s, max {max(step_s):.2f} s"
+    )
+    if skipped:
+        console.print(
+            f"{len(skipped)} cells predicted but not run (real run over --max-run-s="
+            f"{args.max_run_s:g}): " + ", ".join(skipped)
+        )
+
+
+if __name__ == "__main__":
+    main()
