@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -90,7 +90,8 @@ class MemoryPredictor:
         self.mode = FakeTensorMode()
         self._x, self._y = example
         self._cache: dict[tuple, Prediction] = {}
-        self._step_bytes: dict[str, int] = {}  # optimizer.step's own peak, per precision
+        self._lines: dict[tuple, _Line] = {}  # per micro-batch pattern and precision
+        self._step_bytes: int | None = None  # optimizer.step's own peak above its start
         try:
             _fake_module(model, self.mode, device)
             with self.mode:
@@ -108,8 +109,8 @@ class MemoryPredictor:
 
     def predict(self, trainer: TrainerConfig, num_train: int) -> Prediction:
         """Peak memory of a full-size step of a run with `trainer`'s geometry and precision."""
-        sizes = step_micro_batch_sizes(num_train, trainer, 0)
-        key = (tuple(sizes[:2]), sum(sizes), trainer.precision, trainer.grad_clip_norm)
+        sizes = step_micro_batch_sizes(num_train, trainer, 0)[:2]
+        key = (tuple(sizes), trainer.precision, trainer.grad_clip_norm)
         if key not in self._cache:
             try:
                 self._cache[key] = self._predict(sizes, trainer)
@@ -119,50 +120,68 @@ class MemoryPredictor:
 
     def _predict(self, sizes: list[int], trainer: TrainerConfig) -> Prediction:
         started = time.perf_counter()
+        pattern = (len(sizes), trainer.precision, trainer.grad_clip_norm)
+        line = self._lines.setdefault(pattern, _Line())
+        uniform = all(n == sizes[0] for n in sizes)
+        events = line.at(sizes[0]) if uniform else None
+        if events is None:
+            first_step = self.device.type != "cuda" and self._step_bytes is None
+            events = self._run(sizes, trainer)
+            if uniform and not first_step:  # the first has the optimizer's own events
+                line.add(sizes[0], events)
+        tensor_bytes = _live_peak(events)
+        peak = tensor_bytes
+        if self.device.type == "cuda":
+            peak = cuda_reserved_bytes(events, self.device)
+        return Prediction(peak, tensor_bytes, time.perf_counter() - started)
+
+    def _run(self, sizes: list[int], trainer: TrainerConfig) -> list[tuple[int, int]]:
+        """The step's allocations and frees, computed on fake tensors."""
         precision = Precision(trainer.precision, self.device.type)
-        cuda = self.device.type == "cuda"
-        tracker = TensorMemoryTracker(self.device, record=cuda)
+        tracker = TensorMemoryTracker(self.device, record=True)
         with self.mode, precision.matmul_mode():
             scaler = _FakeGradScaler(self.device.type, enabled=precision.name == "fp16")
             tracker.register(state_tensors(self.model, self.optimizer))
-            with tracker, self._step_once(tracker, precision.name):
+            with tracker, self._step_once(tracker):
                 optimizer_step(
                     self.model,
                     self.optimizer,
                     scaler,
                     precision,
-                    self._micro_batches(sizes[:2]),
+                    self._micro_batches(sizes),
                     trainer.grad_clip_norm,
-                    sum(sizes),
+                    trainer.effective_batch_size,
                 )
-        peak = tracker.peak_bytes
-        if cuda:
-            peak = cuda_reserved_bytes(tracker.events, self.device)
-        return Prediction(peak, tracker.peak_bytes, time.perf_counter() - started)
+        assert tracker.events is not None
+        assert _live_peak(tracker.events) == tracker.peak_bytes
+        return tracker.events
 
     @contextmanager
-    def _step_once(self, tracker: TensorMemoryTracker, key: str) -> Iterator[None]:
-        """optimizer.step allocates the same temporaries whatever the batch: its gradients
-        and state have the parameters' shapes. Compute it once per key (on CPU it is the
-        larger part of a prediction) and after that add its peak above the live bytes it
-        starts from. Skipping it changes nothing: fake state holds no values. Not on CUDA,
-        where the allocator model needs every allocation in order."""
+    def _step_once(self, tracker: TensorMemoryTracker) -> Iterator[None]:
+        """optimizer.step allocates the same temporaries whatever the batch and precision: its
+        gradients and state have the parameters' shapes and dtypes. On CPU it is the larger
+        part of a prediction, so it runs once; after that its peak above the live bytes it
+        starts from is recorded as one allocation and free. Skipping it changes nothing: fake
+        state holds no values. On CUDA it always runs: the allocator model needs every
+        allocation in order."""
+        assert tracker.events is not None
+        events = tracker.events
         step = self.optimizer.step
-        cached = self._step_bytes.get(key)
 
         def measured_step(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             start, peak = tracker.live_bytes, tracker.peak_bytes
             tracker.peak_bytes = start
             result = step(*args, **kwargs)
-            self._step_bytes[key] = tracker.peak_bytes - start
+            self._step_bytes = tracker.peak_bytes - start
             tracker.peak_bytes = max(peak, tracker.peak_bytes)
             return result
 
         def cached_step(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + cached)
+            events.extend([(-2, self._step_bytes), (-2, -1)])
+            tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + self._step_bytes)
 
-        if tracker.events is None:
-            self.optimizer.step = measured_step if cached is None else cached_step
+        if self.device.type != "cuda":
+            self.optimizer.step = measured_step if self._step_bytes is None else cached_step
         try:
             yield
         finally:
@@ -173,6 +192,68 @@ class MemoryPredictor:
             x = torch.empty((n, *self._x.shape[1:]), dtype=self._x.dtype, device=self.device)
             y = torch.empty((n, *self._y.shape[1:]), dtype=self._y.dtype, device=self.device)
             yield x, y
+
+
+Events = list[tuple[int, int]]  # (storage number, bytes) allocated, (number, -1) freed
+
+
+def _live_peak(events: Events) -> int:
+    live = peak = 0
+    sizes: dict[int, int] = {}
+    for key, nbytes in events:
+        if nbytes < 0:
+            live -= sizes.pop(key)
+        else:
+            sizes[key] = nbytes
+            live += nbytes
+            peak = max(peak, live)
+    return peak
+
+
+class _Line:
+    """A step's allocations as a function of the micro-batch size n. Every tensor of a step
+    has a size a + b*n (parameters and state: b = 0; activations: a = 0), so once three
+    steps computed at different n have the same sequence of allocations and frees, and the
+    third is exactly where the line through the first two puts it, any other n is read off
+    the line without computing. A sequence that changes with n (a model that branches on
+    the batch size) leaves the line unused: every n is then computed."""
+
+    def __init__(self) -> None:
+        self.points: dict[int, Events] = {}
+        self.verified = False
+        self.failed = False
+
+    def add(self, n: int, events: Events) -> None:
+        if self.failed or self.verified or n in self.points:
+            return
+        self.points[n] = events
+        if len(self.points) == 3:
+            (n1, _), (n2, _), (n3, e3) = sorted(self.points.items())
+            self.verified = self._through(n1, n2, n3) == e3
+            self.failed = not self.verified
+
+    def at(self, n: int) -> Events | None:
+        if not self.verified:
+            return None
+        n1, n2 = sorted(self.points)[:2]
+        return self._through(n1, n2, n)
+
+    def _through(self, n1: int, n2: int, n: int) -> Events | None:
+        first, second = self.points[n1], self.points[n2]
+        if len(first) != len(second):
+            return None
+        events = []
+        for (key, b1), (key2, b2) in zip(first, second, strict=True):
+            if key != key2 or (b1 < 0) != (b2 < 0):
+                return None
+            if b1 < 0:
+                events.append((key, -1))
+                continue
+            step, rest = divmod((b2 - b1) * (n - n1), n2 - n1)
+            if rest or b1 + step < 0:
+                return None
+            events.append((key, b1 + step))
+        return events
 
 
 def _reason(error: BaseException) -> str:
@@ -195,7 +276,12 @@ def largest_fitting_batch(
 
     def fits(b: int) -> Prediction | None:
         geometry = replace(trainer, batch_size=b, accum_steps=effective // b)  # same effective
-        prediction = predictor.predict(geometry, num_train)
+        try:
+            prediction = predictor.predict(geometry, num_train)
+        except PredictionUnsupported:
+            if b == 1:  # e.g. BatchNorm over a 1x1 feature map: a single sample cannot train
+                return None
+            raise
         return prediction if prediction.peak_bytes * (1 + margin) <= budget_bytes else None
 
     best = None
