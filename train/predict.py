@@ -111,11 +111,12 @@ class MemoryPredictor:
         """Peak memory of a full-size step of a run with `trainer`'s geometry and precision."""
         sizes = step_micro_batch_sizes(num_train, trainer, 0)[:2]
         key = (tuple(sizes), trainer.precision, trainer.grad_clip_norm)
-        if key not in self._cache:
-            try:
-                self._cache[key] = self._predict(sizes, trainer)
-            except Exception as error:  # noqa: BLE001 - as above
-                raise PredictionUnsupported(_reason(error)) from error
+        if key in self._cache:
+            return replace(self._cache[key], seconds=0.0)
+        try:
+            self._cache[key] = self._predict(sizes, trainer)
+        except Exception as error:  # noqa: BLE001 - as above
+            raise PredictionUnsupported(_reason(error)) from error
         return self._cache[key]
 
     def _predict(self, sizes: list[int], trainer: TrainerConfig) -> Prediction:
