@@ -103,6 +103,10 @@ def rerun_overrides(
     ones: what `python -m train` needs to train exactly this trial. Study settings are left
     out, except the memory budget, which `python -m train` honours."""
     values = {**(fixed or {}), **{k: override_value(v) for k, v in trial.params.items()}}
+    if "trainer.effective_batch_size" in values:  # derived accumulation: what the trial used
+        for key in (BATCH_KEY, "trainer.accum_steps"):
+            if key in trial.user_attrs:
+                values[key] = override_value(trial.user_attrs[key])
     kept = []
     for override in base:
         key = override.split("=", 1)[0].lstrip("+~")

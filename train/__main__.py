@@ -18,7 +18,8 @@ from search.tracking import ROLE_TAG, Tracker
 from train.config import ConfigError
 from train.loop import Diverged, Hooks
 from train.memory import OutOfMemory, format_bytes
-from train.run import check_builds, plan, run
+from train.predict import PredictionUnsupported
+from train.run import check_builds, plan, predict, run
 
 # The entry point is the composition root: it wires MLflow (search.tracking) to the training
 # loop's hooks. The train/ library modules themselves know nothing of MLflow.
@@ -29,18 +30,26 @@ def main(cfg: DictConfig) -> None:
     console, errors = Console(), Console(stderr=True)
     try:
         spec = plan(cfg, cfg.search.memory_budget)
-        check_builds(cfg, spec)
+        note = check_builds(cfg, spec)
     except ConfigError as error:
         errors.print(f"[bold red]Configuration error[/bold red]\n{error}")
         sys.exit(2)
+    prediction = None
+    try:
+        prediction = predict(cfg, spec)
+    except PredictionUnsupported as error:
+        note = f"memory is not predicted for this model ({error}); it is measured as it trains"
+    if note:
+        console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
     tracker = Tracker(cfg.mlflow.tracking_uri, "train", cfg.mlflow.artifact_root)
     log = tracker.start_run("train", tags={ROLE_TAG: "train"})
     log.params(spec.params())
     log.text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
     console.print(
         f"Training on {spec.device}: batch {spec.trainer.batch_size} x {spec.trainer.accum_steps} "
-        f"= {spec.trainer.effective_batch_size}, {spec.trainer.precision}, lr {spec.lr:.4g}; "
-        f"MLflow run {log.run_id}",
+        f"= {spec.trainer.effective_batch_size}, {spec.trainer.precision}, lr {spec.lr:.4g}"
+        + (f", predicted peak {format_bytes(prediction.peak_bytes)}" if prediction else "")
+        + f"; MLflow run {log.run_id}",
         soft_wrap=True,
     )
 
@@ -69,8 +78,12 @@ def main(cfg: DictConfig) -> None:
         log.finish("FAILED")
         errors.print(f"[bold red]{failure[0]}[/bold red]: {failure[1]}")
         sys.exit(1)
-    budget = {"memory/budget_bytes": spec.budget_bytes} if spec.budget_bytes else {}
-    log.metrics({**result.metrics(), **budget}, step=result.num_steps)
+    extra = {"memory/budget_bytes": spec.budget_bytes} if spec.budget_bytes else {}
+    if prediction is not None:
+        measured = result.reserved_bytes or result.peak_bytes
+        extra["memory/predicted_bytes"] = prediction.peak_bytes
+        extra["memory/prediction_error"] = (prediction.peak_bytes - measured) / measured
+    log.metrics({**result.metrics(), **extra}, step=result.num_steps)
     log.tags({"batchfit.state": "COMPLETE"})
     log.finish()
     console.print(
