@@ -78,7 +78,7 @@ def main() -> None:
     # Room for two full steps of the largest batch, so that the steady step exists.
     num_samples = int(2.2 * max(args.batch_sizes) / 0.98) + 8
     cuda = args.device == "cuda"
-    rows, errors, skipped = [], [], []
+    rows, errors, skipped, unscaled = [], [], [], []
     predict_s, step_s = [], []
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         for model in args.models:
@@ -107,6 +107,12 @@ def main() -> None:
                     seconds_per_sample = elapsed / (3 * batch_size)
                     step_s.append(result.step_ms / 1000)
                     measured = result.reserved_bytes if cuda else result.peak_bytes
+                    if precision == "fp16" and result.peak_bytes < predictor.state_bytes:
+                        # The GradScaler skipped the measured steps (inf gradients at its
+                        # initial scale of 2**16), so no optimizer state exists yet; the
+                        # prediction is of the steady state, once steps are taken.
+                        unscaled.append(f"{model}/{precision}/{batch_size}")
+                        continue
                     error = (prediction.peak_bytes - measured) / measured
                     errors.append(error)
                     live_error = None
@@ -126,6 +132,12 @@ def main() -> None:
                         f"{result.step_ms / 1000:.2f} s a step"
                     )
     _report(console, args, rows, errors, skipped, predict_s, step_s, cuda)
+    if unscaled:
+        console.print(
+            f"{len(unscaled)} fp16 cells not compared: the GradScaler skipped the measured "
+            "steps (inf gradients at the initial scale), so they ran without optimizer state: "
+            + ", ".join(unscaled)
+        )
 
 
 def _report(console, args, rows, errors, skipped, predict_s, step_s, cuda) -> None:  # noqa: ANN001

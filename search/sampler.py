@@ -68,7 +68,7 @@ class FeasibilityFilter(BaseSampler):
             return params
         infeasible = [
             t.params
-            for t in study._get_trials(
+            for t in study.get_trials(
                 deepcopy=False, states=(TrialState.PRUNED, TrialState.COMPLETE)
             )
             if is_infeasible(t)
