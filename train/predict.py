@@ -271,9 +271,12 @@ def largest_fitting_batch(
 ) -> tuple[int, Prediction] | None:
     """For `trainer`'s effective batch E: the largest micro-batch b dividing E whose step is
     predicted to fit `budget_bytes` with `margin` to spare, and its prediction; None when even
-    b = 1 does not fit. Peak memory grows with b, so the divisors are bisected."""
+    b = 1 does not fit. The whole batch (one micro-batch) is tried first: accumulating adds a
+    second micro-batch over live gradients, so it can peak higher than b = E. Among proper
+    divisors peak memory grows with b, so they are bisected."""
     effective = trainer.effective_batch_size
-    divisors = [b for b in range(1, effective + 1) if effective % b == 0]
+    # b = 1 last: that it cannot train (BatchNorm) says nothing of larger micro-batches.
+    divisors = [b for b in range(2, effective) if effective % b == 0]
 
     def fits(b: int) -> Prediction | None:
         geometry = replace(trainer, batch_size=b, accum_steps=effective // b)  # same effective
@@ -285,6 +288,9 @@ def largest_fitting_batch(
             raise
         return prediction if prediction.peak_bytes * (1 + margin) <= budget_bytes else None
 
+    whole = fits(effective)
+    if whole is not None:
+        return effective, whole
     best = None
     low, high = 0, len(divisors) - 1
     while low <= high:
@@ -294,6 +300,9 @@ def largest_fitting_batch(
             best, low = (divisors[mid], prediction), mid + 1
         else:
             high = mid - 1
+    if best is None and effective > 1:
+        one = fits(1)
+        best = (1, one) if one is not None else None
     return best
 
 
@@ -301,7 +310,8 @@ def largest_fitting_batch(
 # Constants of c10/cuda/CUDACachingAllocator.cpp: every block is rounded up to 512 bytes;
 # blocks up to 1 MiB come from 2 MiB segments of the small pool; larger ones from 20 MiB
 # segments when under 10 MiB, else from a segment of their own rounded up to 2 MiB. A free
-# block is reused best-fit and split when the rest is worth keeping; segments are kept.
+# block is reused best-fit and split when the rest is worth keeping; segments are kept. With
+# expandable segments the large pool is one segment mapped in 20 MiB pages.
 _MIN_BLOCK = 512
 _SMALL_SIZE = 1 << 20
 _SMALL_BUFFER = 2 << 20
@@ -325,7 +335,8 @@ class _Block:
 class CachingAllocatorModel:
     """Reserved bytes of PyTorch's CUDA caching allocator for a sequence of allocations and
     frees (one stream, no `empty_cache`). With expandable segments (PYTORCH_CUDA_ALLOC_CONF=
-    expandable_segments:True) the large pool is one segment that grows in 2 MiB pages."""
+    expandable_segments:True) the large pool is one segment that grows in pages of
+    kLargeBuffer (20 MiB), and any rest of a block is split off."""
 
     def __init__(self, expandable: bool = False):
         self.expandable = expandable
@@ -340,7 +351,7 @@ class CachingAllocatorModel:
         small = size <= _SMALL_SIZE
         block = self._best_fit(size, small) or self._new_segment(size, small)
         rest = block.size - size
-        if rest >= _MIN_BLOCK if small else rest > _SMALL_SIZE:
+        if rest >= _MIN_BLOCK if small or self.expandable else rest > _SMALL_SIZE:
             blocks = self.segments[block.segment]
             tail = _Block(block.segment, block.offset + size, rest)
             blocks.insert(blocks.index(block) + 1, tail)
@@ -369,11 +380,13 @@ class CachingAllocatorModel:
         return min(candidates, key=lambda b: (b.size, b.segment, b.offset), default=None)
 
     def _new_segment(self, size: int, small: bool) -> _Block:
-        if self.expandable and not small and self.segments and self._large_segment() is not None:
+        if self.expandable and not small and self._large_segment() is not None:
             return self._grow(size)
         if small:
             segment_bytes = _SMALL_BUFFER
-        elif size < _MIN_LARGE_ALLOC and not self.expandable:
+        elif self.expandable:
+            segment_bytes = _round_up(size, _LARGE_BUFFER)
+        elif size < _MIN_LARGE_ALLOC:
             segment_bytes = _LARGE_BUFFER
         else:
             segment_bytes = _round_up(size, _ROUND_LARGE)
@@ -395,7 +408,7 @@ class CachingAllocatorModel:
         if not last.free:
             last = _Block(index, last.offset + last.size, 0)
             blocks.append(last)
-        grow = _round_up(size - last.size, _ROUND_LARGE)
+        grow = _round_up(size - last.size, _LARGE_BUFFER)
         last.size += grow
         self._reserve(grow)
         return last

@@ -12,8 +12,8 @@ from optuna.trial import TrialState, create_trial
 
 from search.sampler import FeasibilityFilter, dominated, is_infeasible
 
-BATCH, EFFECTIVE, ACCUM = "trainer.batch_size", "trainer.effective_batch_size", "trainer.accum_steps"
-PRECISION, LR = "trainer.precision", "optimizer.lr"
+BATCH, ACCUM, PRECISION = "trainer.batch_size", "trainer.accum_steps", "trainer.precision"
+EFFECTIVE, LR = "trainer.effective_batch_size", "optimizer.lr"
 OOM = {BATCH: 256, PRECISION: "fp32", ACCUM: 1, LR: 0.01}
 FLOATS = {LR}
 
@@ -126,7 +126,7 @@ def test_the_filter_halves_late_oom_proposals():
     late_with = sum(count for count, _ in with_filter)
     late_without = sum(count for count, _ in without)
     # Without the filter TPE keeps proposing OOMs late in the study: the test is meaningful.
-    assert late_without >= 0.15 * N_TRIALS // 2 * len(SEEDS)
+    assert late_without >= 30  # 15 % of the 200 late trials
     assert late_with <= 0.5 * late_without, (late_with, late_without)
     assert sum(redrawn for _, redrawn in with_filter) > 0
     assert all(redrawn > 0 for _, redrawn in with_filter)

@@ -157,7 +157,7 @@ def test_budget_groups(composer):
     # The optional budget@search group follows ${model}_${data}; none for the default pair.
     assert composer().search.memory_budget is None
     budgets = {
-        ("resnet18", "digits"): 150 * 2**20,
+        ("resnet18", "digits"): 160 * 2**20,
         ("resnet18", "cifar10"): 2**30,
         ("resnet18", "synthetic"): 2**30,
         ("small_cnn", "cifar10"): None,
@@ -179,7 +179,7 @@ def test_resnet_experiment_composes(composer):
     assert cfg.data._target_ == "train.data.cifar10"
     assert parse_budget(cfg.search.memory_budget, 64 * 2**30) == 2**30
     offline = composer("+experiment=resnet", "data=digits")
-    assert parse_budget(offline.search.memory_budget, 64 * 2**30) == 150 * 2**20
+    assert parse_budget(offline.search.memory_budget, 64 * 2**30) == 160 * 2**20
     # Every searched trainer value is one TrainerConfig accepts.
     for precision in ("fp32", "tf32", "bf16", "fp16"):
         assert dataclasses.replace(trainer, precision=precision).precision == precision
