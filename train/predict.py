@@ -216,8 +216,10 @@ class _Line:
     has a size a + b*n (parameters and state: b = 0; activations: a = 0), so once three
     steps computed at different n have the same sequence of allocations and frees, and the
     third is exactly where the line through the first two puts it, any other n is read off
-    the line without computing. A sequence that changes with n (a model that branches on
-    the batch size) leaves the line unused: every n is then computed."""
+    the line without computing. A sequence that changes with n between the computed sizes
+    (a model that branches on the batch size) leaves the line unused: every n is then
+    computed. A branch beyond the three computed sizes is not seen: such a model is
+    mispredicted there (none of the bundled ones branches on the batch size)."""
 
     def __init__(self) -> None:
         self.points: dict[int, Events] = {}
