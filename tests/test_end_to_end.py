@@ -142,3 +142,28 @@ def test_train_entry_point_with_the_issue_command(tmp_path: Path) -> None:
     # lr_scaling=linear with reference 128 in the resnet experiment: 0.05 x 128/128
     assert float(run.data.params["lr_scaled"]) == pytest.approx(0.05)
     assert run.data.metrics["memory/budget_bytes"] == 150 * 2**20
+
+
+def test_fit_report_entry_point(tmp_path: Path) -> None:
+    # ResNet-18 on digits under the 160 MiB of conf/budget/resnet18_digits.yaml: parameters,
+    # gradients and momentum take 128 MiB; with the 5% margin fp32 fits up to batch 32.
+    done = _run("search.fit", ["+experiment=resnet", "data=digits"], tmp_path)
+    out = done.stdout
+    assert "Fit report" in out and "budget 160.0 MiB, margin 5%" in out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 3}
+    assert "145.9 MiB" in rows["32"] and "(OOM)" in rows["64"]
+    assert rows["largest that fits"].split("│")[2].strip() == "32"  # the fp32 column
+    assert not (tmp_path / "mlruns").exists()  # a report records nothing
+
+
+def test_fit_report_of_a_budget_below_the_optimizer_state(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    done = subprocess.run(
+        [sys.executable, "-m", "search.fit", "+experiment=resnet", "data=digits",
+         "search.memory_budget=100MiB"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "below the 127.9 MiB that the parameters, gradients and optimizer state" in (
+        done.stderr.replace("\n", " ")
+    )
