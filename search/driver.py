@@ -38,6 +38,12 @@ def fixed_config(cfg: DictConfig, searched: Sequence[str]) -> str:
     """The config a study's trials share (searched keys and resumable settings removed)."""
     fixed = OmegaConf.to_container(cfg, resolve=True)
     fixed.pop("mlflow", None)
+    # Settings added after a study may have begun count only when set to something else, so
+    # that such a study still resumes.
+    if fixed["search"].get("accumulation") == "searched":
+        fixed["search"].pop("accumulation")
+    if fixed.get("trainer", {}).get("effective_batch_size", 0) is None:
+        fixed["trainer"].pop("effective_batch_size")
     for key in _RESUMABLE_KEYS:
         fixed["search"].pop(key, None)
     for key in searched:

@@ -2,7 +2,8 @@
 
     python -m search.fit +experiment=resnet data=digits
 
-For every precision and batch size of the search space, the predicted peak memory of a
+For every precision and batch size of the search space, with the base config's model and
+optimizer (other searched keys at their configured values), the predicted peak memory of a
 training step (train/predict.py: the step computed on fake tensors) and the largest batch
 size that fits the budget with search.preflight_margin to spare. With
 search.accumulation=derived, the rows are the searched effective batch sizes and each cell
@@ -83,7 +84,12 @@ def _values(dist: BaseDistribution | None, fixed: str | None, default: object) -
     if isinstance(dist, CategoricalDistribution):
         return list(dist.choices)
     if isinstance(dist, IntDistribution):
-        powers = [2**k for k in range(32) if dist.low <= 2**k <= dist.high]
+        step = dist.step or 1
+        powers = [
+            2**k
+            for k in range(32)
+            if dist.low <= 2**k <= dist.high and (2**k - dist.low) % step == 0
+        ]
         return sorted({dist.low, *powers, dist.high})
     if fixed is not None:
         return [type(default)(fixed)] if default is not None else [fixed]

@@ -96,11 +96,16 @@ class TimeBudget:
             )
 
 
-def _memory_violation(outcome: Outcome, peak_bytes: int | None, budget_bytes: int) -> float | None:
+def _memory_violation(
+    outcome: Outcome, peak_bytes: int | None, budget_bytes: int, margin: float
+) -> float | None:
     """(peak - budget) / budget: > 0 for a trial that did not fit, <= 0 for one that did;
-    None when nothing is known of its memory. A CUDA OOM stops the allocator before the
-    peak, so an OOM's violation is at least 1%."""
+    None when nothing is known of its memory. A predicted OOM counts its peak with the
+    margin that pruned it (search.preflight_margin is part of a study's fixed config). A
+    CUDA OOM stops the allocator before the peak, so an OOM's violation is at least 1%."""
     predicted = outcome.prediction.peak_bytes if outcome.prediction else None
+    if outcome.reason == "oom_predicted" and predicted is not None:
+        return max(predicted * (1 + margin) / budget_bytes - 1, 0.01)
     if outcome.reason in ("oom", "oom_predicted"):
         peak = max(outcome.peak_bytes or 0, predicted or 0)
         return max((peak - budget_bytes) / budget_bytes, 0.01)
@@ -202,8 +207,12 @@ class Objective:
         except PredictionUnsupported as error:
             self._say_unsupported(error)
             return cfg, spec, None, True
-        if found is None:  # not even a micro-batch of 1: report the whole batch's prediction
-            return cfg, spec, predictor.predict(spec.trainer, num_train), False
+        if found is None:  # not even a micro-batch of 1 fits (or trains)
+            try:
+                prediction = predictor.predict(spec.trainer, num_train)
+            except PredictionUnsupported:
+                prediction = None
+            return cfg, spec, prediction, False
         # ... then as the largest micro-batch that fits, accumulated to the effective batch.
         batch_size, prediction = found
         split = [
@@ -232,11 +241,16 @@ class Objective:
             if fits:
                 outcome = self._train(trial, cfg, spec, run_log)
             else:
+                budget = spec.budget_bytes or device_total_bytes(spec.device)
+                need = (
+                    f"its step is predicted to need {format_bytes(prediction.peak_bytes)}"
+                    if prediction is not None
+                    else "no micro-batch of it can train"
+                )
                 outcome = Outcome(
                     "PRUNED",
                     "oom_predicted",
-                    f"its step is predicted to need {format_bytes(prediction.peak_bytes)}, over "
-                    f"the budget of {format_bytes(spec.budget_bytes)} less "
+                    f"{need}, over the budget of {format_bytes(budget)} less "
                     f"search.preflight_margin={self.settings.preflight_margin:g}",
                 )
             outcome.prediction = prediction
@@ -332,7 +346,12 @@ class Objective:
                 error = (predicted - measured) / measured
                 attrs["prediction_error"] = metrics["memory/prediction_error"] = error
         if self.settings.oom_constraint and spec.budget_bytes is not None:
-            violation = _memory_violation(outcome, attrs.get("peak_bytes"), spec.budget_bytes)
+            violation = _memory_violation(
+                outcome,
+                attrs.get("peak_bytes", trial.user_attrs.get("peak_bytes")),
+                spec.budget_bytes,
+                self.settings.preflight_margin,
+            )
             if violation is not None:
                 trial.set_constraint("memory", violation)
                 attrs["memory_violation"] = violation

@@ -7,7 +7,9 @@ proposals do not change), and GPSampler and NSGA-II read only COMPLETE trials. P
 though, only grows with the batch: a configuration is sure not to fit if an infeasible trial
 had the same precision and other memory-relevant values with a batch size no larger and an
 accumulation pattern no lighter. `FeasibilityFilter` wraps any sampler and redraws such
-proposals, so the OOM boundary found by one trial holds for all later ones.
+proposals, so the OOM boundary found by one trial holds for later ones. It acts on joint
+(relative) proposals: not during the base sampler's independent start-up trials, nor for
+samplers that only sample independently (RandomSampler, TPE without multivariate).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
 
 CONSTRAINT = "memory"
-BATCH_KEYS = ("trainer.batch_size", "trainer.effective_batch_size")  # memory grows with these
+# Memory grows with the micro-batch. Not with trainer.effective_batch_size (derived
+# accumulation): a larger one may train a smaller micro-batch, so it is compared for equality.
+BATCH_KEYS = ("trainer.batch_size",)
 ACCUM_KEY = "trainer.accum_steps"  # 1 micro-batch, or 2 or more (the same peak from 2 on)
 
 

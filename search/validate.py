@@ -86,7 +86,12 @@ def validate(
             problems += _check_key(cfg, key, space, problems, derived)
     if spec is not None and not problems:
         note = _collect(problems, lambda: check_builds(cfg, spec))
-        if note:
+        if note and derived:
+            problems.append(
+                f"search.accumulation=derived chooses each micro-batch from the memory "
+                f"prediction, but {note}; use search.accumulation=searched"
+            )
+        elif note:
             notes.append(note)
     if space is not None and not problems:
         _collect(problems, lambda: _compose_trial(compose, space))

@@ -51,20 +51,25 @@ class _FakeGradScaler(torch.amp.GradScaler):
 
 
 def _fake_module(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> None:
-    """Replace parameters and buffers by fake tensors on `device`, in place."""
+    """Replace parameters and buffers by fake tensors on `device`, in place. A tensor shared
+    by several modules (tied weights) stays one tensor."""
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in fakes:
+            empty = torch.empty_strided(
+                tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device
+            )
+            is_param = isinstance(tensor, nn.Parameter)
+            fakes[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if is_param else empty
+        return fakes[id(tensor)]
+
     with mode:
         for module in model.modules():
-            for name, param in module._parameters.items():
-                if param is not None:
-                    fake = torch.empty_strided(
-                        param.shape, param.stride(), dtype=param.dtype, device=device
-                    )
-                    module._parameters[name] = nn.Parameter(fake, param.requires_grad)
-            for name, buffer in module._buffers.items():
-                if buffer is not None:
-                    module._buffers[name] = torch.empty_strided(
-                        buffer.shape, buffer.stride(), dtype=buffer.dtype, device=device
-                    )
+            for tensors in (module._parameters, module._buffers):
+                for name, tensor in tensors.items():
+                    if tensor is not None:
+                        tensors[name] = fake(tensor)
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:

@@ -50,8 +50,11 @@ def test_an_oom_with_accumulation_does_not_rule_out_a_single_micro_batch(accum, 
 
 
 def test_dominated_by_effective_batch_and_other_keys():
+    # Derived accumulation: a larger effective batch may train a smaller micro-batch, so an
+    # OOM at 256 says nothing of 512; only the same effective batch is dominated.
     oom = {EFFECTIVE: 256, PRECISION: "bf16", "model.width": 32}
-    assert dominated({EFFECTIVE: 512, PRECISION: "bf16", "model.width": 32}, oom, set())
+    assert dominated({EFFECTIVE: 256, PRECISION: "bf16", "model.width": 32}, oom, set())
+    assert not dominated({EFFECTIVE: 512, PRECISION: "bf16", "model.width": 32}, oom, set())
     assert not dominated({EFFECTIVE: 128, PRECISION: "bf16", "model.width": 32}, oom, set())
     assert not dominated({EFFECTIVE: 512, PRECISION: "bf16", "model.width": 16}, oom, set())
     # Keys the proposal does not have (a conditional parameter) are not compared.
