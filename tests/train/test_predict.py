@@ -503,3 +503,27 @@ def test_cuda_prediction_matches_max_memory_reserved(hydra_conf):
         errors.append(abs(predicted - measured) / measured)
     assert statistics.median(errors) <= 0.05, errors
     assert max(errors) <= 0.15, errors
+
+
+class _Tied(nn.Module):
+    """Two linear layers sharing one weight (as tied embeddings do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flatten = nn.Flatten()
+        self.a = nn.Linear(64, 64, bias=False)
+        self.b = nn.Linear(64, 64, bias=False)
+        self.b.weight = self.a.weight
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(torch.relu(self.a(self.flatten(x)))))
+
+
+def test_tied_weights_are_counted_once():
+    model = _Tied()
+    real_params = sum(p.numel() * 4 for p in model.parameters())  # parameters() dedupes
+    predictor = MemoryPredictor(model, _nesterov, EXAMPLE, CPU)
+    assert len(list(predictor.model.parameters())) == 3
+    # parameters, gradients and momentum: three copies of each distinct parameter
+    assert predictor.state_bytes == 3 * real_params
