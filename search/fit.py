@@ -28,8 +28,8 @@ from rich.table import Table
 from search.config import SearchConfig
 from search.space import SearchSpace
 from train.config import ConfigError
-from train.memory import device_total_bytes, format_bytes
-from train.predict import PredictionUnsupported, largest_fitting_batch
+from train.memory import format_bytes
+from train.predict import PredictionUnsupported, fits_budget, largest_fitting_batch
 from train.run import RunSpec, build_data, memory_predictor
 
 BATCH_KEY = "trainer.batch_size"
@@ -126,7 +126,6 @@ def fit_report(
     )
     predictor = memory_predictor(cfg, spec)
     num_train = len(build_data(cfg).train_y)
-    budget = spec.budget_bytes or device_total_bytes(spec.device)
     for precision in precisions:
         for row in rows:
             if derived:
@@ -138,7 +137,7 @@ def fit_report(
                     precision=precision,
                 )
                 found = largest_fitting_batch(
-                    predictor, geometry, num_train, budget, settings.preflight_margin
+                    predictor, geometry, num_train, spec.limit_bytes, settings.preflight_margin
                 )
                 if found is None:
                     report.cells[precision, row] = Cell(None, False, 0, 0)
@@ -161,7 +160,7 @@ def fit_report(
                 # BatchNorm over a 1x1 feature map cannot train on a single sample
                 report.cells[precision, row] = Cell(None, False, row, accum, str(error))
                 continue
-            fits = peak * (1 + settings.preflight_margin) <= budget
+            fits = fits_budget(peak, spec.limit_bytes, settings.preflight_margin)
             report.cells[precision, row] = Cell(peak, fits, row, accum)
     report.seconds = time.perf_counter() - started
     return report

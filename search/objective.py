@@ -31,8 +31,8 @@ from search.space import SearchSpace
 from search.tracking import RunLog, Tracker
 from train.config import ConfigError
 from train.loop import Diverged, Hooks, RunResult
-from train.memory import OutOfMemory, device_total_bytes, format_bytes, release_memory
-from train.predict import Prediction, PredictionUnsupported, largest_fitting_batch
+from train.memory import OutOfMemory, format_bytes, release_memory
+from train.predict import Prediction, PredictionUnsupported, fits_budget, largest_fitting_batch
 from train.run import RunSpec, build_data, memory_predictor, plan, predict, run
 
 # The probe overestimates per-sample time (8 samples run less efficiently than a real
@@ -101,8 +101,8 @@ def _memory_violation(
 ) -> float | None:
     """(peak - budget) / budget: > 0 for a trial that did not fit, <= 0 for one that did;
     None when nothing is known of its memory. A predicted OOM counts its peak with the
-    margin that pruned it (search.preflight_margin is part of a study's fixed config). A
-    CUDA OOM stops the allocator before the peak, so an OOM's violation is at least 1%."""
+    margin that pruned it. A CUDA OOM stops the allocator before the peak, so an OOM's
+    violation is at least 1%."""
     predicted = outcome.prediction.peak_bytes if outcome.prediction else None
     if outcome.reason == "oom_predicted" and predicted is not None:
         return max(predicted * (1 + margin) / budget_bytes - 1, 0.01)
@@ -188,7 +188,7 @@ class Objective:
     def _fits(self, prediction: Prediction | None, budget_bytes: int | None) -> bool:
         if prediction is None or budget_bytes is None:
             return True
-        return prediction.peak_bytes * (1 + self.settings.preflight_margin) <= budget_bytes
+        return fits_budget(prediction.peak_bytes, budget_bytes, self.settings.preflight_margin)
 
     def _derive(self, overrides: list[str]) -> tuple[DictConfig, RunSpec, Prediction | None, bool]:
         # First as one micro-batch of the whole effective batch (a consistent config) ...
@@ -197,12 +197,11 @@ class Objective:
         whole = [f"trainer.batch_size={effective}", "trainer.accum_steps=1"]
         cfg = self._compose(overrides + whole)
         spec = plan(cfg, self.settings.memory_budget)
-        budget = spec.budget_bytes or device_total_bytes(spec.device)
         try:
             predictor = memory_predictor(cfg, spec)
             num_train = len(build_data(cfg).train_y)
             found = largest_fitting_batch(
-                predictor, spec.trainer, num_train, budget, self.settings.preflight_margin
+                predictor, spec.trainer, num_train, spec.limit_bytes, self.settings.preflight_margin
             )
         except PredictionUnsupported as error:
             self._say_unsupported(error)
@@ -241,7 +240,6 @@ class Objective:
             if fits:
                 outcome = self._train(trial, cfg, spec, run_log)
             else:
-                budget = spec.budget_bytes or device_total_bytes(spec.device)
                 need = (
                     f"its step is predicted to need {format_bytes(prediction.peak_bytes)}"
                     if prediction is not None
@@ -250,7 +248,7 @@ class Objective:
                 outcome = Outcome(
                     "PRUNED",
                     "oom_predicted",
-                    f"{need}, over the budget of {format_bytes(budget)} less "
+                    f"{need}, over the budget of {format_bytes(spec.limit_bytes)} less "
                     f"search.preflight_margin={self.settings.preflight_margin:g}",
                 )
             outcome.prediction = prediction

@@ -285,7 +285,9 @@ def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunRes
     scaler = precision.grad_scaler()
     steps_per_epoch, num_steps = steps_plan(len(data.train_y), cfg)
     measured_steps = memory_steps(len(data.train_y), cfg, num_steps) if meter.needs_tracker else []
-    first_timed_step = min(max([cfg.warmup_steps, *(s + 1 for s in measured_steps)]), num_steps - 1)
+    memory_checked_step = max(measured_steps, default=0)  # past it, the run fits its budget
+    timed_from = max([cfg.warmup_steps, *(s + 1 for s in measured_steps)])
+    first_timed_step = min(timed_from, num_steps - 1)
     if hooks.on_probe:
         seconds = probe_seconds_per_sample(model, data, cfg, precision, device)
         hooks.on_probe(seconds, samples_planned(len(data.train_y), cfg))
@@ -319,7 +321,7 @@ def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunRes
                 step_loss = optimizer_step(
                     model, optimizer, scaler, precision, micro, cfg.grad_clip_norm, len(idx)
                 )
-            if hooks.on_memory and step == max(measured_steps, default=0):
+            if hooks.on_memory and step == memory_checked_step:
                 hooks.on_memory(meter.stats().peak_bytes)
             step_lr = scheduler.get_last_lr()[0]  # the rate this step used
             scheduler.step()

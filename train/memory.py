@@ -2,8 +2,9 @@
 
 On CUDA the budget is real: `set_per_process_memory_fraction` makes the caching allocator raise
 `torch.OutOfMemoryError` past it, and the allocator's peak statistics are the measurement.
-On CPU the budget is accounted: the first two optimizer steps run under `TensorMemoryTracker`,
-which sees every tensor storage created or freed, and a peak above the budget is the same OOM.
+On CPU the budget is accounted: step 0 and the first full-size step with optimizer state run
+under `TensorMemoryTracker` (train/loop.py `memory_steps`), which sees every tensor storage
+created or freed, and a peak above the budget is the same OOM.
 """
 
 from __future__ import annotations

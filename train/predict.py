@@ -269,6 +269,11 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}"
 
 
+def fits_budget(peak_bytes: int, budget_bytes: int, margin: float) -> bool:
+    """Whether a predicted peak fits the budget with `margin` (a share of the peak) to spare."""
+    return peak_bytes * (1 + margin) <= budget_bytes
+
+
 def largest_fitting_batch(
     predictor: MemoryPredictor,
     trainer: TrainerConfig,
@@ -293,7 +298,7 @@ def largest_fitting_batch(
             if b == 1:  # e.g. BatchNorm over a 1x1 feature map: a single sample cannot train
                 return None
             raise
-        return prediction if prediction.peak_bytes * (1 + margin) <= budget_bytes else None
+        return prediction if fits_budget(prediction.peak_bytes, budget_bytes, margin) else None
 
     whole = fits(effective)
     if whole is not None:

@@ -48,6 +48,11 @@ class RunSpec:
             "device": str(self.device),
         }
 
+    @property
+    def limit_bytes(self) -> int:
+        """The memory the run may use: its budget, or the whole device without one."""
+        return self.budget_bytes or device_total_bytes(self.device)
+
 
 def resolve_device(name: str) -> torch.device:
     """The device for `trainer.device`; CUDA devices carry their index (the memory-fraction
@@ -187,7 +192,6 @@ def check_builds(cfg: DictConfig, spec: RunSpec) -> str | None:
         predictor = memory_predictor(cfg, spec)
     except PredictionUnsupported as error:
         needed, what, note = param_bytes(model), "the model's parameters alone", str(error)
-        smallest = 4 * needed
     else:
         needed, note = predictor.state_bytes, None
         what = "the parameters, gradients and optimizer state alone (predicted)"

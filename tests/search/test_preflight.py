@@ -112,7 +112,7 @@ def test_trials_predicted_not_to_fit_are_pruned_before_training(hydra_conf, stor
     for t in trials:
         metrics = runs[f"trial-{t.number}"].data.metrics
         assert metrics["memory/predicted_bytes"] == t.user_attrs["predicted_bytes"]
-        assert metrics["time/prediction_s"] >= 0
+        assert metrics["time/prediction_s"] == 0  # the fit report at study start predicted it
         if t.state == TrialState.COMPLETE:
             assert metrics["memory/prediction_error"] == pytest.approx(
                 t.user_attrs["prediction_error"]
