@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from search.redact import redact
 from train.config import ConfigError
 
 # Metrics a trial can be optimised for, each with the only direction that makes sense.
@@ -33,6 +34,8 @@ class SearchConfig:
     preflight_margin: float = 0.05  # prune when predicted x (1 + this) exceeds the budget
     oom_constraint: bool = True  # tell the sampler OOM trials are infeasible
     accumulation: str = "searched"  # or "derived": see conf/search/default.yaml
+    workers: int = 1  # worker processes sharing the study (a --multirun over them)
+    outage_wait_s: float = 600.0  # mlflow.outage_wait_s: wait for an unreachable MLflow at the end
 
     @property
     def metrics(self) -> list[str]:
@@ -95,5 +98,29 @@ class SearchConfig:
                 f"search.accumulation must be one of {', '.join(ACCUMULATION_MODES)}, got "
                 f"{self.accumulation!r}; override with search.accumulation=searched"
             )
+        wait = self.outage_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or wait < 0:
+            problems.append(
+                f"mlflow.outage_wait_s must be a number of seconds >= 0, got {wait!r}; "
+                "override with mlflow.outage_wait_s=600"
+            )
+        problems += self._workers_problems()
         if problems:
             raise ConfigError(problems)
+
+    def _workers_problems(self) -> list[str]:
+        workers = self.workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            return [
+                f"search.workers must be an integer >= 1, got {workers!r}; e.g. "
+                "python -m search --multirun search.workers=4"
+            ]
+        if workers > 1 and isinstance(self.storage, str) and self.storage.startswith("sqlite:"):
+            return [
+                f"search.storage={redact(self.storage)!r} cannot be shared by "
+                f"search.workers={workers} processes: SQLite locks the whole database on every "
+                "write. Use a journal file on a filesystem all workers see, e.g. "
+                "search.storage=journal:mlruns/optuna.journal, or PostgreSQL, e.g. "
+                "search.storage=postgresql://user@host:5432/batchfit"
+            ]
+        return []

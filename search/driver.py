@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -15,18 +16,37 @@ from rich.console import Console
 
 from search import fit, report
 from search.objective import Objective, TrialFailed
+from search.overhead import CallClock, Lap, storage_methods
+from search.redact import redact
 from search.sampler import FeasibilityFilter
-from search.study import StopWhenFinished, flatten, num_finished, open_study
-from search.tracking import ROLE_TAG, RunLog, StudyRun, Tracker
+from search.study import (
+    flatten,
+    interrupted_numbers,
+    num_finished,
+    num_running,
+    open_study,
+    should_start_trial,
+)
+from search.tracking import RunLog, StudyRun, Tracker
 from search.validate import Checked, validate
 from train.predict import PredictionUnsupported
 
 PARENT_ATTR = "mlflow_parent_run_id"
+WORKER_KEY = "worker"  # conf/config.yaml: which of search.workers a process is
 # Study settings that may change between runs of one study without making it another study.
 _RESUMABLE_KEYS = (
     "n_trials", "params", "sampler", "pruner", "trial_time_budget_s", "heartbeat_interval_s",
-    "storage", "study_name", "preflight", "preflight_margin", "oom_constraint",
+    "storage", "study_name", "preflight", "preflight_margin", "oom_constraint", "workers",
 )  # fmt: skip
+IDLE_POLL_S = 2.0  # an idle worker looks for dead workers' trials this often
+
+
+class TrackingIncomplete(Exception):
+    """MLflow stayed unreachable: some records of this worker were not written."""
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
 
 
 def default_study_name(choices: dict[str, str]) -> str:
@@ -38,6 +58,7 @@ def fixed_config(cfg: DictConfig, searched: Sequence[str]) -> str:
     """The config a study's trials share (searched keys and resumable settings removed)."""
     fixed = OmegaConf.to_container(cfg, resolve=True)
     fixed.pop("mlflow", None)
+    fixed.pop(WORKER_KEY, None)
     # Settings added after a study may have begun count only when set to something else, so
     # that such a study still resumes.
     if fixed["search"].get("accumulation") == "searched":
@@ -95,22 +116,30 @@ class StudyDriver:
         self.tracker = tracker
         self.parent = parent
         self.console = console
+        self.storage_clock = CallClock()
+        self._killed_seen: set[int] = set()
 
     @classmethod
     def prepare(
-        cls, cfg: DictConfig, overrides: list[str], choices: dict[str, str], console: Console
+        cls,
+        cfg: DictConfig,
+        overrides: list[str],
+        choices: dict[str, str],
+        console: Console,
+        multirun: bool = False,
     ) -> StudyDriver:
         name = cfg.search.study_name or default_study_name(choices)
         searched = (
             OmegaConf.to_container(cfg.search.params, resolve=True) if cfg.search.params else {}
         )
-        # A trial's overrides replace the command line's for the same key.
-        base = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in searched]
+        # A trial's overrides replace the command line's for the same key; which worker this
+        # is never reaches a trial.
+        base = [o for o in overrides if _key(o) not in searched and _key(o) != WORKER_KEY]
 
         def compose(trial_overrides: list[str]) -> DictConfig:
             return hydra.compose(config_name="config", overrides=base + trial_overrides)
 
-        checked = validate(cfg, name, compose)
+        checked = validate(cfg, name, compose, multirun=multirun)
         for note in checked.notes:
             console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
         settings = checked.settings
@@ -118,6 +147,8 @@ class StudyDriver:
         # searched keys. A resume must find the same, or it would mix incomparable trials.
         fixed = fixed_config(compose(checked.space.overrides({})), list(searched))
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own lines report each trial
+        storage_clock = CallClock()
+        storage_clock.time_methods(checked.storage, storage_methods(checked.storage))
         study = open_study(
             name,
             checked.storage,
@@ -126,23 +157,26 @@ class StudyDriver:
             instantiate(cfg.search.pruner),
             fixed,
         )
-        if study.trials:
-            # A resumed study (or another worker) must not replay the seeded first proposals.
+        if study.trials or settings.workers > 1:
+            # A resumed study, or workers started together with one seed, must not replay
+            # the seeded first proposals.
             study.sampler.reseed_rng()
         tracker = Tracker(cfg.mlflow.tracking_uri, name, cfg.mlflow.artifact_root)
-        parent = tracker.resume_run(study.user_attrs.get(PARENT_ATTR))
-        if parent is None:
-            parent = tracker.start_run(name, tags={ROLE_TAG: "study", "batchfit.study": name})
+        parent, created = tracker.study_run(name, study.user_attrs.get(PARENT_ATTR))
+        if created:
             study.set_user_attr(PARENT_ATTR, parent.run_id)
             parent.params(flatten(OmegaConf.to_container(OmegaConf.create(fixed))))
             parent.text(OmegaConf.to_yaml(searched), "search_space.yaml")
             parent.text(fixed, "fixed_config.yaml")
             _log_fit_report(cfg, checked, parent, console)
         parent_run = StudyRun(parent, settings.metrics)
-        return cls(checked, compose, base, study, tracker, parent_run, console)
+        driver = cls(checked, compose, base, study, tracker, parent_run, console)
+        driver.storage_clock = storage_clock
+        return driver
 
     def run(self) -> float | None:
         settings = self.checked.settings
+        storage_lap, tracking_lap = Lap(self.storage_clock), Lap(self.tracker.outbox.clock)
         objective = Objective(
             self.compose,
             self.checked.space,
@@ -150,11 +184,12 @@ class StudyDriver:
             self.tracker,
             self.parent.log.run_id,
             notify=lambda message: self.console.print(f"[yellow]note[/yellow] {message}"),
+            overhead=lambda: {"time/storage_s": storage_lap(), "time/tracking_s": tracking_lap()},
         )
         done = num_finished(self.study)
         self.console.print(
-            f"Study [bold]{settings.study_name}[/bold] in {settings.storage}: {done} of "
-            f"{settings.n_trials} trials finished; MLflow: {self.tracker.tracking_uri}",
+            f"Study [bold]{settings.study_name}[/bold] in {redact(settings.storage)}: {done} of "
+            f"{settings.n_trials} trials finished; MLflow: {redact(self.tracker.tracking_uri)}",
             soft_wrap=True,
         )
         with report.progress_bar(self.console) as progress:
@@ -164,15 +199,10 @@ class StudyDriver:
                 progress.console.print(report.trial_line(trial), soft_wrap=True)
                 progress.update(task, completed=num_finished(study))
 
-            if done < settings.n_trials:
-                self.study.optimize(
-                    objective,
-                    n_trials=settings.n_trials - done,
-                    catch=(TrialFailed,),
-                    callbacks=[self.parent, show, StopWhenFinished(settings.n_trials)],
-                )
+            self._work(objective, [self.parent, show], progress.console)
         self.parent.update(self.study)
         self.parent.log.finish("FINISHED")
+        self._close_tracking()
         report.summary(
             self.console,
             self.study,
@@ -182,6 +212,58 @@ class StudyDriver:
         )
         best = report.best_trials(self.study, limit=1)
         return best[0].values[0] if best else None
+
+    def _work(self, objective: Objective, callbacks: list, console: Console) -> None:
+        """Take trials until the study (all workers together) has search.n_trials finished.
+        While the trials running elsewhere would complete it, wait instead: if their worker
+        dies, its trial is failed (fail_stale_trials, Optuna's heartbeat check) and queued
+        again with its parameters, and this worker runs it."""
+        n_trials = self.checked.settings.n_trials
+        said_waiting = False
+        while True:
+            optuna.storages.fail_stale_trials(self.study)
+            self._end_killed_runs(console)
+            start = should_start_trial(self.study, n_trials)
+            if start is False:
+                return
+            if start is None:
+                if not said_waiting:
+                    console.print(
+                        f"waiting: {num_running(self.study)} trials running in other workers "
+                        "complete the study; a trial whose worker dies is run here"
+                    )
+                    said_waiting = True
+                self.tracker.outbox.drain()
+                time.sleep(IDLE_POLL_S)
+                continue
+            said_waiting = False
+            self.study.optimize(objective, n_trials=1, catch=(TrialFailed,), callbacks=callbacks)
+
+    def _end_killed_runs(self, console: Console) -> None:
+        """Trials whose worker died: their MLflow runs end as KILLED (once, by any worker)."""
+        new = interrupted_numbers(self.study) - self._killed_seen
+        if new:
+            for number in self.tracker.end_killed_runs(new):
+                console.print(f"#{number:<3} KILLED: its worker died; its parameters run again")
+            self._killed_seen |= new
+
+    def _close_tracking(self) -> None:
+        outbox = self.tracker.outbox
+        if outbox.drain():
+            return
+        wait_s = self.checked.settings.outage_wait_s
+        self.console.print(
+            f"[yellow]MLflow at {redact(self.tracker.tracking_uri)} is unreachable "
+            f"({outbox.last_error}); waiting up to {wait_s:g} s to write {len(outbox)} "
+            "queued records[/yellow]",
+            soft_wrap=True,
+        )
+        if not self.tracker.close(wait_s):
+            raise TrackingIncomplete(
+                f"{len(outbox)} MLflow records of this worker could not be written to "
+                f"{redact(self.tracker.tracking_uri)} ({outbox.last_error}); the study itself "
+                "is complete in search.storage. Raise mlflow.outage_wait_s to wait longer."
+            )
 
     def interrupted(self) -> None:
         self.parent.update(self.study)

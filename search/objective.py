@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from search.config import SearchConfig
 from search.space import SearchSpace
-from search.tracking import RunLog, Tracker
+from search.tracking import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG, RunLog, Tracker
 from train.config import ConfigError
 from train.loop import Diverged, Hooks, RunResult
 from train.memory import OutOfMemory, format_bytes, release_memory
@@ -137,6 +137,7 @@ class Objective:
         tracker: Tracker,
         parent_run_id: str,
         notify: Callable[[str], None] = print,
+        overhead: Callable[[], dict[str, float]] | None = None,
     ):
         self.compose = compose
         self.space = space
@@ -144,6 +145,8 @@ class Objective:
         self.tracker = tracker
         self.parent_run_id = parent_run_id
         self.notify = notify  # says a thing once to the user, between trial lines
+        # Seconds of storage and MLflow calls since the previous trial (search/overhead.py).
+        self.overhead = overhead or dict
         self._unsupported_said = False
 
     def _compose(self, overrides: list[str]) -> DictConfig:
@@ -230,10 +233,15 @@ class Objective:
             trial.set_user_attr(key, value)
         run_log = self.tracker.start_run(
             f"trial-{trial.number}",
-            tags={"batchfit.study": self.settings.study_name, "batchfit.trial": trial.number},
+            tags={
+                ROLE_TAG: "trial",
+                STUDY_TAG: self.settings.study_name,
+                TRIAL_TAG: trial.number,
+            },
             parent_id=self.parent_run_id,
         )
-        trial.set_user_attr("mlflow_run_id", run_log.run_id)
+        if run_log.run_id is not None:  # None while MLflow is unreachable: known later
+            trial.set_user_attr("mlflow_run_id", run_log.run_id)
         try:
             run_log.params({**values, **params})
             run_log.text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
@@ -254,7 +262,7 @@ class Objective:
             outcome.prediction = prediction
             seconds = time.perf_counter() - started
         except KeyboardInterrupt:
-            run_log.tags({"batchfit.state": "INTERRUPTED"})
+            run_log.tags({STATE_TAG: "INTERRUPTED"})
             run_log.finish("KILLED")
             raise
         return self._record(trial, outcome, run_log, spec, seconds)
@@ -320,7 +328,11 @@ class Objective:
         self, trial: optuna.Trial, outcome: Outcome, log: RunLog, spec: RunSpec, seconds: float
     ) -> list[float]:
         attrs: dict[str, Any] = {"state": outcome.state, "seconds": round(seconds, 2)}
-        metrics: dict[str, float] = {"time/trial_s": seconds}
+        overhead = self.overhead()
+        metrics: dict[str, float] = {"time/trial_s": seconds, **overhead}
+        attrs.update({key.removeprefix("time/"): value for key, value in overhead.items()})
+        if "mlflow_run_id" not in trial.user_attrs and log.run_id is not None:
+            attrs["mlflow_run_id"] = log.run_id
         if spec.budget_bytes is not None:
             attrs["budget_bytes"] = metrics["memory/budget_bytes"] = spec.budget_bytes
         result = outcome.result
@@ -363,7 +375,7 @@ class Objective:
         log.metrics(
             {k: v for k, v in metrics.items() if v == v}, step=result.num_steps if result else 0
         )
-        tags = {"batchfit.state": outcome.state}
+        tags = {STATE_TAG: outcome.state}
         if outcome.reason:
             tags.update(
                 {

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from search.redact import redact
 from search.space import override_value
 from search.study import counts_as_finished
 from train.memory import format_bytes
@@ -158,6 +159,8 @@ def summary(
     winner = best[0]
     overrides = rerun_overrides(winner, base_overrides, fixed)
     console.print(
-        f"Best configuration (trial {winner.number}): " + " ".join(overrides), soft_wrap=True
+        f"Best configuration (trial {winner.number}): " + redact(" ".join(overrides)),
+        soft_wrap=True,
     )
-    console.print("Rerun it: " + shlex.join(["python", "-m", "train", *overrides]), soft_wrap=True)
+    command = shlex.join(["python", "-m", "train", *overrides])
+    console.print("Rerun it: " + redact(command), soft_wrap=True)

@@ -1,54 +1,22 @@
-"""The Optuna study: storage, creation or resumption, and how many trials remain.
+"""The Optuna study: creation or resumption, and how many trials remain.
 
 A study is resumable: the same command finds it by name in the same storage and runs until
-`search.n_trials` trials have finished. Several processes may share it through an RDB or
-journal storage. With an RDB storage, heartbeats fail a trial whose worker died and queue it
-again (Optuna's journal storage has no heartbeats).
+`search.n_trials` trials have finished, counted over all the workers that share it (the
+storage and the heartbeats that re-run a dead worker's trial are in search/storage.py).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import optuna
 from omegaconf import OmegaConf
-from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from train.config import ConfigError
 
 CONFIG_ATTR = "batchfit.config"  # the study's fixed config, to refuse a resume that changes it
-JOURNAL_PREFIX = "journal:"
-
-
-def open_storage(url: str, heartbeat_interval_s: int | None) -> BaseStorage:
-    """An Optuna storage for `url`: any RDB URL, or journal:PATH for a journal file."""
-    heartbeat: dict[str, Any] = {}
-    if heartbeat_interval_s:
-        heartbeat = {
-            "heartbeat_interval": heartbeat_interval_s,
-            "grace_period": 2 * heartbeat_interval_s,
-            "heartbeat_stale_trial_callback": RetryHeartbeatStaleTrialCallback(max_retry=3),
-        }
-    try:
-        if url.startswith(JOURNAL_PREFIX):
-            from optuna.storages.journal import JournalFileBackend
-
-            path = Path(url.removeprefix(JOURNAL_PREFIX))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
-        if url.startswith("sqlite:///"):
-            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        return optuna.storages.RDBStorage(url, **heartbeat)
-    except Exception as error:  # noqa: BLE001 - any failure here is the URL's
-        raise ConfigError(
-            [
-                f"search.storage={url!r} cannot be opened ({type(error).__name__}: "
-                f"{str(error).splitlines()[0] if str(error) else ''}); use a reachable database "
-                "URL, e.g. search.storage=sqlite:///mlruns/optuna.db"
-            ]
-        ) from None
 
 
 def open_study(
@@ -130,12 +98,24 @@ def num_finished(study: optuna.Study) -> int:
     return sum(counts_as_finished(t) for t in study.get_trials(deepcopy=False))
 
 
-class StopWhenFinished:
-    """Stop this worker once the study (all workers together) has `n_trials` finished."""
+def num_running(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
 
-    def __init__(self, n_trials: int):
-        self.n_trials = n_trials
 
-    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        if num_finished(study) >= self.n_trials:
-            study.stop()
+def should_start_trial(study: optuna.Study, n_trials: int) -> bool | None:
+    """True: start a trial. None: the trials running elsewhere complete the study, so wait
+    (one of them may die and be queued again). False: the study is done."""
+    finished = num_finished(study)
+    if finished >= n_trials:
+        return False
+    return True if finished + num_running(study) < n_trials else None
+
+
+def interrupted_numbers(study: optuna.Study) -> set[int]:
+    """Trials that ended without a result of their own: their worker died (failed by a
+    heartbeat check) or was interrupted."""
+    return {
+        t.number
+        for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+        if not counts_as_finished(t)
+    }

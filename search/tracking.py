@@ -2,42 +2,148 @@
 
 Uses `MlflowClient` with explicit run ids (no fluent active-run stack), and batches: a trial
 buffers its interval metrics and writes them with one `log_batch` per validation.
+
+Several workers write to one store. Every write goes through an `Outbox`, in order: a write
+that meets a passing failure (SQLite's "database is locked" while another worker writes; a
+tracking server that is down or restarting) stays queued and is tried again before the next
+write, between trials and at the end of the study. The study goes on meanwhile, and nothing
+is lost unless the store is still unreachable `mlflow.outage_wait_s` after the last trial.
+The study's parent run is created once, by the worker that created the study's MLflow
+experiment (MLflow refuses a second experiment of one name): the others wait for it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import re
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from search.overhead import CallClock
+from search.redact import redact
 from search.report import best_trials, state_label
 from search.study import counts_as_finished
+from train.config import ConfigError
 
 PARENT_TAG = "mlflow.parentRunId"
 ROLE_TAG = "batchfit.role"
+STUDY_TAG = "batchfit.study"
+TRIAL_TAG = "batchfit.trial"
+STATE_TAG = "batchfit.state"
+
+# Failures that pass: the write is tried again later. Anything else is a real error.
+_TRANSIENT = re.compile(
+    r"database is locked|database table is locked|Max retries exceeded|Connection refused|"
+    r"Connection aborted|Connection reset|Failed to establish|Name or service not known|"
+    r"timed out|Remote end closed|\b50[234]\b|Service Unavailable|Bad Gateway",
+    re.IGNORECASE,
+)
+RETRY_MIN_S, RETRY_MAX_S = 0.05, 15.0
+PARENT_WAIT_S = 60.0  # how long a worker waits for the parent run another worker creates
+FRESH_EXPERIMENT_S = 300.0  # an experiment younger than this may still be getting its parent
+START_RETRY_S = 30.0  # reaching the store at start (SQLite schema being created by a peer)
+
+
+def is_transient(error: BaseException) -> bool:
+    return isinstance(error, MlflowException | OSError) and bool(_TRANSIENT.search(str(error)))
+
+
+def http_defaults() -> None:
+    """MLflow's REST client retries a failed request 7 times over ~4 minutes, inside the
+    call; the outbox retries instead, so a trial never blocks on a down server. A user's own
+    setting of these variables wins."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
 
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _ensure_sqlite_dir(uri: str) -> None:
-    if uri.startswith("sqlite:///"):
-        path = uri.removeprefix("sqlite:///")
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+def _sqlite_path(uri: str) -> Path | None:
+    path = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else ""
+    return Path(path) if path and path != ":memory:" else None
+
+
+@contextlib.contextmanager
+def _schema_lock(uri: str) -> Iterator[None]:
+    """Workers opening one new SQLite store together would each run MLflow's schema
+    migrations on it and break them; a file lock beside the database lets one go first."""
+    path = _sqlite_path(uri)
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class Outbox:
+    """MLflow writes, made in order; passing failures are retried with a growing delay."""
+
+    def __init__(self, clock: CallClock | None = None):
+        self._queue: deque[Callable[[], object]] = deque()
+        self._retry_at = 0.0
+        self._delay_s = RETRY_MIN_S
+        self.clock = clock or CallClock()
+        self.last_error: str | None = None
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def put(self, write: Callable[[], object]) -> None:
+        self._queue.append(write)
+        self.drain()
+
+    def drain(self) -> bool:
+        """Make the queued writes, unless a retry is not yet due; True when none is left."""
+        while self._queue:
+            if time.monotonic() < self._retry_at:
+                return False
+            try:
+                self.clock.wrap(self._queue[0])()
+            except Exception as error:
+                if not is_transient(error):
+                    self._queue.popleft()  # it would fail again; the next writes go on
+                    raise
+                self.last_error = redact(str(error).splitlines()[0])
+                self._retry_at = time.monotonic() + self._delay_s
+                self._delay_s = min(2 * self._delay_s, RETRY_MAX_S)
+                return False
+            self._queue.popleft()
+            self._delay_s = RETRY_MIN_S
+        return True
+
+    def wait(self, timeout_s: float) -> bool:
+        """Retry until everything is written or `timeout_s` has passed."""
+        deadline = time.monotonic() + timeout_s
+        while not self.drain():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(max(0.0, min(self._retry_at - time.monotonic(), left)))
+        return True
 
 
 class RunLog:
-    """One MLflow run with buffered metrics."""
+    """One MLflow run with buffered metrics; its id is known once the outbox created it."""
 
-    def __init__(self, client: MlflowClient, run_id: str):
+    def __init__(self, client: MlflowClient, outbox: Outbox, run_id: str | None = None):
         self.client = client
+        self.outbox = outbox
         self.run_id = run_id
         self._pending: list[Metric] = []
 
@@ -49,42 +155,76 @@ class RunLog:
 
     def flush(self) -> None:
         if self._pending:
-            self.client.log_batch(self.run_id, metrics=self._pending)
-            self._pending = []
+            batch, self._pending = self._pending, []
+            self.outbox.put(lambda: self.client.log_batch(self.run_id, metrics=batch))
 
     def params(self, values: Mapping[str, Any]) -> None:
         # MlflowClient.log_batch splits into chunks within the server's per-request limits.
-        self.client.log_batch(
-            self.run_id, params=[Param(k, _param_str(v)) for k, v in values.items()]
-        )
+        params = [Param(k, redact(_param_str(v))) for k, v in values.items()]
+        self.outbox.put(lambda: self.client.log_batch(self.run_id, params=params))
 
     def tags(self, values: Mapping[str, Any]) -> None:
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in values.items()])
+        tags = [RunTag(k, redact(str(v))) for k, v in values.items()]
+        self.outbox.put(lambda: self.client.log_batch(self.run_id, tags=tags))
 
     def text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
+        masked = redact(text)
+        self.outbox.put(lambda: self.client.log_text(self.run_id, masked, artifact_file))
 
     def table(self, columns: Mapping[str, list], artifact_file: str) -> None:
         """A table (column name -> values) the MLflow UI shows as one (artifact view)."""
-        self.client.log_table(self.run_id, data=dict(columns), artifact_file=artifact_file)
+        data = dict(columns)
+        self.outbox.put(
+            lambda: self.client.log_table(self.run_id, data=data, artifact_file=artifact_file)
+        )
 
     def finish(self, status: str = "FINISHED") -> None:
         self.flush()
-        self.client.set_terminated(self.run_id, status=status)
+        end_ms = _now_ms()
+        self.outbox.put(
+            lambda: self.client.set_terminated(self.run_id, status=status, end_time=end_ms)
+        )
 
 
 def _param_str(value: Any) -> str:
     return "null" if value is None else str(value)
 
 
+def _retry_at_start(call: Callable[[], Any], tracking_uri: str) -> Any:
+    """`call`, retried on passing failures for START_RETRY_S: workers starting together on
+    one new SQLite store race to create its schema, and a server may be starting."""
+    deadline = time.monotonic() + START_RETRY_S
+    delay = RETRY_MIN_S
+    while True:
+        try:
+            return call()
+        except Exception as error:
+            retry = is_transient(error) or "already exists" in str(error)
+            if not retry or time.monotonic() > deadline:
+                raise ConfigError(
+                    [
+                        f"mlflow.tracking_uri={redact(tracking_uri)!r} cannot be used "
+                        f"({type(error).__name__}: {redact(str(error).splitlines()[0])}); "
+                        "start the tracking server, or use a local store, e.g. "
+                        "mlflow.tracking_uri=sqlite:///mlruns/mlflow.db"
+                    ]
+                ) from None
+            time.sleep(delay)
+            delay = min(2 * delay, 2.0)
+
+
 class Tracker:
     """The MLflow side of a study or a single run."""
 
     def __init__(self, tracking_uri: str, experiment_name: str, artifact_root: str):
-        _ensure_sqlite_dir(tracking_uri)
-        self.client = MlflowClient(tracking_uri=tracking_uri)
         self.tracking_uri = tracking_uri
-        self.experiment_id = self._experiment(experiment_name, artifact_root)
+        self.outbox = Outbox()
+        self.created_experiment = False  # True in the one worker that created it
+        with _schema_lock(tracking_uri):  # MlflowClient creates or migrates the schema
+            self.client = _retry_at_start(lambda: MlflowClient(tracking_uri), tracking_uri)
+            self.experiment_id = _retry_at_start(
+                lambda: self._experiment(experiment_name, artifact_root), tracking_uri
+            )
 
     def _experiment(self, name: str, artifact_root: str) -> str:
         found = self.client.get_experiment_by_name(name)
@@ -92,19 +232,27 @@ class Tracker:
             return found.experiment_id
         location = (Path(artifact_root).resolve() / name).as_uri()
         try:
-            return self.client.create_experiment(name, artifact_location=location)
+            experiment_id = self.client.create_experiment(name, artifact_location=location)
         except MlflowException:  # another worker created it first
             found = self.client.get_experiment_by_name(name)
             if found is None:
                 raise
             return found.experiment_id
+        self.created_experiment = True
+        return experiment_id
 
     def start_run(self, name: str, tags: Mapping[str, Any], parent_id: str | None = None) -> RunLog:
-        all_tags = {k: str(v) for k, v in tags.items()}
+        all_tags = {k: redact(str(v)) for k, v in tags.items()}
         if parent_id:
             all_tags[PARENT_TAG] = parent_id
-        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
-        return RunLog(self.client, run.info.run_id)
+        log = RunLog(self.client, self.outbox)
+
+        def create() -> None:
+            run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+            log.run_id = run.info.run_id
+
+        self.outbox.put(create)
+        return log
 
     def resume_run(self, run_id: str | None) -> RunLog | None:
         """The run with this id, set back to RUNNING; None if it is gone from the store."""
@@ -117,7 +265,61 @@ class Tracker:
         if run.info.experiment_id != self.experiment_id:
             return None
         self.client.update_run(run_id, status="RUNNING")
-        return RunLog(self.client, run_id)
+        return RunLog(self.client, self.outbox, run_id)
+
+    def study_run(self, study_name: str, known_id: str | None) -> tuple[RunLog, bool]:
+        """The study's parent run and whether this worker created it. It is created once:
+        by the worker that created the experiment, or, for an experiment that has been
+        there a while without one, by the first worker that finds it so."""
+        resumed = self.resume_run(known_id) or self.resume_run(self._find_study_run(study_name))
+        if resumed is not None:
+            return resumed, False
+        if not self.created_experiment and self._experiment_is_fresh():
+            deadline = time.monotonic() + PARENT_WAIT_S
+            while time.monotonic() < deadline:
+                time.sleep(0.2)
+                found = self.resume_run(self._find_study_run(study_name))
+                if found is not None:
+                    return found, False
+        tags = {ROLE_TAG: "study", STUDY_TAG: study_name}
+        run = self.client.create_run(self.experiment_id, run_name=study_name, tags=tags)
+        return RunLog(self.client, self.outbox, run.info.run_id), True
+
+    def _find_study_run(self, study_name: str) -> str | None:
+        runs = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.`{ROLE_TAG}` = 'study' and tags.`{STUDY_TAG}` = '{study_name}'",
+            order_by=["attributes.start_time ASC"],
+            max_results=1,
+        )
+        return runs[0].info.run_id if runs else None
+
+    def _experiment_is_fresh(self) -> bool:
+        created_ms = self.client.get_experiment(self.experiment_id).creation_time or 0
+        return _now_ms() - created_ms < FRESH_EXPERIMENT_S * 1000
+
+    def end_killed_runs(self, trial_numbers: set[int]) -> list[int]:
+        """End as KILLED the runs of these trials (whose workers died) that are still
+        RUNNING; the trial numbers whose runs were ended."""
+        if not trial_numbers:
+            return []
+        runs = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"attributes.status = 'RUNNING' and tags.`{ROLE_TAG}` = 'trial'",
+        )
+        ended = []
+        for run in runs:
+            number = int(run.data.tags.get(TRIAL_TAG, -1))
+            if number in trial_numbers:
+                log = RunLog(self.client, self.outbox, run.info.run_id)
+                log.tags({STATE_TAG: "KILLED"})
+                log.finish(RunStatus.to_string(RunStatus.KILLED))
+                ended.append(number)
+        return ended
+
+    def close(self, timeout_s: float) -> bool:
+        """Wait for queued writes; False if some are still unwritten after `timeout_s`."""
+        return self.outbox.wait(timeout_s)
 
 
 class StudyRun:

@@ -20,7 +20,7 @@ from optuna.storages import BaseStorage
 
 from search.config import SearchConfig
 from search.space import SearchSpace, parse_space
-from search.study import open_storage
+from search.storage import open_storage
 from train.config import ConfigError
 from train.precision import unsupported_reason
 from train.run import RunSpec, check_builds, plan, resolve_device
@@ -55,6 +55,8 @@ def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
         preflight_margin=search.preflight_margin,
         oom_constraint=search.oom_constraint,
         accumulation=search.accumulation,
+        workers=search.workers,
+        outage_wait_s=cfg.mlflow.outage_wait_s,
     )
 
 
@@ -71,10 +73,19 @@ def validate(
     study_name: str,
     compose: Callable[[list[str]], DictConfig],
     open_store: bool = True,
+    multirun: bool | None = None,
 ) -> Checked:
+    """Every problem of the composed config, at once. `multirun`: whether this process is a
+    job of a --multirun (None: not known, not checked)."""
     problems: list[str] = []
     notes: list[str] = []
     settings = _collect(problems, lambda: search_config(cfg, study_name))
+    if settings is not None and settings.workers > 1 and multirun is False:
+        problems.append(
+            f"search.workers={settings.workers} starts that many worker processes only with "
+            f"--multirun: python -m search --multirun search.workers={settings.workers} ...; "
+            "for one process, leave search.workers out"
+        )
     space = _collect(problems, lambda: parse_space(cfg.search.params or {}))
     spec = _collect(problems, lambda: plan(cfg, cfg.search.memory_budget))
     derived = settings is not None and settings.accumulation == "derived"
