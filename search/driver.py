@@ -20,6 +20,8 @@ from search.overhead import CallClock, Lap, storage_methods
 from search.redact import redact
 from search.sampler import FeasibilityFilter
 from search.study import (
+    SURPLUS_ATTR,
+    claims_slot,
     flatten,
     interrupted_numbers,
     num_finished,
@@ -39,6 +41,10 @@ _RESUMABLE_KEYS = (
     "storage", "study_name", "preflight", "preflight_margin", "oom_constraint", "workers",
 )  # fmt: skip
 IDLE_POLL_S = 2.0  # an idle worker looks for dead workers' trials this often
+
+
+class Surplus(Exception):
+    """A trial started past search.n_trials by a worker racing another; it does not run."""
 
 
 class TrackingIncomplete(Exception):
@@ -118,6 +124,7 @@ class StudyDriver:
         self.console = console
         self.storage_clock = CallClock()
         self._killed_seen: set[int] = set()
+        self._outage_said = False
 
     @classmethod
     def prepare(
@@ -196,8 +203,11 @@ class StudyDriver:
             task = progress.add_task("trials", total=settings.n_trials, completed=done)
 
             def show(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+                if SURPLUS_ATTR in trial.user_attrs:
+                    return
                 progress.console.print(report.trial_line(trial), soft_wrap=True)
                 progress.update(task, completed=num_finished(study))
+                self._say_tracking_state(progress.console)
 
             self._work(objective, [self.parent, show], progress.console)
         self.parent.update(self.study)
@@ -237,7 +247,37 @@ class StudyDriver:
                 time.sleep(IDLE_POLL_S)
                 continue
             said_waiting = False
-            self.study.optimize(objective, n_trials=1, catch=(TrialFailed,), callbacks=callbacks)
+            self.study.optimize(
+                self._within_n_trials(objective),
+                n_trials=1,
+                catch=(TrialFailed, Surplus),
+                callbacks=callbacks,
+            )
+
+    def _within_n_trials(self, objective: Objective) -> Callable[[optuna.Trial], list[float]]:
+        n_trials = self.checked.settings.n_trials
+
+        def run_if_within(trial: optuna.Trial) -> list[float]:
+            if not claims_slot(self.study, trial.number, n_trials):
+                # Nothing sampled or recorded yet; FAIL without an error: not counted.
+                trial.set_user_attr(SURPLUS_ATTR, True)
+                raise Surplus(f"trial {trial.number} started past search.n_trials={n_trials}")
+            return objective(trial)
+
+        return run_if_within
+
+    def _say_tracking_state(self, console: Console) -> None:
+        """Say once when MLflow writes start to queue, and once when they are through."""
+        queued = len(self.tracker.outbox)
+        if queued and not self._outage_said:
+            console.print(
+                f"[yellow]MLflow unreachable ({self.tracker.outbox.last_error}): {queued} "
+                "records queued; the study goes on and they are written when it is back[/yellow]",
+                soft_wrap=True,
+            )
+        elif not queued and self._outage_said:
+            console.print("MLflow reachable again: the queued records are written")
+        self._outage_said = bool(queued)
 
     def _end_killed_runs(self, console: Console) -> None:
         """Trials whose worker died: their MLflow runs end as KILLED (once, by any worker)."""
@@ -250,15 +290,19 @@ class StudyDriver:
     def _close_tracking(self) -> None:
         outbox = self.tracker.outbox
         if outbox.drain():
+            self._say_tracking_state(self.console)
             return
         wait_s = self.checked.settings.outage_wait_s
+        self._outage_said = True
         self.console.print(
             f"[yellow]MLflow at {redact(self.tracker.tracking_uri)} is unreachable "
             f"({outbox.last_error}); waiting up to {wait_s:g} s to write {len(outbox)} "
             "queued records[/yellow]",
             soft_wrap=True,
         )
-        if not self.tracker.close(wait_s):
+        if self.tracker.close(wait_s):
+            self._say_tracking_state(self.console)
+        else:
             raise TrackingIncomplete(
                 f"{len(outbox)} MLflow records of this worker could not be written to "
                 f"{redact(self.tracker.tracking_uri)} ({outbox.last_error}); the study itself "

@@ -98,24 +98,41 @@ def num_finished(study: optuna.Study) -> int:
     return sum(counts_as_finished(t) for t in study.get_trials(deepcopy=False))
 
 
+SURPLUS_ATTR = "surplus"  # user attr of a trial started past search.n_trials (see claims_slot)
+
+
+def _holds_slot(trial: FrozenTrial) -> bool:
+    """Finished with a result, running, or queued: it takes one of the n_trials."""
+    return counts_as_finished(trial) or trial.state in (TrialState.RUNNING, TrialState.WAITING)
+
+
 def num_running(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
 
 
 def should_start_trial(study: optuna.Study, n_trials: int) -> bool | None:
-    """True: start a trial. None: the trials running elsewhere complete the study, so wait
-    (one of them may die and be queued again). False: the study is done."""
-    finished = num_finished(study)
+    """True: start a trial (a queued one first). None: the trials running elsewhere complete
+    the study, so wait (one of them may die and be queued again). False: the study is done."""
+    trials = study.get_trials(deepcopy=False)
+    finished = sum(counts_as_finished(t) for t in trials)
     if finished >= n_trials:
         return False
-    return True if finished + num_running(study) < n_trials else None
+    return True if sum(_holds_slot(t) for t in trials) < n_trials else None
+
+
+def claims_slot(study: optuna.Study, number: int, n_trials: int) -> bool:
+    """Whether trial `number`, just started, is within search.n_trials. Workers that start
+    at the same moment may both start the last trial; trial numbers are given out
+    atomically, so the later one sees the earlier and steps back."""
+    earlier = [t for t in study.get_trials(deepcopy=False) if t.number < number]
+    return sum(_holds_slot(t) for t in earlier) < n_trials
 
 
 def interrupted_numbers(study: optuna.Study) -> set[int]:
-    """Trials that ended without a result of their own: their worker died (failed by a
-    heartbeat check) or was interrupted."""
+    """Trials that ended without a result of their own because their worker died (failed by
+    a heartbeat check) or was interrupted."""
     return {
         t.number
         for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
-        if not counts_as_finished(t)
+        if not counts_as_finished(t) and SURPLUS_ATTR not in t.user_attrs
     }

@@ -59,10 +59,12 @@ def is_transient(error: BaseException) -> bool:
 
 def http_defaults() -> None:
     """MLflow's REST client retries a failed request 7 times over ~4 minutes, inside the
-    call; the outbox retries instead, so a trial never blocks on a down server. A user's own
-    setting of these variables wins."""
+    call; the outbox retries instead, so a trial never blocks on a down server. MLflow also
+    prints each run's URL, password included, to stdout; the study prints its own lines.
+    A user's own setting of these variables wins."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
 def _now_ms() -> int:

@@ -47,11 +47,13 @@ def _run(module: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess
 def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
     out = _run("search", STUDY, tmp_path).stdout
     # Defaults put both stores under ./mlruns of the working directory.
-    optuna_url = f"sqlite:///{tmp_path}/mlruns/optuna.db"
+    journal = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(tmp_path / "mlruns" / "optuna.journal"))
+    )
     mlflow_url = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
     assert "Pareto front" in out and "Memory boundary" in out and "python -m train" in out
 
-    study = optuna.load_study(study_name="e2e", storage=optuna_url)
+    study = optuna.load_study(study_name="e2e", storage=journal)
     trials = study.get_trials()
     assert len(trials) == 6
     assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
@@ -110,7 +112,7 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
 
     # The same command with a larger n_trials resumes: same study, same parent run.
     _run("search", [*STUDY, "search.n_trials=8"], tmp_path)
-    study = optuna.load_study(study_name="e2e", storage=optuna_url)
+    study = optuna.load_study(study_name="e2e", storage=journal)
     assert [t.number for t in study.get_trials()] == list(range(8))
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 1 + 8
@@ -158,7 +160,7 @@ def test_fit_report_entry_point(tmp_path: Path) -> None:
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 3}
     assert "145.9 MiB" in rows["32"] and "(OOM)" in rows["64"]
     assert rows["largest that fits"].split("│")[2].strip() == "32"  # the fp32 column
-    records = ("mlflow.db", "optuna.db")  # a report records nothing (Hydra's log dir aside)
+    records = ("mlflow.db", "optuna.journal")  # a report records nothing (Hydra's log dir aside)
     assert not any((tmp_path / "mlruns" / name).exists() for name in records)
 
 

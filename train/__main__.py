@@ -14,7 +14,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from search.tracking import ROLE_TAG, Tracker
+from search.redact import redact_logging
+from search.tracking import ROLE_TAG, Tracker, http_defaults
 from train.config import ConfigError
 from train.loop import Diverged, Hooks
 from train.memory import OutOfMemory, format_bytes
@@ -27,6 +28,8 @@ from train.run import check_builds, plan, predict, run
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    redact_logging()
+    http_defaults()
     console, errors = Console(), Console(stderr=True)
     try:
         spec = plan(cfg, cfg.search.memory_budget)

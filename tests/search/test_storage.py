@@ -1,0 +1,217 @@
+"""search/storage.py and the trial counting of search/study.py, on real journal files and
+SQLite databases, with real processes that are really killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from search.config import SearchConfig
+from search.storage import (
+    BEAT_ATTR,
+    OWNER_ATTR,
+    HeartbeatJournalStorage,
+    HeartbeatRDBStorage,
+    _process_start,
+    open_storage,
+    owner_is_gone,
+    this_owner,
+)
+from search.study import claims_slot, interrupted_numbers, num_finished, should_start_trial
+from train.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+# These tests drive the heartbeat by hand (ask, record_heartbeat), not through optimize.
+pytestmark = pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
+
+
+def _urls(tmp_path: Path) -> dict[str, str]:
+    return {
+        "journal": f"journal:{tmp_path}/optuna.journal",
+        "sqlite": f"sqlite:///{tmp_path}/optuna.db",
+    }
+
+
+@pytest.fixture(params=["journal", "sqlite"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return _urls(tmp_path)[request.param]
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_owner_is_gone_only_when_its_process_on_this_host_is_dead() -> None:
+    me = this_owner()
+    assert me["pid"] == os.getpid() and me["started"] == _process_start(os.getpid())
+    assert not owner_is_gone(me)
+    child = _sleeper()
+    try:
+        owner = {**me, "pid": child.pid, "started": _process_start(child.pid)}
+        assert not owner_is_gone(owner)
+        # The same pid with another start time is a reused pid: the owner is gone.
+        assert owner_is_gone({**owner, "started": owner["started"] - 1})
+        # Another host (or another boot of this one) is never provably gone.
+        assert not owner_is_gone({**owner, "host": "elsewhere", "started": 0})
+        assert not owner_is_gone({**owner, "boot": "another-boot", "started": 0})
+    finally:
+        child.kill()
+        child.wait()
+    assert owner_is_gone(owner)
+    assert not owner_is_gone(None)
+
+
+def test_open_storage_gives_heartbeat_storages(tmp_path: Path) -> None:
+    urls = _urls(tmp_path)
+    assert isinstance(open_storage(urls["journal"], 60), HeartbeatJournalStorage)
+    assert isinstance(open_storage(urls["sqlite"], 60), HeartbeatRDBStorage)
+    journal = open_storage(urls["journal"], 60)
+    assert journal.get_heartbeat_interval() == 60 and journal.grace_period == 120
+    assert not isinstance(open_storage(urls["journal"], None), HeartbeatJournalStorage)
+
+
+# A worker in another process: starts a trial, samples, records a partial result and its
+# heartbeat, then hangs mid-trial until it is killed.
+_WORKER = textwrap.dedent(
+    """
+    import sys, time, optuna
+    from search.storage import open_storage
+    storage = open_storage(sys.argv[1], 60)
+    study = optuna.create_study(study_name="s", storage=storage, load_if_exists=True)
+    trial = study.ask()
+    trial.suggest_int("batch_size", 8, 512)
+    trial.suggest_float("lr", 1e-4, 1e-1, log=True)
+    trial.set_user_attr("mlflow_run_id", "the-dead-run")
+    storage.record_heartbeat(trial._trial_id)
+    print("running", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_a_killed_workers_trial_is_failed_at_once_and_queued_with_its_params(url: str) -> None:
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _WORKER, url], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    assert worker.stdout.readline().strip() == "running"
+    storage = open_storage(url, 60)  # a grace of 120 s: only the dead owner can explain this
+    study = optuna.load_study(study_name="s", storage=storage)
+    (running,) = study.get_trials()
+    assert running.state == TrialState.RUNNING
+    assert running.system_attrs[OWNER_ATTR]["pid"] == worker.pid
+    optuna.storages.fail_stale_trials(study)
+    assert study.get_trials()[0].state == TrialState.RUNNING  # alive: left alone
+
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    started = time.monotonic()
+    optuna.storages.fail_stale_trials(study)
+    assert time.monotonic() - started < 5
+    dead, retry = study.get_trials()
+    assert dead.state == TrialState.FAIL and "error" not in dead.user_attrs
+    assert retry.state == TrialState.WAITING
+    assert retry.params == running.params
+    assert retry.user_attrs == {}  # the dead run's MLflow id is not the retry's
+    assert OWNER_ATTR not in retry.system_attrs and BEAT_ATTR not in retry.system_attrs
+    assert retry.system_attrs["failed_trial"] == dead.number
+    assert interrupted_numbers(study) == {dead.number}
+
+    # The next trial of any worker is the retry, with the same parameters.
+    again = study.ask()
+    assert again.number == retry.number
+    assert again.suggest_int("batch_size", 8, 512) == running.params["batch_size"]
+
+
+def test_journal_heartbeat_fails_a_silent_trial_after_its_grace(tmp_path: Path) -> None:
+    storage = open_storage(f"journal:{tmp_path}/j.journal", 1)  # beat 1 s, grace 2 s
+    study = optuna.create_study(storage=storage)
+    trial = study.ask()
+    trial.suggest_float("x", 0, 1)
+    storage.record_heartbeat(trial._trial_id)  # alive owner: only the grace can fail it
+    beat = study.get_trials()[0].system_attrs[BEAT_ATTR]
+    assert abs(beat - time.time()) < 5
+    optuna.storages.fail_stale_trials(study)
+    assert study.get_trials()[0].state == TrialState.RUNNING
+    time.sleep(2.5)
+    optuna.storages.fail_stale_trials(study)
+    states = [t.state for t in study.get_trials()]
+    assert states == [TrialState.FAIL, TrialState.WAITING]
+
+
+def test_a_trial_retried_too_often_is_not_queued_again(tmp_path: Path) -> None:
+    storage = open_storage(f"journal:{tmp_path}/j.journal", 1)
+    study = optuna.create_study(storage=storage)
+    for _ in range(4):
+        trial = study.ask()  # the queued retry of the previous one, after the first
+        trial.suggest_float("x", 0, 1)
+        storage.record_heartbeat(trial._trial_id)
+        storage.set_trial_system_attr(trial._trial_id, BEAT_ATTR, time.time() - 10)
+        optuna.storages.fail_stale_trials(study)
+    # The first run and its 3 retries (MAX_RETRY) all died; nothing is queued after that.
+    trials = study.get_trials()
+    assert [t.state.name for t in trials] == ["FAIL"] * 4
+    assert trials[-1].system_attrs["retry_history"] == [0, 1, 2]
+
+
+def _add(study: optuna.Study, state: TrialState, **attrs: object) -> None:
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=state,
+            values=[0.5] if state == TrialState.COMPLETE else None,
+            user_attrs=attrs,
+        )
+    )
+
+
+def test_trial_counting_across_workers() -> None:
+    study = optuna.create_study()
+    assert should_start_trial(study, 3) is True
+    _add(study, TrialState.COMPLETE)
+    _add(study, TrialState.FAIL, error="ValueError: bad")  # its own error: counts
+    _add(study, TrialState.FAIL)  # its worker died: does not count
+    _add(study, TrialState.PRUNED)
+    assert num_finished(study) == 3
+    assert should_start_trial(study, 3) is False
+    assert should_start_trial(study, 4) is True
+    _add(study, TrialState.RUNNING)  # another worker's: it would complete a study of 4
+    assert should_start_trial(study, 4) is None
+    _add(study, TrialState.WAITING)  # a dead worker's trial, queued again
+    assert should_start_trial(study, 5) is None and should_start_trial(study, 6) is True
+    # Trial 6 starts while 5 trials before it hold slots: within 6, not within 5.
+    assert claims_slot(study, 6, 6) and not claims_slot(study, 6, 5)
+    assert interrupted_numbers(study) == {2}
+
+
+def _settings(**changes: object) -> SearchConfig:
+    values = dict(
+        study_name="s",
+        storage="journal:mlruns/optuna.journal",
+        n_trials=4,
+        memory_budget=None,
+        objectives=("val/acc",),
+        trial_time_budget_s=None,
+        heartbeat_interval_s=60,
+    )
+    return SearchConfig(**{**values, **changes})
+
+
+def test_several_workers_refuse_sqlite_and_name_both_alternatives() -> None:
+    assert _settings(workers=4).workers == 4
+    with pytest.raises(ConfigError) as raised:
+        _settings(storage="sqlite:///mlruns/optuna.db", workers=2)
+    message = str(raised.value)
+    assert "search.storage='sqlite:///mlruns/optuna.db' cannot be shared by" in message
+    assert "search.workers=2" in message
+    assert "search.storage=journal:" in message and "search.storage=postgresql://" in message
+    with pytest.raises(ConfigError, match=r"search.workers must be an integer >= 1, got 0"):
+        _settings(workers=0)
+    _settings(storage="sqlite:///mlruns/optuna.db", workers=1)  # one worker: fine

@@ -1,0 +1,219 @@
+"""Several workers on one study, on one machine, as a user runs them: Hydra's joblib and
+submitit_local launchers, workers killed with SIGKILL mid-trial, a tracking server that goes
+away mid-study, and a password that must not show anywhere. Stores are read back after."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow.tracking import MlflowClient
+from optuna.trial import TrialState
+
+from search.storage import OWNER_ATTR
+from tests.servers import MlflowServer, clean_env, journal_study, wait_for_trial
+
+pytestmark = pytest.mark.slow
+
+SPACE = (
+    "+search.params={trainer.batch_size:'choice(32,64)',"
+    "optimizer.lr:'tag(log, interval(0.01, 0.3))'}"
+)
+STUDY = [
+    "model=small_cnn",
+    "model.width=4",
+    "data=digits",
+    "trainer.max_epochs=2",
+    "search.study_name=w",
+    SPACE,
+]
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+def _search(args: list[str], cwd: Path, **kwargs: object) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "search", *args],
+        cwd=cwd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        **kwargs,
+    )  # fmt: skip
+
+
+def _finish(process: subprocess.Popen, expect_rc: int | None = 0) -> tuple[str, str]:
+    out, err = process.communicate(timeout=600)
+    if expect_rc is not None:
+        assert process.returncode == expect_rc, out[-3000:] + err[-3000:]
+    return out, err
+
+
+def check_stores(study: optuna.Study, client: MlflowClient, n_trials: int) -> None:
+    """Exactly n_trials finished once each; one parent run and one run per trial in MLflow,
+    none left RUNNING; trials whose worker died are KILLED there and were run again."""
+    trials = study.get_trials()
+    finished = [t for t in trials if t.state in FINISHED]
+    assert len(finished) == n_trials, [(t.number, t.state.name) for t in trials]
+    killed = [t for t in trials if t.state == TrialState.FAIL and "surplus" not in t.user_attrs]
+    retried = [t for t in trials if "failed_trial" in t.system_attrs]
+    assert sorted(r.system_attrs["failed_trial"] for r in retried) == [t.number for t in killed]
+    for retry in retried:
+        dead = study.trials[retry.system_attrs["failed_trial"]]
+        assert retry.params == dead.params and retry.state in FINISHED
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+
+    experiment = client.get_experiment_by_name(study.study_name)
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("batchfit.role") == "study"]
+    assert len(parents) == 1
+    children = [r for r in runs if r.data.tags.get("batchfit.role") == "trial"]
+    assert len(runs) == 1 + len(children)
+    by_trial = {int(r.data.tags["batchfit.trial"]): r for r in children}
+    assert len(by_trial) == len(children)  # one run per trial, no duplicates
+    # A worker killed before its trial's run was created leaves no run.
+    assert {t.number for t in finished} <= set(by_trial) <= {t.number for t in finished + killed}
+    for run in children:
+        assert run.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
+    for t in finished:
+        run = by_trial[t.number]
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["batchfit.state"] == t.state.name
+        assert run.data.metrics["time/trial_s"] > 0
+        assert "time/storage_s" in run.data.metrics and "time/tracking_s" in run.data.metrics
+        if t.state == TrialState.COMPLETE:
+            assert len(client.get_metric_history(run.info.run_id, "val/acc")) == 2
+        assert "worker" not in run.data.params and "worker" not in t.params
+    for t in killed:
+        if t.number in by_trial or "mlflow_run_id" in t.user_attrs:
+            assert by_trial[t.number].info.status == "KILLED"
+            assert by_trial[t.number].data.tags["batchfit.state"] == "KILLED"
+    assert parents[0].data.metrics["trials/finished"] == n_trials
+
+
+def test_joblib_workers_share_one_study(tmp_path: Path) -> None:
+    # joblib runs as many jobs at once as there are CPUs (n_jobs=-1): 2 here.
+    args = [
+        "--multirun", "hydra/launcher=joblib", "hydra.launcher.n_jobs=3", "search.workers=3",
+        "search.n_trials=6",
+    ]  # fmt: skip
+    out, _ = _finish(_search([*args, *STUDY], tmp_path))
+    study = journal_study(tmp_path / "mlruns" / "optuna.journal", "w")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    check_stores(study, client, 6)
+    # Three processes ran trials (each records its owner), as three Hydra jobs of one sweep.
+    owners = {t.system_attrs[OWNER_ATTR]["pid"] for t in study.trials if t.state in FINISHED}
+    assert len(owners) == 3
+    sweep = next((tmp_path / "mlruns" / "hydra" / "multirun").glob("*/*"))
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1", "2"]
+    # Nothing identifies a worker in what a user reruns or in what the study fixes.
+    reruns = [line for line in out.splitlines() if line.startswith("Rerun it: ")]
+    assert len(reruns) == 3 and all("worker" not in line for line in reruns)
+    assert "worker" not in study.user_attrs["batchfit.config"]
+
+
+def test_single_process_killed_mid_trial_resumes_and_reruns_that_trial(tmp_path: Path) -> None:
+    """The issue's case: SIGKILL during trial 2 of a one-process study, then the same
+    command again at once (well inside the 120 s heartbeat grace)."""
+    args = [*STUDY, "search.n_trials=4"]
+    journal = tmp_path / "mlruns" / "optuna.journal"
+    first = _search(args, tmp_path)
+    victim = wait_for_trial(
+        lambda: journal_study(journal, "w"),
+        lambda t: (
+            t.number == 2 and t.state == TrialState.RUNNING and "mlflow_run_id" in t.user_attrs
+        ),
+        alive=lambda: first.poll() is None,
+    )
+    first.send_signal(signal.SIGKILL)
+    _finish(first, expect_rc=None)
+    assert journal_study(journal, "w").trials[2].state == TrialState.RUNNING  # as left
+
+    out, _ = _finish(_search(args, tmp_path))
+    assert "#2   KILLED: its worker died; its parameters run again" in out
+    study = journal_study(journal, "w")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    check_stores(study, client, 4)
+    assert study.trials[2].state == TrialState.FAIL
+    (retry,) = [t for t in study.trials if t.system_attrs.get("failed_trial") == 2]
+    assert retry.params == victim.params
+    assert client.get_run(victim.user_attrs["mlflow_run_id"]).info.status == "KILLED"
+
+
+def test_submitit_local_worker_killed_mid_trial(tmp_path: Path) -> None:
+    """Two workers through Hydra's submitit_local launcher; one is killed with SIGKILL in its
+    second trial. The other runs that trial again and completes the study."""
+    args = [
+        "--multirun", "hydra/launcher=submitit_local", "search.workers=2", "search.n_trials=6",
+        "hydra.launcher.timeout_min=10", *STUDY,
+    ]  # fmt: skip
+    journal = tmp_path / "mlruns" / "optuna.journal"
+    sweep = _search(args, tmp_path)
+    victim = wait_for_trial(
+        lambda: journal_study(journal, "w"),
+        lambda t: (
+            t.number >= 2
+            and t.state == TrialState.RUNNING
+            and OWNER_ATTR in t.system_attrs
+            and "mlflow_run_id" in t.user_attrs
+        ),
+        alive=lambda: sweep.poll() is None,
+    )
+    subprocess.run(["kill", "-9", str(victim.system_attrs[OWNER_ATTR]["pid"])], check=True)
+    _, err = _finish(sweep, expect_rc=None)  # the killed job fails the sweep; the study does not
+    assert sweep.returncode != 0
+    study = journal_study(journal, "w")
+    check_stores(study, MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db"), 6)
+    assert study.trials[victim.number].state == TrialState.FAIL
+    (retry,) = [t for t in study.trials if t.system_attrs.get("failed_trial") == victim.number]
+    assert retry.system_attrs[OWNER_ATTR]["pid"] != victim.system_attrs[OWNER_ATTR]["pid"]
+
+
+def test_tracking_server_outage_loses_nothing_and_no_password_shows(tmp_path: Path) -> None:
+    """A study logs to an MLflow server whose URI carries a password. The server goes away
+    during trial 1 and comes back after trial 3 has finished; every record arrives, and the
+    password is nowhere: console, Hydra's files, MLflow, the study."""
+    secret = "s3cret-Pw"
+    server = MlflowServer(f"sqlite:///{tmp_path}/server.db", tmp_path)
+    server.start()
+    uri = f"http://batchfit:{secret}@127.0.0.1:{server.port}"
+    journal = tmp_path / "mlruns" / "optuna.journal"
+    args = [*STUDY, "search.n_trials=5", f"mlflow.tracking_uri={uri}"]
+    study_process = _search(args, tmp_path)
+    try:
+        wait_for_trial(
+            lambda: journal_study(journal, "w"),
+            lambda t: t.number == 1 and t.state == TrialState.RUNNING,
+            alive=lambda: study_process.poll() is None,
+        )
+        server.stop()
+        wait_for_trial(
+            lambda: journal_study(journal, "w"),
+            lambda t: t.number == 3 and t.state in FINISHED,
+            alive=lambda: study_process.poll() is None,
+        )
+        server.start()
+        out, err = _finish(study_process)
+    finally:
+        study_process.kill()
+        server_ok = server.process is not None
+    assert server_ok
+    try:
+        client = MlflowClient(server.url)
+        check_stores(journal_study(journal, "w"), client, 5)
+        texts = [out, err, journal.read_text()]
+        texts += [p.read_text() for p in (tmp_path / "mlruns" / "hydra").rglob("*") if p.is_file()]
+        for run in client.search_runs([client.get_experiment_by_name("w").experiment_id]):
+            texts += [str(run.data.params), str(run.data.tags)]
+            for artifact in client.list_artifacts(run.info.run_id):
+                local = client.download_artifacts(run.info.run_id, artifact.path, str(tmp_path))
+                texts.append(Path(local).read_text())
+    finally:
+        server.stop()
+    leaks = [line for t in texts for line in t.splitlines() if secret in line]
+    assert not leaks
+    assert "batchfit:***@127.0.0.1" in out  # the URI is shown, masked
+    assert "records queued; the study goes on" in out
+    assert "MLflow reachable again: the queued records are written" in out
+    configs = [t for t in texts if "tracking_uri: http://batchfit:***@" in t]
+    assert configs  # the trials' config.yaml artifacts and Hydra's saved config, masked
