@@ -48,8 +48,17 @@ def this_owner() -> dict[str, Any]:
         "boot": _boot_id(),
         "pid": os.getpid(),
         "started": _process_start(os.getpid()),
-        "slurm_job": os.environ.get("SLURM_JOB_ID"),
+        "slurm_job": _slurm_job(),
     }
+
+
+def _slurm_job() -> str | None:
+    """The SLURM job, as sacct and scancel name it: <array>_<task> for a job array (Hydra's
+    submitit launcher submits one), whose first task's SLURM_JOB_ID is the whole array's."""
+    env = os.environ
+    if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID")
 
 
 def _boot_id() -> str | None:

@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
-import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
 from search.storage import OWNER_ATTR
-from tests.servers import MlflowServer, clean_env, journal_study, wait_for_trial
+from tests.sweeps import (
+    FINISHED,
+    MlflowServer,
+    check_stores,
+    finish,
+    journal_study,
+    search_process,
+    wait_for_trial,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,64 +37,6 @@ STUDY = [
     "search.study_name=w",
     SPACE,
 ]
-FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
-
-
-def _search(args: list[str], cwd: Path, **kwargs: object) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "search", *args],
-        cwd=cwd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        **kwargs,
-    )  # fmt: skip
-
-
-def _finish(process: subprocess.Popen, expect_rc: int | None = 0) -> tuple[str, str]:
-    out, err = process.communicate(timeout=600)
-    if expect_rc is not None:
-        assert process.returncode == expect_rc, out[-3000:] + err[-3000:]
-    return out, err
-
-
-def check_stores(study: optuna.Study, client: MlflowClient, n_trials: int) -> None:
-    """Exactly n_trials finished once each; one parent run and one run per trial in MLflow,
-    none left RUNNING; trials whose worker died are KILLED there and were run again."""
-    trials = study.get_trials()
-    finished = [t for t in trials if t.state in FINISHED]
-    assert len(finished) == n_trials, [(t.number, t.state.name) for t in trials]
-    killed = [t for t in trials if t.state == TrialState.FAIL and "surplus" not in t.user_attrs]
-    retried = [t for t in trials if "failed_trial" in t.system_attrs]
-    assert sorted(r.system_attrs["failed_trial"] for r in retried) == [t.number for t in killed]
-    for retry in retried:
-        dead = study.trials[retry.system_attrs["failed_trial"]]
-        assert retry.params == dead.params and retry.state in FINISHED
-    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
-
-    experiment = client.get_experiment_by_name(study.study_name)
-    runs = client.search_runs([experiment.experiment_id])
-    parents = [r for r in runs if r.data.tags.get("batchfit.role") == "study"]
-    assert len(parents) == 1
-    children = [r for r in runs if r.data.tags.get("batchfit.role") == "trial"]
-    assert len(runs) == 1 + len(children)
-    by_trial = {int(r.data.tags["batchfit.trial"]): r for r in children}
-    assert len(by_trial) == len(children)  # one run per trial, no duplicates
-    # A worker killed before its trial's run was created leaves no run.
-    assert {t.number for t in finished} <= set(by_trial) <= {t.number for t in finished + killed}
-    for run in children:
-        assert run.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
-    for t in finished:
-        run = by_trial[t.number]
-        assert run.info.status == "FINISHED"
-        assert run.data.tags["batchfit.state"] == t.state.name
-        assert run.data.metrics["time/trial_s"] > 0
-        assert "time/storage_s" in run.data.metrics and "time/tracking_s" in run.data.metrics
-        if t.state == TrialState.COMPLETE:
-            assert len(client.get_metric_history(run.info.run_id, "val/acc")) == 2
-        assert "worker" not in run.data.params and "worker" not in t.params
-    for t in killed:
-        if t.number in by_trial or "mlflow_run_id" in t.user_attrs:
-            assert by_trial[t.number].info.status == "KILLED"
-            assert by_trial[t.number].data.tags["batchfit.state"] == "KILLED"
-    assert parents[0].data.metrics["trials/finished"] == n_trials
 
 
 def test_joblib_workers_share_one_study(tmp_path: Path) -> None:
@@ -97,7 +45,7 @@ def test_joblib_workers_share_one_study(tmp_path: Path) -> None:
         "--multirun", "hydra/launcher=joblib", "hydra.launcher.n_jobs=3", "search.workers=3",
         "search.n_trials=6",
     ]  # fmt: skip
-    out, _ = _finish(_search([*args, *STUDY], tmp_path))
+    out, _ = finish(search_process([*args, *STUDY], tmp_path))
     study = journal_study(tmp_path / "mlruns" / "optuna.journal", "w")
     client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     check_stores(study, client, 6)
@@ -117,7 +65,7 @@ def test_single_process_killed_mid_trial_resumes_and_reruns_that_trial(tmp_path:
     command again at once (well inside the 120 s heartbeat grace)."""
     args = [*STUDY, "search.n_trials=4"]
     journal = tmp_path / "mlruns" / "optuna.journal"
-    first = _search(args, tmp_path)
+    first = search_process(args, tmp_path)
     victim = wait_for_trial(
         lambda: journal_study(journal, "w"),
         lambda t: (
@@ -126,10 +74,10 @@ def test_single_process_killed_mid_trial_resumes_and_reruns_that_trial(tmp_path:
         alive=lambda: first.poll() is None,
     )
     first.send_signal(signal.SIGKILL)
-    _finish(first, expect_rc=None)
+    finish(first, expect_rc=None)
     assert journal_study(journal, "w").trials[2].state == TrialState.RUNNING  # as left
 
-    out, _ = _finish(_search(args, tmp_path))
+    out, _ = finish(search_process(args, tmp_path))
     assert "#2   KILLED: its worker died; its parameters run again" in out
     study = journal_study(journal, "w")
     client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
@@ -148,7 +96,7 @@ def test_submitit_local_worker_killed_mid_trial(tmp_path: Path) -> None:
         "hydra.launcher.timeout_min=10", *STUDY,
     ]  # fmt: skip
     journal = tmp_path / "mlruns" / "optuna.journal"
-    sweep = _search(args, tmp_path)
+    sweep = search_process(args, tmp_path)
     victim = wait_for_trial(
         lambda: journal_study(journal, "w"),
         lambda t: (
@@ -160,7 +108,7 @@ def test_submitit_local_worker_killed_mid_trial(tmp_path: Path) -> None:
         alive=lambda: sweep.poll() is None,
     )
     subprocess.run(["kill", "-9", str(victim.system_attrs[OWNER_ATTR]["pid"])], check=True)
-    _, err = _finish(sweep, expect_rc=None)  # the killed job fails the sweep; the study does not
+    _, err = finish(sweep, expect_rc=None)  # the killed job fails the sweep; the study does not
     assert sweep.returncode != 0
     study = journal_study(journal, "w")
     check_stores(study, MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db"), 6)
@@ -179,7 +127,7 @@ def test_tracking_server_outage_loses_nothing_and_no_password_shows(tmp_path: Pa
     uri = f"http://batchfit:{secret}@127.0.0.1:{server.port}"
     journal = tmp_path / "mlruns" / "optuna.journal"
     args = [*STUDY, "search.n_trials=5", f"mlflow.tracking_uri={uri}"]
-    study_process = _search(args, tmp_path)
+    study_process = search_process(args, tmp_path)
     try:
         wait_for_trial(
             lambda: journal_study(journal, "w"),
@@ -193,7 +141,7 @@ def test_tracking_server_outage_loses_nothing_and_no_password_shows(tmp_path: Pa
             alive=lambda: study_process.poll() is None,
         )
         server.start()
-        out, err = _finish(study_process)
+        out, err = finish(study_process)
     finally:
         study_process.kill()
         server_ok = server.process is not None

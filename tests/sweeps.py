@@ -1,6 +1,6 @@
-"""Real servers and processes for the tests of several workers: an MLflow tracking server on
-127.0.0.1 (stopped and started again to test an outage), and the study's journal read back
-while workers write it."""
+"""Running sweeps of several workers and reading back what they wrote: an MLflow tracking
+server on 127.0.0.1 (stopped and started again to test an outage), the study's journal read
+while workers write it, and the check that both stores hold every trial exactly once."""
 
 from __future__ import annotations
 
@@ -15,11 +15,75 @@ from collections.abc import Callable
 from pathlib import Path
 
 import optuna
+from mlflow.tracking import MlflowClient
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
-from optuna.trial import FrozenTrial
+from optuna.trial import FrozenTrial, TrialState
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+def check_stores(
+    study: optuna.Study, client: MlflowClient, n_trials: int, num_epochs: int = 2
+) -> None:
+    """Exactly n_trials finished once each; one parent run and one run per trial in MLflow,
+    none left RUNNING; trials whose worker died are KILLED there and were run again."""
+    trials = study.get_trials()
+    finished = [t for t in trials if t.state in FINISHED]
+    assert len(finished) == n_trials, [(t.number, t.state.name) for t in trials]
+    killed = [t for t in trials if t.state == TrialState.FAIL and "surplus" not in t.user_attrs]
+    retried = [t for t in trials if "failed_trial" in t.system_attrs]
+    assert sorted(r.system_attrs["failed_trial"] for r in retried) == [t.number for t in killed]
+    for retry in retried:
+        dead = study.trials[retry.system_attrs["failed_trial"]]
+        assert retry.params == dead.params and retry.state in FINISHED
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+
+    experiment = client.get_experiment_by_name(study.study_name)
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("batchfit.role") == "study"]
+    assert len(parents) == 1
+    children = [r for r in runs if r.data.tags.get("batchfit.role") == "trial"]
+    assert len(runs) == 1 + len(children)
+    by_trial = {int(r.data.tags["batchfit.trial"]): r for r in children}
+    assert len(by_trial) == len(children)  # one run per trial, no duplicates
+    # A worker killed before its trial's run was created leaves no run.
+    assert {t.number for t in finished} <= set(by_trial) <= {t.number for t in finished + killed}
+    for run in children:
+        assert run.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
+    for t in finished:
+        run = by_trial[t.number]
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["batchfit.state"] == t.state.name
+        assert run.data.metrics["time/trial_s"] > 0
+        assert "time/storage_s" in run.data.metrics and "time/tracking_s" in run.data.metrics
+        if t.state == TrialState.COMPLETE:
+            history = client.get_metric_history(run.info.run_id, "val/acc")
+            assert len(history) == num_epochs
+        assert "worker" not in run.data.params and "worker" not in t.params
+    for t in killed:
+        if t.number in by_trial or "mlflow_run_id" in t.user_attrs:
+            assert by_trial[t.number].info.status == "KILLED"
+            assert by_trial[t.number].data.tags["batchfit.state"] == "KILLED"
+    assert parents[0].data.metrics["trials/finished"] == n_trials
+
+
+def search_process(args: list[str], cwd: Path) -> subprocess.Popen:
+    """`python -m search ARGS` in `cwd`, as a user starts it."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "search", *args],
+        cwd=cwd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def finish(process: subprocess.Popen, expect_rc: int | None = 0) -> tuple[str, str]:
+    out, err = process.communicate(timeout=600)
+    if expect_rc is not None:
+        assert process.returncode == expect_rc, out[-3000:] + err[-3000:]
+    return out, err
 
 
 def free_port() -> int:

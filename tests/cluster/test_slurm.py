@@ -1,0 +1,142 @@
+"""Real sweeps on the real single-node SLURM cluster (tests/cluster/services.sh): workers
+are SLURM jobs submitted by Hydra's submitit launcher, sharing a journal file or a PostgreSQL
+study, logging to a local MLflow store or to an MLflow server backed by PostgreSQL. One job is
+cancelled with scancel mid-trial. sacct, the Optuna storage and MLflow are read back."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow.tracking import MlflowClient
+from optuna.trial import TrialState
+
+from search.storage import OWNER_ATTR
+from tests.sweeps import (
+    MlflowServer,
+    check_stores,
+    finish,
+    journal_study,
+    search_process,
+    wait_for_trial,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+STUDY = [
+    "model=small_cnn",
+    "model.width=4",
+    "data=digits",
+    "trainer.max_epochs=2",
+    "search.study_name=slurm",
+    "+search.params={trainer.batch_size:'choice(32,64)',"
+    "optimizer.lr:'tag(log, interval(0.01, 0.3))'}",
+]
+# One CPU and 1 GB per job: the node has 2 CPUs, so two workers run at once and a third
+# queues until one ends (SLURM decides, as on a real cluster).
+SLURM = [
+    "--multirun",
+    "hydra/launcher=submitit_slurm",
+    "hydra.launcher.partition=debug",
+    "hydra.launcher.cpus_per_task=1",
+    "hydra.launcher.mem_gb=1",
+    "hydra.launcher.timeout_min=15",
+]
+
+
+def _job_states(sweep_root: Path, want: int, timeout_s: float = 20) -> dict[str, str]:
+    """sacct's state of each job of the sweep (sacct lags a moment behind a job's end)."""
+    (submitit,) = sweep_root.glob("*/*/.submitit")
+    jobs = sorted(p.name for p in submitit.iterdir() if p.is_dir() and "_" in p.name)
+    assert len(jobs) == want, jobs
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = subprocess.run(
+            ["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", jobs[0].split("_")[0]],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        states = dict(line.split("|")[:2] for line in out.splitlines() if line)
+        states = {job: states.get(job, "?").split()[0] for job in jobs}
+        pending = {"RUNNING", "PENDING", "COMPLETING", "?"}
+        if not set(states.values()) & pending or time.monotonic() > deadline:
+            return states
+        time.sleep(0.5)
+
+
+def test_three_slurm_workers_on_a_journal_file(slurm: None, tmp_path: Path) -> None:
+    args = [*SLURM, "search.workers=3", "search.n_trials=6", *STUDY]
+    finish(search_process(args, tmp_path))
+    states = _job_states(tmp_path / "mlruns" / "hydra" / "multirun", want=3)
+    assert set(states.values()) == {"COMPLETED"}, states
+    study = journal_study(tmp_path / "mlruns" / "optuna.journal", "slurm")
+    check_stores(study, MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db"), 6)
+    jobs = {t.system_attrs[OWNER_ATTR]["slurm_job"] for t in study.trials}
+    assert len(jobs) >= 2 and None not in jobs  # trials ran inside SLURM jobs
+
+
+def test_three_slurm_workers_on_postgresql(slurm: None, postgres_url: str, tmp_path: Path) -> None:
+    args = [*SLURM, "search.workers=3", "search.n_trials=6", f"search.storage={postgres_url}"]
+    finish(search_process([*args, *STUDY], tmp_path))
+    states = _job_states(tmp_path / "mlruns" / "hydra" / "multirun", want=3)
+    assert set(states.values()) == {"COMPLETED"}, states
+    study = optuna.load_study(study_name="slurm", storage=postgres_url)
+    check_stores(study, MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db"), 6)
+
+
+def test_two_slurm_workers_log_to_a_tracking_server_on_postgresql(
+    slurm: None, postgres_url: str, tmp_path: Path
+) -> None:
+    with MlflowServer(postgres_url, tmp_path) as server:
+        args = [
+            *SLURM,
+            "search.workers=2",
+            "search.n_trials=4",
+            f"mlflow.tracking_uri={server.url}",
+        ]
+        finish(search_process([*args, *STUDY], tmp_path))
+        study = journal_study(tmp_path / "mlruns" / "optuna.journal", "slurm")
+        check_stores(study, MlflowClient(server.url), 4)
+    states = _job_states(tmp_path / "mlruns" / "hydra" / "multirun", want=2)
+    assert set(states.values()) == {"COMPLETED"}, states
+
+
+def test_a_slurm_job_cancelled_mid_trial(slurm: None, postgres_url: str, tmp_path: Path) -> None:
+    """scancel one of two workers while it trains. SLURM sends SIGTERM, which submitit
+    ignores, then SIGKILL after KillWait (5 s here): the worker dies in whatever trial it is
+    then running. The other worker sees the dead owner, fails that trial and runs it again."""
+    longer = [*STUDY, "trainer.max_epochs=6"]  # the kill must come before the study ends
+    args = [*SLURM, "search.workers=2", "search.n_trials=10", f"search.storage={postgres_url}"]
+    sweep = search_process([*args, *longer], tmp_path)
+
+    def load() -> optuna.Study | None:
+        try:
+            return optuna.load_study(study_name="slurm", storage=postgres_url)
+        except KeyError:
+            return None
+
+    running = wait_for_trial(
+        load,
+        lambda t: (
+            t.number >= 2
+            and t.state == TrialState.RUNNING
+            and OWNER_ATTR in t.system_attrs
+            and "mlflow_run_id" in t.user_attrs
+        ),
+        alive=lambda: sweep.poll() is None,
+    )
+    job = running.system_attrs[OWNER_ATTR]["slurm_job"]
+    subprocess.run(["scancel", job], check=True)
+    finish(sweep, expect_rc=None)
+    assert sweep.returncode != 0  # Hydra reports the cancelled job; the study is complete
+    study = load()
+    check_stores(study, MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db"), 10, num_epochs=6)
+    (killed,) = [t for t in study.trials if t.state == TrialState.FAIL]
+    assert killed.system_attrs[OWNER_ATTR]["slurm_job"] == job
+    (retry,) = [t for t in study.trials if t.system_attrs.get("failed_trial") == killed.number]
+    assert retry.params == killed.params
+    assert retry.system_attrs[OWNER_ATTR]["slurm_job"] != job
+    states = _job_states(tmp_path / "mlruns" / "hydra" / "multirun", want=2)
+    assert sorted(states.values()) == ["CANCELLED", "COMPLETED"], states
