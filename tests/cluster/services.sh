@@ -40,7 +40,7 @@ install() {
 start_munge() {
   mkdir -p /run/munge && chown munge:munge /run/munge
   [ -s /etc/munge/munge.key ] || runuser -u munge -- mungekey --create
-  runuser -u munge -- munged --pid-file=/run/munge/munged.pid
+  runuser -u munge -- munged --pid-file=/run/munge/munged.pid </dev/null >/dev/null 2>&1
   wait_for 10 munge munge -n
 }
 
@@ -49,7 +49,8 @@ start_mariadb() {
   # Unix socket only: nothing listens on a network port.
   mkdir -p "$STATE/mariadb" && chown mysql:mysql "$STATE/mariadb"
   mariadbd --user=mysql --skip-networking --socket=/run/mysqld/mysqld.sock \
-    --pid-file="$STATE/mariadb/mariadb.pid" --log-error="$STATE/mariadb/mariadb.log" &
+    --pid-file="$STATE/mariadb/mariadb.pid" --log-error="$STATE/mariadb/mariadb.log" \
+    </dev/null >>"$STATE/mariadb/mariadb.log" 2>&1 &
   wait_for 30 mariadb mariadb -uroot -e "select 1"
   mariadb -uroot -e "create database if not exists slurm_acct_db;
     create user if not exists 'slurm'@'localhost' identified by 'slurm';
@@ -74,6 +75,9 @@ SelectTypeParameters=CR_CPU
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 SchedulerParameters=batch_sched_delay=0,sched_min_interval=0
+# Bind to the address this host resolves to (127.0.0.1 via SlurmctldHost/NodeAddr), not to
+# every interface: the daemons listen on loopback only.
+CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
 KillWait=5
 MinJobAge=300
 ReturnToService=2
@@ -90,6 +94,7 @@ EOF
 AuthType=auth/munge
 DbdHost=localhost
 DbdAddr=127.0.0.1
+CommunicationParameters=NoInAddrAny
 SlurmUser=slurm
 PidFile=$STATE/slurm/slurmdbd.pid
 LogFile=$STATE/slurm/slurmdbd.log
@@ -106,11 +111,11 @@ EOF
 start_slurm() {
   mkdir -p "$STATE/slurm" && chown slurm:slurm "$STATE/slurm"
   write_slurm_conf
-  slurmdbd
+  slurmdbd </dev/null >/dev/null 2>&1
   wait_for 30 slurmdbd sacctmgr -n list cluster
   sacctmgr -i add cluster "$CLUSTER" >/dev/null 2>&1 || true
-  slurmctld
-  slurmd
+  slurmctld </dev/null >/dev/null 2>&1
+  slurmd </dev/null >/dev/null 2>&1
   wait_for 30 "an idle SLURM node" bash -c '[ "$(sinfo -h -o %T | head -1)" = idle ]'
 }
 
