@@ -59,7 +59,8 @@ def check_stores(
         assert run.info.status == "FINISHED"
         assert run.data.tags["batchfit.state"] == t.state.name
         assert run.data.metrics["time/trial_s"] > 0
-        assert "time/storage_s" in run.data.metrics and "time/tracking_s" in run.data.metrics
+        # Every trial reads the study (sampler) and writes MLflow records.
+        assert run.data.metrics["time/storage_s"] > 0 and run.data.metrics["time/tracking_s"] > 0
         if t.state == TrialState.COMPLETE:
             history = client.get_metric_history(run.info.run_id, "val/acc")
             assert len(history) == num_epochs
