@@ -234,8 +234,8 @@ class StudyDriver:
             optuna.storages.fail_stale_trials(self.study)
             self._end_killed_runs(console)
             start = should_start_trial(self.study, n_trials)
-            if start is False:
-                return
+            if start is False or (start is None and not self.checked.settings.heartbeat_interval_s):
+                return  # without heartbeats a dead worker's trial is never seen: do not wait
             if start is None:
                 if not said_waiting:
                     console.print(

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import os
+import random
+import re
 import socket
 import time
 from functools import cache
@@ -186,11 +188,19 @@ class HeartbeatJournalStorage(_Owners, optuna.storages.JournalStorage, BaseHeart
         return self.heartbeat_stale_trial_callback
 
 
-def storage_kind(url: str) -> str:
-    """journal, sqlite, postgresql, mysql, ...: what a user picks between."""
-    if url.startswith(JOURNAL_PREFIX):
-        return "journal"
-    return url.split(":", 1)[0].split("+", 1)[0]
+def _create_rdb(url: str, heartbeat: dict[str, Any]) -> HeartbeatRDBStorage:
+    """Workers starting together on a new database all create Optuna's tables; the losers
+    of that race see "already exists" or a duplicate key, and find the tables made on a
+    second try."""
+    for attempt in range(5):
+        try:
+            return HeartbeatRDBStorage(url, **heartbeat)
+        except Exception as error:  # noqa: BLE001 - re-raised unless it is that race
+            racing = re.search(r"already exists|duplicate key|UniqueViolation", str(error))
+            if not racing or attempt == 4:
+                raise
+            time.sleep(0.2 + random.random())
+    raise AssertionError("unreachable")
 
 
 def open_storage(url: str, heartbeat_interval_s: int | None) -> BaseStorage:
@@ -213,7 +223,7 @@ def open_storage(url: str, heartbeat_interval_s: int | None) -> BaseStorage:
             return optuna.storages.JournalStorage(backend)
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        return HeartbeatRDBStorage(url, **heartbeat)
+        return _create_rdb(url, heartbeat)
     except Exception as error:  # noqa: BLE001 - any failure here is the URL's
         reason = str(error).splitlines()[0] if str(error) else ""
         raise ConfigError(

@@ -78,12 +78,27 @@ def test_three_slurm_workers_on_a_journal_file(slurm: None, tmp_path: Path) -> N
 
 
 def test_three_slurm_workers_on_postgresql(slurm: None, postgres_url: str, tmp_path: Path) -> None:
-    args = [*SLURM, "search.workers=3", "search.n_trials=6", f"search.storage={postgres_url}"]
-    finish(search_process([*args, *STUDY], tmp_path))
+    """With a password in the storage URL (the test server trusts loopback, so any password
+    connects): it shows nowhere a user or a log reads."""
+    secret = "pg-S3cret"
+    url = postgres_url.replace("postgres@", f"postgres:{secret}@")
+    args = [*SLURM, "search.workers=3", "search.n_trials=6", f"search.storage={url}"]
+    out, err = finish(search_process([*args, *STUDY], tmp_path))
     states = _job_states(tmp_path / "mlruns" / "hydra" / "multirun", want=3)
     assert set(states.values()) == {"COMPLETED"}, states
     study = optuna.load_study(study_name="slurm", storage=postgres_url)
-    check_stores(study, MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db"), 6)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    check_stores(study, client, 6)
+    # Console, Hydra's saved configs and job logs (submitit's pickles hold the config to run
+    # it, and are not read here), MLflow's params, tags and artifacts, the study.
+    texts = [out, err, str(study.user_attrs), str([t.user_attrs for t in study.trials])]
+    logs = [p for p in (tmp_path / "mlruns").rglob("*") if p.is_file() and p.suffix != ".pkl"]
+    texts += [p.read_text(errors="replace") for p in logs if p.suffix != ".db"]
+    for run in client.search_runs([client.get_experiment_by_name("slurm").experiment_id]):
+        texts += [str(run.data.params), str(run.data.tags)]
+    leaks = [line for text in texts for line in text.splitlines() if secret in line]
+    assert not leaks
+    assert any("postgres:***@127.0.0.1" in text for text in texts)  # shown, masked
 
 
 def test_two_slurm_workers_log_to_a_tracking_server_on_postgresql(
