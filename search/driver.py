@@ -114,6 +114,7 @@ class StudyDriver:
         tracker: Tracker,
         parent: StudyRun,
         console: Console,
+        storage_clock: CallClock | None = None,
     ):
         self.checked = checked
         self.compose = compose  # the command line's overrides + a trial's, composed by Hydra
@@ -122,7 +123,7 @@ class StudyDriver:
         self.tracker = tracker
         self.parent = parent
         self.console = console
-        self.storage_clock = CallClock()
+        self.storage_clock = storage_clock or CallClock()  # times the study's storage calls
         self._killed_seen: set[int] = set()
         self._outage_said = False
 
@@ -177,9 +178,7 @@ class StudyDriver:
             parent.text(fixed, "fixed_config.yaml")
             _log_fit_report(cfg, checked, parent, console)
         parent_run = StudyRun(parent, settings.metrics)
-        driver = cls(checked, compose, base, study, tracker, parent_run, console)
-        driver.storage_clock = storage_clock
-        return driver
+        return cls(checked, compose, base, study, tracker, parent_run, console, storage_clock)
 
     def run(self) -> float | None:
         settings = self.checked.settings
