@@ -18,8 +18,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 MASK = "***"
-# scheme://user:password@  (the password ends at the last @ before the host)
-_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^\s/:@'\"]*:)([^\s/'\"]*)@")
+# scheme://user:password@ (the password ends at the last @ before the host), also as Hydra
+# writes an override back: postgresql\://user\:password@host\:5432/db
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*\\?://[^\s/:@'\"\\]*\\?:)([^\s/'\"]*)@")
 
 
 def redact(text: str) -> str:
@@ -81,6 +82,9 @@ class RedactSavedConfigs(Callback):
             for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
                 redact_file(Path(runtime.output_dir) / subdir / name)
         redact_file(Path(config.hydra.sweep.dir) / "multirun.yaml")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        redact_logging()  # the launcher logs each job's overrides from this process
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         redact_file(Path(config.hydra.sweep.dir) / "multirun.yaml")

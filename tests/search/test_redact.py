@@ -20,6 +20,11 @@ from search.redact import RedactingFilter, redact, redact_file, redact_tree
             "storage=mysql://a:b@h/db, uri=http://u:v@h:1",
             "storage=mysql://a:***@h/db, uri=http://u:***@h:1",
         ),
+        # As Hydra logs and saves an override: colons escaped.
+        (
+            r"search.storage=postgresql\://bf\:pa55@db\:5432/x",
+            r"search.storage=postgresql\://bf\:***@db\:5432/x",
+        ),
         # Nothing to mask: no password, a port, a journal path, plain text.
         ("postgresql://bf@db:5432/optuna", "postgresql://bf@db:5432/optuna"),
         ("http://127.0.0.1:5000/#/experiments/1", "http://127.0.0.1:5000/#/experiments/1"),
