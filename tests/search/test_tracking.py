@@ -1,0 +1,68 @@
+"""search/tracking.py against real MLflow stores: the outbox's retries, workers opening one
+new SQLite store together, and the parent run created once."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+from mlflow.entities import Metric
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from search.tracking import Outbox, Tracker, http_defaults, is_transient
+from tests.sweeps import free_port
+
+
+def test_outbox_queues_writes_to_an_unreachable_server_in_order(monkeypatch) -> None:
+    http_defaults()
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    client = MlflowClient(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    outbox = Outbox()
+    written: list[int] = []
+    outbox.put(lambda: client.log_batch("run", metrics=[Metric("m", 1.0, 0, 0)]))
+    outbox.put(lambda: written.append(2))  # waits behind the first: order is kept
+    assert len(outbox) == 2 and written == []
+    assert "Connection refused" in outbox.last_error or "Max retries" in outbox.last_error
+    assert not outbox.wait(0.5)
+    assert len(outbox) == 2
+
+
+def test_outbox_raises_a_real_error_and_goes_on(tmp_path: Path) -> None:
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    outbox = Outbox()
+    with pytest.raises(MlflowException) as raised:
+        outbox.put(lambda: client.log_batch("no-such-run", metrics=[Metric("m", 1.0, 0, 0)]))
+    assert not is_transient(raised.value)
+    written: list[int] = []
+    outbox.put(lambda: written.append(1))
+    assert written == [1] and len(outbox) == 0
+    assert outbox.clock.seconds > 0  # the MLflow call was timed
+
+
+def _open(uri: str, queue: multiprocessing.Queue) -> None:
+    tracker = Tracker(uri, "study", str(Path(uri.removeprefix("sqlite:///")).parent / "a"))
+    run, created = tracker.study_run("study", None)
+    queue.put((tracker.created_experiment, created, run.run_id))
+
+
+def test_workers_opening_one_new_sqlite_store_together(tmp_path: Path) -> None:
+    """Three processes create the store, the experiment and the parent run at once: MLflow's
+    schema migrations must not collide, and one experiment and one parent run result."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    workers = [context.Process(target=_open, args=(uri, queue)) for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+        assert worker.exitcode == 0
+    results = [queue.get(timeout=5) for _ in workers]
+    assert sorted(r[0] for r in results) == [False, False, True]  # one created the experiment
+    assert sorted(r[1] for r in results) == [False, False, True]  # and the parent run
+    assert len({r[2] for r in results}) == 1  # the others found that same run
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("study")
+    assert len(client.search_runs([experiment.experiment_id])) == 1
