@@ -10,6 +10,7 @@ Several workers on one study: `python -m search --multirun search.workers=4 ...`
 from __future__ import annotations
 
 import sys
+import traceback
 
 import hydra
 import torch
@@ -66,6 +67,9 @@ def main(cfg: DictConfig) -> float | None:
     except KeyboardInterrupt:
         driver.interrupted()
         sys.exit(130)
+    except Exception:  # a bug or a store gone for good: its traceback may carry a password
+        errors.print(redact(traceback.format_exc()), markup=False, highlight=False)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

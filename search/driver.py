@@ -29,7 +29,7 @@ from search.study import (
     open_study,
     should_start_trial,
 )
-from search.tracking import RunLog, StudyRun, Tracker
+from search.tracking import RunLog, StudyRun, Tracker, is_transient
 from search.validate import Checked, validate
 from train.predict import PredictionUnsupported
 
@@ -41,6 +41,7 @@ _RESUMABLE_KEYS = (
     "storage", "study_name", "preflight", "preflight_margin", "oom_constraint", "workers",
 )  # fmt: skip
 IDLE_POLL_S = 2.0  # an idle worker looks for dead workers' trials this often
+INTERRUPT_WAIT_S = 5.0  # on Ctrl-C, how long queued MLflow writes may still take
 
 
 class Surplus(Exception):
@@ -126,6 +127,7 @@ class StudyDriver:
         self.storage_clock = storage_clock or CallClock()  # times the study's storage calls
         self._killed_seen: set[int] = set()
         self._outage_said = False
+        self._failures_said = 0
 
     @classmethod
     def prepare(
@@ -266,7 +268,11 @@ class StudyDriver:
         return run_if_within
 
     def _say_tracking_state(self, console: Console) -> None:
-        """Say once when MLflow writes start to queue, and once when they are through."""
+        """Say once when MLflow writes start to queue, and once when they are through; say
+        every write MLflow refused."""
+        for failure in self.tracker.outbox.failed[self._failures_said :]:
+            console.print(f"[red]MLflow refused a record[/red]: {failure}", soft_wrap=True)
+        self._failures_said = len(self.tracker.outbox.failed)
         queued = len(self.tracker.outbox)
         if queued and not self._outage_said:
             console.print(
@@ -278,11 +284,25 @@ class StudyDriver:
             console.print("MLflow reachable again: the queued records are written")
         self._outage_said = bool(queued)
 
+    def _check_refused(self) -> None:
+        failed = self.tracker.outbox.failed
+        if failed:
+            raise TrackingIncomplete(
+                f"MLflow refused {len(failed)} records of this worker (first: {failed[0]}); "
+                "the study itself is complete in search.storage"
+            )
+
     def _end_killed_runs(self, console: Console) -> None:
         """Trials whose worker died: their MLflow runs end as KILLED (once, by any worker)."""
         new = interrupted_numbers(self.study) - self._killed_seen
         if new:
-            for number in self.tracker.end_killed_runs(new):
+            try:
+                ended = self.tracker.end_killed_runs(new)
+            except Exception as error:
+                if not is_transient(error):
+                    raise
+                return  # MLflow is away: try again on the next pass
+            for number in ended:
                 console.print(f"#{number:<3} KILLED: its worker died; its parameters run again")
             self._killed_seen |= new
 
@@ -290,6 +310,7 @@ class StudyDriver:
         outbox = self.tracker.outbox
         if outbox.drain():
             self._say_tracking_state(self.console)
+            self._check_refused()
             return
         wait_s = self.checked.settings.outage_wait_s
         self._outage_said = True
@@ -301,6 +322,7 @@ class StudyDriver:
         )
         if self.tracker.close(wait_s):
             self._say_tracking_state(self.console)
+            self._check_refused()
         else:
             raise TrackingIncomplete(
                 f"{len(outbox)} MLflow records of this worker could not be written to "
@@ -311,6 +333,11 @@ class StudyDriver:
     def interrupted(self) -> None:
         self.parent.update(self.study)
         self.parent.log.finish("KILLED")
+        if not self.tracker.close(INTERRUPT_WAIT_S):
+            self.console.print(
+                f"[yellow]{len(self.tracker.outbox)} MLflow records were not written "
+                f"({self.tracker.outbox.last_error})[/yellow]"
+            )
         self.console.print(
             "[yellow]Interrupted.[/yellow] Finished trials are saved; run the same command "
             "again to resume the study."

@@ -48,6 +48,7 @@ def this_owner() -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
         "boot": _boot_id(),
+        "pid_namespace": _pid_namespace(),  # containers with one hostname and boot differ here
         "pid": os.getpid(),
         "started": _process_start(os.getpid()),
         "slurm_job": _slurm_job(),
@@ -70,13 +71,22 @@ def _boot_id() -> str | None:
         return None
 
 
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def _process_start(pid: int) -> int | None:
-    """Clock ticks after boot at which `pid` started (Linux), None if it is not running."""
+    """Clock ticks after boot at which `pid` started (Linux); None if it is not running or
+    is a zombie (dead, not yet reaped by its parent)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22, after the command name
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name: field 3 onwards
+    return None if fields[0] == "Z" else int(fields[19])
 
 
 def owner_is_gone(owner: dict[str, Any] | None) -> bool:
@@ -85,7 +95,8 @@ def owner_is_gone(owner: dict[str, Any] | None) -> bool:
     gone; its heartbeat's grace period decides."""
     if not owner or owner.get("boot") is None or owner.get("boot") != this_owner()["boot"]:
         return False
-    if owner.get("host") != this_owner()["host"]:
+    me = this_owner()
+    if owner.get("host") != me["host"] or owner.get("pid_namespace") != me["pid_namespace"]:
         return False
     return _process_start(int(owner["pid"])) != owner.get("started")
 
@@ -137,8 +148,16 @@ class HeartbeatRDBStorage(_Owners, optuna.storages.RDBStorage):
         super().record_heartbeat(trial_id)
 
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
-        stale = super()._get_stale_trial_ids(study_id)
-        return stale + [i for i in self._orphan_ids(study_id) if i not in stale]
+        # Optuna's check sees only trials with a heartbeat row; one whose worker died before
+        # its first beat (its owner is recorded then) is as alive as its start.
+        stale = set(super()._get_stale_trial_ids(study_id)) | set(self._orphan_ids(study_id))
+        assert self.grace_period is not None  # open_storage gives it
+        for trial in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,)):
+            started = trial.datetime_start
+            silent = OWNER_ATTR not in trial.system_attrs and started is not None
+            if silent and time.time() - started.timestamp() > self.grace_period:
+                stale.add(trial._trial_id)
+        return sorted(stale)
 
 
 class HeartbeatJournalStorage(_Owners, optuna.storages.JournalStorage, BaseHeartbeat):
@@ -156,7 +175,7 @@ class HeartbeatJournalStorage(_Owners, optuna.storages.JournalStorage, BaseHeart
         super().__init__(backend)
         self._owned = set()
         self.heartbeat_interval = heartbeat_interval
-        self.grace_period = grace_period or (2 * heartbeat_interval if heartbeat_interval else None)
+        self.grace_period = grace_period
         self.heartbeat_stale_trial_callback = heartbeat_stale_trial_callback
 
     def __setstate__(self, state: dict[Any, Any]) -> None:  # a pickled copy owns nothing yet

@@ -117,6 +117,8 @@ def should_start_trial(study: optuna.Study, n_trials: int) -> bool | None:
     finished = sum(counts_as_finished(t) for t in trials)
     if finished >= n_trials:
         return False
+    if any(t.state == TrialState.WAITING for t in trials):
+        return True  # a dead worker's trial, queued again: someone must run it
     return True if sum(_holds_slot(t) for t in trials) < n_trials else None
 
 

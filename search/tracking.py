@@ -94,14 +94,16 @@ def _schema_lock(uri: str) -> Iterator[None]:
 
 
 class Outbox:
-    """MLflow writes, made in order; passing failures are retried with a growing delay."""
+    """MLflow writes, made in order; passing failures are retried with a growing delay, and
+    a write that meets a real error is dropped and recorded in `failed`."""
 
     def __init__(self, clock: CallClock | None = None):
         self._queue: deque[Callable[[], object]] = deque()
         self._retry_at = 0.0
         self._delay_s = RETRY_MIN_S
         self.clock = clock or CallClock()
-        self.last_error: str | None = None
+        self.last_error: str | None = None  # the last passing failure, redacted
+        self.failed: list[str] = []  # writes dropped on a real error, redacted
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -119,8 +121,11 @@ class Outbox:
                 self.clock.wrap(self._queue[0])()
             except Exception as error:
                 if not is_transient(error):
-                    self._queue.popleft()  # it would fail again; the next writes go on
-                    raise
+                    # It would fail again. Raising it here would hit whichever call drains
+                    # next (another trial's metrics); it is said and reported at the end.
+                    self._queue.popleft()
+                    self.failed.append(f"{type(error).__name__}: {redact(str(error))[:500]}")
+                    continue
                 self.last_error = redact(str(error).splitlines()[0])
                 self._retry_at = time.monotonic() + self._delay_s
                 self._delay_s = min(2 * self._delay_s, RETRY_MAX_S)
@@ -273,10 +278,14 @@ class Tracker:
         """The study's parent run and whether this worker created it. It is created once:
         by the worker that created the experiment, or, for an experiment that has been
         there a while without one, by the first worker that finds it so."""
-        resumed = self.resume_run(known_id) or self.resume_run(self._find_study_run(study_name))
+        resumed = _retry_at_start(
+            lambda: self.resume_run(known_id) or self.resume_run(self._find_study_run(study_name)),
+            self.tracking_uri,
+        )
         if resumed is not None:
             return resumed, False
-        if not self.created_experiment and self._experiment_is_fresh():
+        fresh = _retry_at_start(self._experiment_is_fresh, self.tracking_uri)
+        if not self.created_experiment and fresh:
             deadline = time.monotonic() + PARENT_WAIT_S
             while time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -284,7 +293,10 @@ class Tracker:
                 if found is not None:
                     return found, False
         tags = {ROLE_TAG: "study", STUDY_TAG: study_name}
-        run = self.client.create_run(self.experiment_id, run_name=study_name, tags=tags)
+        run = _retry_at_start(
+            lambda: self.client.create_run(self.experiment_id, run_name=study_name, tags=tags),
+            self.tracking_uri,
+        )
         return RunLog(self.client, self.outbox, run.info.run_id), True
 
     def _find_study_run(self, study_name: str) -> str | None:

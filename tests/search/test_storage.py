@@ -184,8 +184,10 @@ def test_trial_counting_across_workers() -> None:
     assert should_start_trial(study, 4) is True
     _add(study, TrialState.RUNNING)  # another worker's: it would complete a study of 4
     assert should_start_trial(study, 4) is None
-    _add(study, TrialState.WAITING)  # a dead worker's trial, queued again
-    assert should_start_trial(study, 5) is None and should_start_trial(study, 6) is True
+    assert should_start_trial(study, 5) is True
+    _add(study, TrialState.WAITING)  # a dead worker's trial, queued again: always run it,
+    assert should_start_trial(study, 5) is True  # even when it holds the last slot
+    assert should_start_trial(study, 6) is True
     # Trial 6 starts while 5 trials before it hold slots: within 6, not within 5.
     assert claims_slot(study, 6, 6) and not claims_slot(study, 6, 5)
     assert interrupted_numbers(study) == {2}
@@ -215,3 +217,17 @@ def test_several_workers_refuse_sqlite_and_name_both_alternatives() -> None:
     with pytest.raises(ConfigError, match=r"search.workers must be an integer >= 1, got 0"):
         _settings(workers=0)
     _settings(storage="sqlite:///mlruns/optuna.db", workers=1)  # one worker: fine
+
+
+def test_a_trial_that_never_beat_is_stale_after_the_grace(url: str) -> None:
+    """A worker that died between starting a trial and its first heartbeat left neither a
+    beat nor an owner: the trial's start stands in for its last sign of life."""
+    storage = open_storage(url, 1)  # grace 2 s
+    study = optuna.create_study(storage=storage)
+    trial = study.ask()
+    trial.suggest_float("x", 0, 1)
+    optuna.storages.fail_stale_trials(study)
+    assert study.get_trials()[0].state == TrialState.RUNNING
+    time.sleep(2.5)
+    optuna.storages.fail_stale_trials(study)
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL, TrialState.WAITING]
