@@ -16,6 +16,7 @@ from rich.console import Console
 
 from search import fit, report
 from search.objective import Objective, TrialFailed
+from search.outbox import is_transient
 from search.overhead import CallClock, Lap, storage_methods
 from search.redact import redact
 from search.sampler import FeasibilityFilter
@@ -29,7 +30,7 @@ from search.study import (
     open_study,
     should_start_trial,
 )
-from search.tracking import RunLog, StudyRun, Tracker, is_transient
+from search.tracking import RunLog, StudyRun, Tracker
 from search.validate import Checked, validate
 from train.predict import PredictionUnsupported
 

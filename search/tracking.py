@@ -3,11 +3,9 @@
 Uses `MlflowClient` with explicit run ids (no fluent active-run stack), and batches: a trial
 buffers its interval metrics and writes them with one `log_batch` per validation.
 
-Several workers write to one store. Every write goes through an `Outbox`, in order: a write
-that meets a passing failure (SQLite's "database is locked" while another worker writes; a
-tracking server that is down or restarting) stays queued and is tried again before the next
-write, between trials and at the end of the study. The study goes on meanwhile, and nothing
-is lost unless the store is still unreachable `mlflow.outage_wait_s` after the last trial.
+Several workers write to one store. Every write goes through an `Outbox` (search/outbox.py),
+in order, retried while the store is away: the study goes on meanwhile, and nothing is lost
+unless the store is still unreachable `mlflow.outage_wait_s` after the last trial.
 The study's parent run is created once, by the worker that created the study's MLflow
 experiment (MLflow refuses a second experiment of one name): the others wait for it.
 """
@@ -17,9 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import re
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +24,7 @@ from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from search.overhead import CallClock
+from search.outbox import RETRY_MIN_S, Outbox, is_transient
 from search.redact import redact
 from search.report import best_trials, state_label
 from search.study import counts_as_finished
@@ -40,21 +36,9 @@ STUDY_TAG = "batchfit.study"
 TRIAL_TAG = "batchfit.trial"
 STATE_TAG = "batchfit.state"
 
-# Failures that pass: the write is tried again later. Anything else is a real error.
-_TRANSIENT = re.compile(
-    r"database is locked|database table is locked|Max retries exceeded|Connection refused|"
-    r"Connection aborted|Connection reset|Failed to establish|Name or service not known|"
-    r"timed out|Remote end closed|\b50[234]\b|Service Unavailable|Bad Gateway",
-    re.IGNORECASE,
-)
-RETRY_MIN_S, RETRY_MAX_S = 0.05, 15.0
 PARENT_WAIT_S = 60.0  # how long a worker waits for the parent run another worker creates
 FRESH_EXPERIMENT_S = 300.0  # an experiment younger than this may still be getting its parent
 START_RETRY_S = 30.0  # reaching the store at start (SQLite schema being created by a peer)
-
-
-def is_transient(error: BaseException) -> bool:
-    return isinstance(error, MlflowException | OSError) and bool(_TRANSIENT.search(str(error)))
 
 
 def http_defaults() -> None:
@@ -91,58 +75,6 @@ def _schema_lock(uri: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-class Outbox:
-    """MLflow writes, made in order; passing failures are retried with a growing delay, and
-    a write that meets a real error is dropped and recorded in `failed`."""
-
-    def __init__(self, clock: CallClock | None = None):
-        self._queue: deque[Callable[[], object]] = deque()
-        self._retry_at = 0.0
-        self._delay_s = RETRY_MIN_S
-        self.clock = clock or CallClock()
-        self.last_error: str | None = None  # the last passing failure, redacted
-        self.failed: list[str] = []  # writes dropped on a real error, redacted
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def put(self, write: Callable[[], object]) -> None:
-        self._queue.append(write)
-        self.drain()
-
-    def drain(self) -> bool:
-        """Make the queued writes, unless a retry is not yet due; True when none is left."""
-        while self._queue:
-            if time.monotonic() < self._retry_at:
-                return False
-            try:
-                self.clock.wrap(self._queue[0])()
-            except Exception as error:
-                if not is_transient(error):
-                    # It would fail again. Raising it here would hit whichever call drains
-                    # next (another trial's metrics); it is said and reported at the end.
-                    self._queue.popleft()
-                    self.failed.append(f"{type(error).__name__}: {redact(str(error))[:500]}")
-                    continue
-                self.last_error = redact(str(error).splitlines()[0])
-                self._retry_at = time.monotonic() + self._delay_s
-                self._delay_s = min(2 * self._delay_s, RETRY_MAX_S)
-                return False
-            self._queue.popleft()
-            self._delay_s = RETRY_MIN_S
-        return True
-
-    def wait(self, timeout_s: float) -> bool:
-        """Retry until everything is written or `timeout_s` has passed."""
-        deadline = time.monotonic() + timeout_s
-        while not self.drain():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(max(0.0, min(self._retry_at - time.monotonic(), left)))
-        return True
 
 
 class RunLog:

@@ -9,7 +9,8 @@ from pathlib import Path
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from search.tracking import Outbox, Tracker, http_defaults
+from search.outbox import Outbox
+from search.tracking import Tracker, http_defaults
 from tests.sweeps import free_port
 
 
