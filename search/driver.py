@@ -309,27 +309,24 @@ class StudyDriver:
 
     def _close_tracking(self) -> None:
         outbox = self.tracker.outbox
-        if outbox.drain():
-            self._say_tracking_state(self.console)
-            self._check_refused()
-            return
-        wait_s = self.checked.settings.outage_wait_s
-        self._outage_said = True
-        self.console.print(
-            f"[yellow]MLflow at {redact(self.tracker.tracking_uri)} is unreachable "
-            f"({outbox.last_error}); waiting up to {wait_s:g} s to write {len(outbox)} "
-            "queued records[/yellow]",
-            soft_wrap=True,
-        )
-        if self.tracker.close(wait_s):
-            self._say_tracking_state(self.console)
-            self._check_refused()
-        else:
-            raise TrackingIncomplete(
-                f"{len(outbox)} MLflow records of this worker could not be written to "
-                f"{redact(self.tracker.tracking_uri)} ({outbox.last_error}); the study itself "
-                "is complete in search.storage. Raise mlflow.outage_wait_s to wait longer."
+        if not outbox.drain():
+            wait_s = self.checked.settings.outage_wait_s
+            self._outage_said = True
+            self.console.print(
+                f"[yellow]MLflow at {redact(self.tracker.tracking_uri)} is unreachable "
+                f"({outbox.last_error}); waiting up to {wait_s:g} s to write {len(outbox)} "
+                "queued records[/yellow]",
+                soft_wrap=True,
             )
+            if not self.tracker.close(wait_s):
+                raise TrackingIncomplete(
+                    f"{len(outbox)} MLflow records of this worker could not be written to "
+                    f"{redact(self.tracker.tracking_uri)} ({outbox.last_error}); the study "
+                    "itself is complete in search.storage. Raise mlflow.outage_wait_s to wait "
+                    "longer."
+                )
+        self._say_tracking_state(self.console)
+        self._check_refused()
 
     def interrupted(self) -> None:
         self.parent.update(self.study)

@@ -119,8 +119,9 @@ class RetryStaleTrial:
 
 
 class _Owners:
-    """Mixed into a storage: record the owner on a trial's first beat, and count a running
-    trial whose owner is provably gone as stale at once."""
+    """Mixed into a storage: record the owner on a trial's first beat, and find the running
+    trials that are stale by this mechanism: a provably gone owner, or a last sign of life
+    older than the grace period."""
 
     _owned: set[int]
 
@@ -129,11 +130,22 @@ class _Owners:
             self._owned.add(trial_id)
             self.set_trial_system_attr(trial_id, OWNER_ATTR, this_owner())  # type: ignore[attr-defined]
 
-    def _orphan_ids(self, study_id: int) -> list[int]:
+    def _last_sign_of_life(self, trial: FrozenTrial) -> float | None:
+        """Unix time of the trial's last beat that this mixin must judge (None: not ours)."""
+        raise NotImplementedError
+
+    def _own_stale_ids(self, study_id: int, grace_s: float) -> list[int]:
         running = self.get_all_trials(  # type: ignore[attr-defined]
             study_id, deepcopy=False, states=(TrialState.RUNNING,)
         )
-        return [t._trial_id for t in running if owner_is_gone(t.system_attrs.get(OWNER_ATTR))]
+        now = time.time()
+        stale = []
+        for trial in running:
+            last = self._last_sign_of_life(trial)
+            silent = last is not None and now - last > grace_s
+            if silent or owner_is_gone(trial.system_attrs.get(OWNER_ATTR)):
+                stale.append(trial._trial_id)
+        return stale
 
 
 class HeartbeatRDBStorage(_Owners, optuna.storages.RDBStorage):
@@ -147,17 +159,17 @@ class HeartbeatRDBStorage(_Owners, optuna.storages.RDBStorage):
         self._record_owner(trial_id)
         super().record_heartbeat(trial_id)
 
+    def _last_sign_of_life(self, trial: FrozenTrial) -> float | None:
+        # Optuna's heartbeat table judges a trial that has beaten (its owner is recorded at
+        # the first beat); one whose worker died before that is as alive as its start.
+        if OWNER_ATTR in trial.system_attrs or trial.datetime_start is None:
+            return None
+        return trial.datetime_start.timestamp()
+
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
-        # Optuna's check sees only trials with a heartbeat row; one whose worker died before
-        # its first beat (its owner is recorded then) is as alive as its start.
-        stale = set(super()._get_stale_trial_ids(study_id)) | set(self._orphan_ids(study_id))
         assert self.grace_period is not None  # open_storage gives it
-        for trial in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,)):
-            started = trial.datetime_start
-            silent = OWNER_ATTR not in trial.system_attrs and started is not None
-            if silent and time.time() - started.timestamp() > self.grace_period:
-                stale.add(trial._trial_id)
-        return sorted(stale)
+        stale = set(super()._get_stale_trial_ids(study_id))
+        return sorted(stale | set(self._own_stale_ids(study_id, self.grace_period)))
 
 
 class HeartbeatJournalStorage(_Owners, optuna.storages.JournalStorage, BaseHeartbeat):
@@ -186,19 +198,14 @@ class HeartbeatJournalStorage(_Owners, optuna.storages.JournalStorage, BaseHeart
         self._record_owner(trial_id)
         self.set_trial_system_attr(trial_id, BEAT_ATTR, time.time())
 
+    def _last_sign_of_life(self, trial: FrozenTrial) -> float | None:
+        # Before its first beat, a trial is as alive as its start.
+        start = trial.datetime_start.timestamp() if trial.datetime_start else None
+        return trial.system_attrs.get(BEAT_ATTR, start)
+
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
         assert self.grace_period is not None
-        now = time.time()
-        stale = []
-        for trial in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,)):
-            # Before its first beat, a trial is as alive as its start.
-            last = trial.system_attrs.get(BEAT_ATTR)
-            if last is None and trial.datetime_start is not None:
-                last = trial.datetime_start.timestamp()
-            owner = trial.system_attrs.get(OWNER_ATTR)
-            if owner_is_gone(owner) or (last is not None and now - last > self.grace_period):
-                stale.append(trial._trial_id)
-        return stale
+        return self._own_stale_ids(study_id, self.grace_period)
 
     def get_heartbeat_interval(self) -> int | None:
         return self.heartbeat_interval
@@ -210,16 +217,15 @@ class HeartbeatJournalStorage(_Owners, optuna.storages.JournalStorage, BaseHeart
 def _create_rdb(url: str, heartbeat: dict[str, Any]) -> HeartbeatRDBStorage:
     """Workers starting together on a new database all create Optuna's tables; the losers
     of that race see "already exists" or a duplicate key, and find the tables made on a
-    second try."""
-    for attempt in range(5):
+    later try."""
+    for _ in range(4):
         try:
             return HeartbeatRDBStorage(url, **heartbeat)
         except Exception as error:  # noqa: BLE001 - re-raised unless it is that race
-            racing = re.search(r"already exists|duplicate key|UniqueViolation", str(error))
-            if not racing or attempt == 4:
+            if not re.search(r"already exists|duplicate key|UniqueViolation", str(error)):
                 raise
             time.sleep(0.2 + random.random())
-    raise AssertionError("unreachable")
+    return HeartbeatRDBStorage(url, **heartbeat)
 
 
 def open_storage(url: str, heartbeat_interval_s: int | None) -> BaseStorage:

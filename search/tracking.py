@@ -216,12 +216,13 @@ class Tracker:
         )
         if resumed is not None:
             return resumed, False
-        fresh = _retry_at_start(self._experiment_is_fresh, self.tracking_uri)
-        if not self.created_experiment and fresh:
+        if not self.created_experiment and self._experiment_is_fresh():
             deadline = time.monotonic() + PARENT_WAIT_S
             while time.monotonic() < deadline:
                 time.sleep(0.2)
-                found = self.resume_run(self._find_study_run(study_name))
+                found = _retry_at_start(
+                    lambda: self.resume_run(self._find_study_run(study_name)), self.tracking_uri
+                )
                 if found is not None:
                     return found, False
         tags = {ROLE_TAG: "study", STUDY_TAG: study_name}
@@ -241,7 +242,10 @@ class Tracker:
         return runs[0].info.run_id if runs else None
 
     def _experiment_is_fresh(self) -> bool:
-        created_ms = self.client.get_experiment(self.experiment_id).creation_time or 0
+        experiment = _retry_at_start(
+            lambda: self.client.get_experiment(self.experiment_id), self.tracking_uri
+        )
+        created_ms = experiment.creation_time or 0
         return _now_ms() - created_ms < FRESH_EXPERIMENT_S * 1000
 
     def end_killed_runs(self, trial_numbers: set[int]) -> list[int]:

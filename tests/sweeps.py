@@ -20,6 +20,8 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 
+from search.storage import OWNER_ATTR
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -70,6 +72,17 @@ def check_stores(
             assert by_trial[t.number].info.status == "KILLED"
             assert by_trial[t.number].data.tags["batchfit.state"] == "KILLED"
     assert parents[0].data.metrics["trials/finished"] == n_trials
+
+
+def training(first: int) -> Callable[[FrozenTrial], bool]:
+    """A trial numbered `first` or later that is running and has its MLflow run: a worker
+    killed now dies mid-training, with a run to end as KILLED."""
+    return lambda t: (
+        t.number >= first
+        and t.state == TrialState.RUNNING
+        and OWNER_ATTR in t.system_attrs
+        and "mlflow_run_id" in t.user_attrs
+    )
 
 
 def search_process(args: list[str], cwd: Path) -> subprocess.Popen:

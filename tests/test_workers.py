@@ -20,6 +20,7 @@ from tests.sweeps import (
     finish,
     journal_study,
     search_process,
+    training,
     wait_for_trial,
 )
 
@@ -99,12 +100,7 @@ def test_submitit_local_worker_killed_mid_trial(tmp_path: Path) -> None:
     sweep = search_process(args, tmp_path)
     victim = wait_for_trial(
         lambda: journal_study(journal, "w"),
-        lambda t: (
-            t.number >= 2
-            and t.state == TrialState.RUNNING
-            and OWNER_ATTR in t.system_attrs
-            and "mlflow_run_id" in t.user_attrs
-        ),
+        training(first=2),
         alive=lambda: sweep.poll() is None,
     )
     subprocess.run(["kill", "-9", str(victim.system_attrs[OWNER_ATTR]["pid"])], check=True)
@@ -144,8 +140,6 @@ def test_tracking_server_outage_loses_nothing_and_no_password_shows(tmp_path: Pa
         out, err = finish(study_process)
     finally:
         study_process.kill()
-        server_ok = server.process is not None
-    assert server_ok
     try:
         client = MlflowClient(server.url)
         check_stores(journal_study(journal, "w"), client, 5)

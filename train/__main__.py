@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from search.redact import redact_logging
-from search.tracking import ROLE_TAG, Tracker, http_defaults
+from search.tracking import ROLE_TAG, STATE_TAG, Tracker, http_defaults
 from train.config import ConfigError
 from train.loop import Diverged, Hooks
 from train.memory import OutOfMemory, format_bytes
@@ -77,7 +77,7 @@ def main(cfg: DictConfig) -> None:
         log.finish("FAILED")
         raise
     if failure:
-        log.tags({"batchfit.state": "PRUNED", "batchfit.prune_reason": failure[0]})
+        log.tags({STATE_TAG: "PRUNED", "batchfit.prune_reason": failure[0]})
         log.finish("FAILED")
         errors.print(f"[bold red]{failure[0]}[/bold red]: {failure[1]}")
         sys.exit(1)
@@ -87,7 +87,7 @@ def main(cfg: DictConfig) -> None:
         extra["memory/predicted_bytes"] = prediction.peak_bytes
         extra["memory/prediction_error"] = (prediction.peak_bytes - measured) / measured
     log.metrics({**result.metrics(), **extra}, step=result.num_steps)
-    log.tags({"batchfit.state": "COMPLETE"})
+    log.tags({STATE_TAG: "COMPLETE"})
     log.finish()
     console.print(
         f"val acc {result.val_acc:.4f} | {result.throughput_samples_per_sec:.0f} samples/s | "

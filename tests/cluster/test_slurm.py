@@ -21,6 +21,7 @@ from tests.sweeps import (
     finish,
     journal_study,
     search_process,
+    training,
     wait_for_trial,
 )
 
@@ -134,12 +135,7 @@ def test_a_slurm_job_cancelled_mid_trial(slurm: None, postgres_url: str, tmp_pat
 
     running = wait_for_trial(
         load,
-        lambda t: (
-            t.number >= 2
-            and t.state == TrialState.RUNNING
-            and OWNER_ATTR in t.system_attrs
-            and "mlflow_run_id" in t.user_attrs
-        ),
+        training(first=2),
         alive=lambda: sweep.poll() is None,
     )
     job = running.system_attrs[OWNER_ATTR]["slurm_job"]
