@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from pathlib import Path
 
 import hydra
 import torch
@@ -19,6 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
 
+from search.compose import task_overrides
 from search.driver import StudyDriver, TrackingIncomplete
 from search.redact import redact, redact_logging
 from search.tracking import http_defaults
@@ -47,10 +49,11 @@ def main(cfg: DictConfig) -> float | None:
     try:
         driver = StudyDriver.prepare(
             cfg,
-            list(hydra_cfg.overrides.task),
+            task_overrides(hydra_cfg),
             dict(hydra_cfg.runtime.choices),
             console,
             multirun=multirun,
+            output_dir=Path(hydra_cfg.runtime.output_dir),
         )
     except ConfigError as error:
         errors.print(f"[bold red]Configuration error[/bold red]\n{redact(str(error))}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from search.redact import redact
@@ -22,6 +22,40 @@ ACCUMULATION_MODES = ("searched", "derived")
 
 
 @dataclass(frozen=True)
+class RecommendRule:
+    """search.recommend: among the completed trials whose `metric` is within `tolerance`
+    (relative) of its best, the one best in `prefer`."""
+
+    metric: str = "val/acc"
+    tolerance: float = 0.01
+    prefer: str = "throughput/samples_per_sec"
+
+    def __post_init__(self) -> None:
+        problems = []
+        for key in ("metric", "prefer"):
+            name = getattr(self, key)
+            if name not in OBJECTIVE_METRICS:
+                problems.append(
+                    f"search.recommend.{key}: unknown metric {name!r}; use one of "
+                    f"{', '.join(OBJECTIVE_METRICS)}, e.g. search.recommend.{key}="
+                    f"{RecommendRule.__dataclass_fields__[key].default}"
+                )
+        tol = self.tolerance
+        if isinstance(tol, bool) or not isinstance(tol, int | float) or tol < 0:
+            problems.append(
+                f"search.recommend.tolerance must be a number >= 0 (relative: 0.01 is 1%), got "
+                f"{tol!r}; override with search.recommend.tolerance=0.01"
+            )
+        if problems:
+            raise ConfigError(problems)
+
+    def describe(self) -> str:
+        if self.metric == self.prefer or not self.tolerance:
+            return f"the best {self.metric}"
+        return f"the best {self.prefer} within {self.tolerance:.0%} of the best {self.metric}"
+
+
+@dataclass(frozen=True)
 class SearchConfig:
     study_name: str
     storage: str
@@ -36,6 +70,9 @@ class SearchConfig:
     accumulation: str = "searched"  # or "derived": see conf/search/default.yaml
     workers: int = 1  # worker processes sharing the study (a --multirun over them)
     outage_wait_s: float = 600.0  # mlflow.outage_wait_s: wait for an unreachable MLflow at the end
+    recommend: RecommendRule = field(
+        default_factory=lambda: RecommendRule()
+    )  # which trial the study recommends
 
     @property
     def metrics(self) -> list[str]:

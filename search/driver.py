@@ -7,6 +7,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import hydra
 import optuna
@@ -19,7 +20,9 @@ from search.objective import Objective, TrialFailed
 from search.outbox import is_transient
 from search.overhead import CallClock, Lap, storage_methods
 from search.redact import redact
+from search.results import Results
 from search.sampler import FeasibilityFilter
+from search.space import override_key
 from search.study import (
     SURPLUS_ATTR,
     claims_slot,
@@ -40,6 +43,7 @@ WORKER_KEY = "worker"  # conf/config.yaml: which of search.workers a process is
 _RESUMABLE_KEYS = (
     "n_trials", "params", "sampler", "pruner", "trial_time_budget_s", "heartbeat_interval_s",
     "storage", "study_name", "preflight", "preflight_margin", "oom_constraint", "workers",
+    "recommend",
 )  # fmt: skip
 IDLE_POLL_S = 2.0  # an idle worker looks for dead workers' trials this often
 INTERRUPT_WAIT_S = 5.0  # on Ctrl-C, how long queued MLflow writes may still take
@@ -51,10 +55,6 @@ class Surplus(Exception):
 
 class TrackingIncomplete(Exception):
     """MLflow stayed unreachable: some records of this worker were not written."""
-
-
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
 
 
 def default_study_name(choices: dict[str, str]) -> str:
@@ -106,6 +106,14 @@ def _log_fit_report(cfg: DictConfig, checked: Checked, parent: RunLog, console: 
     parent.table(report.rows(), "fit_report.json")
 
 
+def _shown(path: Path) -> str:
+    """A path as the user would type it: relative to the working directory when under it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 class StudyDriver:
     def __init__(
         self,
@@ -117,6 +125,7 @@ class StudyDriver:
         parent: StudyRun,
         console: Console,
         storage_clock: CallClock | None = None,
+        output_dir: Path | None = None,
     ):
         self.checked = checked
         self.compose = compose  # the command line's overrides + a trial's, composed by Hydra
@@ -126,6 +135,13 @@ class StudyDriver:
         self.parent = parent
         self.console = console
         self.storage_clock = storage_clock or CallClock()  # times the study's storage calls
+        self.results = Results(
+            parent.log,
+            checked.settings.metrics,
+            checked.settings.recommend,
+            lambda trial: report.rerun_overrides(trial, base_overrides, checked.space.fixed),
+            output_dir,
+        )
         self._killed_seen: set[int] = set()
         self._outage_said = False
         self._failures_said = 0
@@ -138,6 +154,7 @@ class StudyDriver:
         choices: dict[str, str],
         console: Console,
         multirun: bool = False,
+        output_dir: Path | None = None,
     ) -> StudyDriver:
         name = cfg.search.study_name or default_study_name(choices)
         searched = (
@@ -145,7 +162,7 @@ class StudyDriver:
         )
         # A trial's overrides replace the command line's for the same key; which worker this
         # is never reaches a trial.
-        base = [o for o in overrides if _key(o) not in searched and _key(o) != WORKER_KEY]
+        base = [o for o in overrides if override_key(o) not in {*searched, WORKER_KEY}]
 
         def compose(trial_overrides: list[str]) -> DictConfig:
             return hydra.compose(config_name="config", overrides=base + trial_overrides)
@@ -168,6 +185,8 @@ class StudyDriver:
             instantiate(cfg.search.pruner),
             fixed,
         )
+        if study.metric_names is None:  # objectives by name in optuna-dashboard and its CSV
+            study.set_metric_names(settings.metrics)
         if study.trials or settings.workers > 1:
             # A resumed study, or workers started together with one seed, must not replay
             # the seeded first proposals.
@@ -181,7 +200,9 @@ class StudyDriver:
             parent.text(fixed, "fixed_config.yaml")
             _log_fit_report(cfg, checked, parent, console)
         parent_run = StudyRun(parent, settings.metrics)
-        return cls(checked, compose, base, study, tracker, parent_run, console, storage_clock)
+        return cls(
+            checked, compose, base, study, tracker, parent_run, console, storage_clock, output_dir
+        )
 
     def run(self) -> float | None:
         settings = self.checked.settings
@@ -201,29 +222,31 @@ class StudyDriver:
             f"{settings.n_trials} trials finished; MLflow: {redact(self.tracker.tracking_uri)}",
             soft_wrap=True,
         )
-        with report.progress_bar(self.console) as progress:
-            task = progress.add_task("trials", total=settings.n_trials, completed=done)
+        progress = report.StudyProgress(self.console, settings.n_trials, done, settings.metrics[0])
+        objective.on_epoch = progress.epoch
+        with progress:
 
             def show(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
                 if SURPLUS_ATTR in trial.user_attrs:
                     return
-                progress.console.print(report.trial_line(trial), soft_wrap=True)
-                progress.update(task, completed=num_finished(study))
+                progress.trial_finished(study, trial)
                 self._say_tracking_state(progress.console)
 
-            self._work(objective, [self.parent, show], progress.console)
+            self._work(objective, [self.parent, self.results, show], progress.console)
         self.parent.update(self.study)
+        rec = self.results.publish(self.study)
         self.parent.log.finish("FINISHED")
         self._close_tracking()
+        best_path = self.results.best_path
         report.summary(
             self.console,
             self.study,
             settings.metrics,
-            self.base_overrides,
-            self.checked.space.fixed,
+            rec,
+            self.results.overrides_of(rec.trial) if rec else [],
+            _shown(best_path) if rec and best_path else None,
         )
-        best = report.best_trials(self.study, limit=1)
-        return best[0].values[0] if best else None
+        return rec.trial.values[0] if rec else None
 
     def _work(self, objective: Objective, callbacks: list, console: Console) -> None:
         """Take trials until the study (all workers together) has search.n_trials finished.
@@ -330,6 +353,7 @@ class StudyDriver:
 
     def interrupted(self) -> None:
         self.parent.update(self.study)
+        self.results.publish(self.study)
         self.parent.log.finish("KILLED")
         if not self.tracker.close(INTERRUPT_WAIT_S):
             self.console.print(

@@ -26,7 +26,9 @@ import optuna
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from search import report
 from search.config import SearchConfig
+from search.recommend import METRICS_ATTR
 from search.space import SearchSpace
 from search.tracking import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG, RunLog, Tracker
 from train.config import ConfigError
@@ -118,13 +120,18 @@ def _memory_violation(
     return min((peak - budget_bytes) / budget_bytes, 0.0)  # it ran: it fitted
 
 
-def objective_values(result: RunResult, metrics: list[str]) -> list[float]:
-    by_name = {
+def metric_values(result: RunResult) -> dict[str, float]:
+    """A completed run's figures by the metric names an objective may use."""
+    return {
         "val/acc": result.val_acc,
         "val/loss": result.val_loss,
         "throughput/samples_per_sec": result.throughput_samples_per_sec,
         "memory/peak_bytes": float(result.peak_bytes),
     }
+
+
+def objective_values(result: RunResult, metrics: list[str]) -> list[float]:
+    by_name = metric_values(result)
     return [by_name[m] for m in metrics]
 
 
@@ -138,6 +145,7 @@ class Objective:
         parent_run_id: str,
         notify: Callable[[str], None] = print,
         overhead: Callable[[], dict[str, float]] | None = None,
+        on_epoch: Callable[[int, dict, float], None] | None = None,
     ):
         self.compose = compose
         self.space = space
@@ -147,6 +155,8 @@ class Objective:
         self.notify = notify  # says a thing once to the user, between trial lines
         # Seconds of storage and MLflow calls since the previous trial (search/overhead.py).
         self.overhead = overhead or dict
+        # (trial number, validation metrics, seconds since the trial began): progress display
+        self.on_epoch = on_epoch
         self._unsupported_said = False
 
     def _compose(self, overrides: list[str]) -> DictConfig:
@@ -232,7 +242,7 @@ class Objective:
         for key, value in values.items():
             trial.set_user_attr(key, value)
         run_log = self.tracker.start_run(
-            f"trial-{trial.number}",
+            report.run_name(trial.number, values),
             tags={
                 ROLE_TAG: "trial",
                 STUDY_TAG: self.settings.study_name,
@@ -300,12 +310,18 @@ class Objective:
 
     def _on_eval(self, trial: optuna.Trial, log: RunLog) -> Callable[[int, dict], None]:
         single = len(self.settings.objectives) == 1
-
+        started = time.perf_counter()
         validations = 0
 
         def on_eval(step: int, metrics: dict) -> None:
             nonlocal validations
-            log.metrics({k: v for k, v in metrics.items() if "/" in k}, step, flush=True)
+            figures = {k: v for k, v in metrics.items() if "/" in k}
+            # The epoch as a metric of its own at every logged step: the UI's charts can
+            # use it as their x-axis, comparing trials of different step sizes.
+            figures["train/epoch"] = metrics["epoch"]
+            log.metrics(figures, step, flush=True)
+            if self.on_epoch:
+                self.on_epoch(trial.number, metrics, time.perf_counter() - started)
             validations += 1
             if single:
                 metric = self.settings.metrics[0]
@@ -343,6 +359,7 @@ class Objective:
                 val_acc=result.val_acc,
                 peak_bytes=result.peak_bytes,
             )
+            attrs[METRICS_ATTR] = metric_values(result)
             metrics.update(result.metrics())
         elif outcome.peak_bytes is not None:
             attrs["peak_bytes"] = metrics["memory/peak_bytes"] = outcome.peak_bytes
@@ -384,6 +401,7 @@ class Objective:
                 }
             )
         log.tags(tags)
+        log.rename(report.run_name(trial.number, {**trial.user_attrs, **attrs}))
         if outcome.error_traceback:
             log.text(outcome.error_traceback, "error.txt")
         log.finish("FAILED" if outcome.state == "FAIL" else "FINISHED")

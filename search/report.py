@@ -6,17 +6,27 @@ reports all its trials, not only this process's."""
 from __future__ import annotations
 
 import shlex
+import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
+from search.recommend import BEST_KEY, Recommendation
 from search.redact import redact
-from search.space import override_value
+from search.space import override_key, override_value
 from search.study import counts_as_finished
 from train.memory import format_bytes
 
@@ -61,14 +71,91 @@ def trial_line(trial: FrozenTrial) -> str:
     return " | ".join(parts)
 
 
-def progress_bar(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[bold]trials"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
+EPOCH_LINES_AFTER_S = 5.0  # a trial running longer shows its epochs
+
+
+class StudyProgress:
+    """Progress over trials, with the best so far, elapsed and estimated remaining time, and
+    per-epoch progress inside a trial that runs longer than EPOCH_LINES_AFTER_S. A rich
+    live display in a terminal; plain lines when the output is not one (CI and SLURM logs,
+    where a live display would print nothing or garbage)."""
+
+    def __init__(self, console: Console, n_trials: int, done: int, metric: str):
+        self.console = console
+        self.live = console.is_terminal
+        self.n_trials = n_trials
+        self.metric = metric
+        self.started = time.monotonic()
+        self.done_at_start = done
+        self.best = ""
+        self._progress = Progress(
+            TextColumn("[bold]trials"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("left"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[best]}"),
+            console=console,
+            transient=True,
+            disable=not self.live,
+        )
+        self._trials = self._progress.add_task("trials", total=n_trials, completed=done, best="")
+        self._epochs = None
+
+    def __enter__(self) -> StudyProgress:
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.__exit__(*exc)
+
+    def print(self, text: str) -> None:
+        self._progress.console.print(text, soft_wrap=True)
+
+    def trial_finished(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self.print(trial_line(trial))
+        if self._epochs is not None:
+            self._progress.remove_task(self._epochs)
+            self._epochs = None
+        done = sum(1 for t in study.get_trials(deepcopy=False) if counts_as_finished(t))
+        best = best_trials(study, limit=1)
+        if best:
+            self.best = f"best {self.metric} {_fmt(best[0].values[0])} (#{best[0].number})"
+        self._progress.update(self._trials, completed=done, best=self.best)
+        if not self.live:
+            self.print(self._plain_line(done))
+
+    def _plain_line(self, done: int) -> str:
+        elapsed = time.monotonic() - self.started
+        line = f"progress: {done}/{self.n_trials} trials, {_clock(elapsed)} elapsed"
+        new = done - self.done_at_start
+        if 0 < new and done < self.n_trials:
+            line += f", ~{_clock(elapsed / new * (self.n_trials - done))} left"
+        return line + (f"; {self.best}" if self.best else "")
+
+    def epoch(self, number: int, metrics: Mapping[str, float], elapsed_s: float) -> None:
+        """A trial validated: show its epoch once it has run EPOCH_LINES_AFTER_S."""
+        if elapsed_s < EPOCH_LINES_AFTER_S:
+            return
+        epoch, total = metrics.get("epoch", 0.0), metrics.get("num_epochs")
+        of = f"/{total:g}" if total else ""
+        figures = ", ".join(f"{k} {_fmt(v)}" for k, v in metrics.items() if k.startswith("val/"))
+        text = f"#{number} epoch {epoch:.2f}{of}: {figures} ({elapsed_s:.0f} s)"
+        if not self.live:
+            self.print(f"  {text}")
+        elif self._epochs is None:
+            self._epochs = self._progress.add_task(text, total=total or None, completed=epoch)
+        else:
+            self._progress.update(self._epochs, description=text, completed=epoch)
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return (
+        f"{minutes}:{secs:02d}"
+        if minutes < 60
+        else f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
     )
 
 
@@ -110,29 +197,26 @@ def rerun_overrides(
                 values[key] = override_value(trial.user_attrs[key])
     kept = []
     for override in base:
-        key = override.split("=", 1)[0].lstrip("+~")
+        key = override_key(override)
         if key not in values and (not key.startswith("search.") or key == "search.memory_budget"):
             kept.append(override)
     return kept + [f"{k}={v}" for k, v in values.items()]
+
+
+def rerun_command(overrides: Sequence[str]) -> str:
+    return shlex.join(["python", "-m", "train", *overrides])
 
 
 def summary(
     console: Console,
     study: optuna.Study,
     metrics: list[str],
-    base_overrides: Sequence[str],
-    fixed: Mapping[str, str] | None = None,
+    rec: Recommendation | None,
+    overrides: Sequence[str] = (),
+    best_path: str | None = None,
 ) -> None:
     trials = study.get_trials(deepcopy=False)
-    by_state: dict[str, int] = defaultdict(int)
-    for t in trials:
-        if counts_as_finished(t):
-            by_state[state_label(t)] += 1
-    console.print(
-        f"\n[bold]Study {study.study_name}[/bold]: {sum(by_state.values())} finished trials — "
-        + ", ".join(f"{n} {label}" for label, n in sorted(by_state.items())),
-        soft_wrap=True,
-    )
+    console.print(f"\n[bold]Study {study.study_name}[/bold]: {counts_line(trials)}", soft_wrap=True)
     best = best_trials(study)
     if not best:
         console.print("[yellow]No trial completed; see the reasons above.[/yellow]")
@@ -156,11 +240,114 @@ def summary(
     for precision, (fit, oom) in oom_boundary(trials).items():
         boundary.add_row(precision, str(fit or "-"), str(oom or "-"))
     console.print(boundary)
-    winner = best[0]
-    overrides = rerun_overrides(winner, base_overrides, fixed)
-    console.print(
-        f"Best configuration (trial {winner.number}): " + redact(" ".join(overrides)),
-        soft_wrap=True,
+    if rec is None:
+        return
+    console.print(f"[bold]Recommended[/bold]: {rec.describe()}", soft_wrap=True)
+    console.print("Overrides: " + redact(" ".join(overrides)), soft_wrap=True)
+    console.print("Train it again: " + redact(rerun_command(overrides)), soft_wrap=True)
+    if best_path:
+        console.print(f"or: python -m train +{BEST_KEY}={shlex.quote(best_path)}", soft_wrap=True)
+
+
+def counts_line(trials: Sequence[FrozenTrial]) -> str:
+    """'12 finished trials: 7 COMPLETE, 5 PRUNED (oom_predicted)'."""
+    by_state: dict[str, int] = defaultdict(int)
+    for t in trials:
+        if counts_as_finished(t):
+            by_state[state_label(t)] += 1
+    return f"{sum(by_state.values())} finished trials: " + ", ".join(
+        f"{n} {label}" for label, n in sorted(by_state.items())
     )
-    command = shlex.join(["python", "-m", "train", *overrides])
-    console.print("Rerun it: " + redact(command), soft_wrap=True)
+
+
+def mib(num_bytes: float | None) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / 2**20:.1f}"
+
+
+def run_name(number: int, attrs: Mapping[str, Any]) -> str:
+    """A trial's MLflow run name, the first thing the runs table shows: its configuration,
+    and once it has ended (attrs has its `state`) its outcome (pruned and failed ones say
+    so) and key figures."""
+    config = f"{attrs.get(BATCH_KEY)}x{attrs.get('trainer.accum_steps')} {attrs.get(PRECISION_KEY)}"
+    name = f"trial-{number} · {config}"
+    if attrs.get("state") == "COMPLETE":
+        figures = [
+            f"acc {attrs['val_acc']:.3f}" if attrs.get("val_acc") is not None else None,
+            f"{attrs['throughput']:.0f}/s" if attrs.get("throughput") else None,
+            f"{mib(attrs.get('peak_bytes'))} MiB" if attrs.get("peak_bytes") else None,
+        ]
+        return " · ".join([name, *(f for f in figures if f)])
+    if attrs.get("state") == "PRUNED":
+        return f"{name} · PRUNED {attrs.get('reason', 'pruner')}"
+    if attrs.get("state") == "FAIL":
+        return f"{name} · FAILED"
+    return name
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+TRIAL_COLUMNS = (
+    "trial", "batch", "accum", "effective batch", "precision", "lr (trained)", "val acc",
+    "samples/s", "peak MiB", "predicted MiB",
+)  # fmt: skip
+
+
+def trial_row(t: FrozenTrial) -> list[str]:
+    a = t.user_attrs
+    throughput = a.get("throughput") if t.state == TrialState.COMPLETE else None
+    return [
+        str(t.number), _fmt(a.get(BATCH_KEY)), _fmt(a.get("trainer.accum_steps")),
+        _fmt(a.get("effective_batch_size")), _fmt(a.get(PRECISION_KEY)), _fmt(a.get("lr_scaled")),
+        _fmt(a.get("val_acc")) if t.state == TrialState.COMPLETE else "-",
+        f"{throughput:.0f}" if throughput else "-", mib(a.get("peak_bytes")),
+        mib(a.get("predicted_bytes")),
+    ]  # fmt: skip
+
+
+def summary_markdown(
+    study: optuna.Study,
+    metrics: Sequence[str],
+    rec: Recommendation | None,
+    overrides: Sequence[str] = (),
+) -> str:
+    """summary.md of the parent run (and its description): the recommendation and the
+    command that trains it, the best trials, the OOM boundary per precision."""
+    trials = study.get_trials(deepcopy=False)
+    parts = [f"# Study {study.study_name}", counts_line(trials) + "."]
+    if rec is not None:
+        parts += [
+            "## Recommended configuration",
+            f"{rec.describe()}. Rule: {rec.rule.describe()} (`search.recommend`).",
+            _md_table(TRIAL_COLUMNS, [trial_row(rec.trial)]),
+            "Train it again (or `python -m train +best=best.yaml` with this run's `best.yaml`):",
+            f"```\n{redact(rerun_command(overrides))}\n```",
+        ]
+    best = best_trials(study, limit=10)
+    if best:
+        title = "Pareto front" if len(metrics) > 1 else "Best trials"
+        parts += [
+            f"## {title} ({', '.join(metrics)})",
+            _md_table(TRIAL_COLUMNS, map(trial_row, best)),
+        ]
+    boundary = oom_boundary(trials)
+    if boundary:
+        rows = [(p, fit or "-", oom or "-") for p, (fit, oom) in boundary.items()]
+        parts += [
+            "## Memory boundary (batch size per precision)",
+            _md_table(("precision", "largest that fitted", "smallest OOM"), rows),
+        ]
+    pruned = [t for t in trials if t.state == TrialState.PRUNED]
+    if pruned:
+        rows = [
+            (t.number, *trial_row(t)[1:5], t.user_attrs.get("reason", "pruner")) for t in pruned
+        ]
+        parts += [
+            "## Pruned trials",
+            _md_table(("trial", "batch", "accum", "effective batch", "precision", "reason"), rows),
+        ]
+    parts.append("Plots: `plots/` (PNG; `plots/study.html` is interactive).")
+    return "\n\n".join(parts) + "\n"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -23,10 +24,12 @@ from typing import Any
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+from optuna.study import StudyDirection
+from optuna.trial import TrialState
 
 from search.outbox import RETRY_MIN_S, Outbox, is_transient
 from search.redact import redact
-from search.report import best_trials, state_label
+from search.report import state_label
 from search.study import counts_as_finished
 from train.config import ConfigError
 
@@ -35,6 +38,7 @@ ROLE_TAG = "batchfit.role"
 STUDY_TAG = "batchfit.study"
 TRIAL_TAG = "batchfit.trial"
 STATE_TAG = "batchfit.state"
+NOTE_TAG = "mlflow.note.content"  # a run's description in the MLflow UI (markdown)
 
 PARENT_WAIT_S = 60.0  # how long a worker waits for the parent run another worker creates
 FRESH_EXPERIMENT_S = 300.0  # an experiment younger than this may still be getting its parent
@@ -116,6 +120,25 @@ class RunLog:
         self.outbox.put(
             lambda: self.client.log_table(self.run_id, data=data, artifact_file=artifact_file)
         )
+
+    def artifacts(self, files: Mapping[str, bytes], artifact_path: str | None = None) -> None:
+        """Files (name -> content) under `artifact_path`, replacing earlier versions."""
+        contents = dict(files)
+
+        def upload() -> None:
+            with tempfile.TemporaryDirectory() as folder:
+                for name, content in contents.items():
+                    (Path(folder) / name).write_bytes(content)
+                self.client.log_artifacts(self.run_id, folder, artifact_path)
+
+        self.outbox.put(upload)
+
+    def rename(self, name: str) -> None:
+        self.outbox.put(lambda: self.client.update_run(self.run_id, name=name))
+
+    def description(self, markdown: str) -> None:
+        """The run's description, shown rendered at the top of its page in the MLflow UI."""
+        self.tags({NOTE_TAG: markdown})
 
     def finish(self, status: str = "FINISHED") -> None:
         self.flush()
@@ -273,30 +296,30 @@ class Tracker:
 
 
 class StudyRun:
-    """The study's parent run: fixed config, counts per state, the best trial so far."""
+    """The study's parent run: counts per state and the best value of each objective."""
 
     def __init__(self, log: RunLog, metrics: list[str]):
         self.log = log
         self.metrics = metrics
 
     def update(self, study: Any) -> None:
-        """Optuna callback: refresh counts and best values after each finished trial."""
+        """Optuna callback: refresh counts and best values after each finished trial. Each
+        best/<metric> is the best of that objective so far over all completed trials (one
+        trial need not hold them all), so its chart only ever improves."""
         counts: dict[str, float] = {}
-        for trial in study.get_trials(deepcopy=False):
+        trials = study.get_trials(deepcopy=False)
+        for trial in trials:
             if counts_as_finished(trial):
                 key = "trials/" + state_label(trial).lower().replace(" (", "_").rstrip(")")
                 counts[key] = counts.get(key, 0) + 1
         counts["trials/finished"] = sum(counts.values())
-        best = best_trials(study, limit=1)
-        tags: dict[str, Any] = {}
-        if best:
-            for metric, value in zip(self.metrics, best[0].values, strict=True):
-                counts[f"best/{metric}"] = value
-            tags = {"best.trial": best[0].number}
-            tags.update({f"best.{k}": v for k, v in best[0].params.items()})
-        self.log.metrics(counts, step=len(study.trials), flush=True)
-        if tags:
-            self.log.tags(tags)
+        complete = [t for t in trials if t.state == TrialState.COMPLETE and t.values]
+        for i, (metric, direction) in enumerate(zip(self.metrics, study.directions, strict=True)):
+            values = [t.values[i] for t in complete]
+            if values:
+                pick = max if direction == StudyDirection.MAXIMIZE else min
+                counts[f"best/{metric}"] = pick(values)
+        self.log.metrics(counts, step=len(trials), flush=True)
 
     def __call__(self, study: Any, trial: Any) -> None:
         self.update(study)

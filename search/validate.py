@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import CategoricalDistribution
 from optuna.storages import BaseStorage
 
-from search.config import SearchConfig
+from search.config import RecommendRule, SearchConfig
 from search.space import SearchSpace, parse_space
 from search.storage import open_storage
 from train.config import ConfigError
@@ -43,21 +43,44 @@ def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
     objectives = search.objectives
     if isinstance(objectives, str):
         objectives = [objectives]
-    return SearchConfig(
-        study_name=study_name,
-        storage=search.storage,
-        n_trials=search.n_trials,
-        memory_budget=search.memory_budget,
-        objectives=tuple(str(metric) for metric in objectives or ()),
-        trial_time_budget_s=search.trial_time_budget_s,
-        heartbeat_interval_s=search.heartbeat_interval_s,
-        preflight=search.preflight,
-        preflight_margin=search.preflight_margin,
-        oom_constraint=search.oom_constraint,
-        accumulation=search.accumulation,
-        workers=search.workers,
-        outage_wait_s=cfg.mlflow.outage_wait_s,
-    )
+    rule, rule_problems = recommend_rule(search.get("recommend"))
+    try:
+        settings = SearchConfig(
+            study_name=study_name,
+            storage=search.storage,
+            n_trials=search.n_trials,
+            memory_budget=search.memory_budget,
+            objectives=tuple(str(metric) for metric in objectives or ()),
+            trial_time_budget_s=search.trial_time_budget_s,
+            heartbeat_interval_s=search.heartbeat_interval_s,
+            preflight=search.preflight,
+            preflight_margin=search.preflight_margin,
+            oom_constraint=search.oom_constraint,
+            accumulation=search.accumulation,
+            workers=search.workers,
+            outage_wait_s=cfg.mlflow.outage_wait_s,
+            recommend=rule,
+        )
+    except ConfigError as error:
+        raise ConfigError(error.problems + rule_problems) from None
+    if rule_problems:
+        raise ConfigError(rule_problems)
+    return settings
+
+
+def recommend_rule(node: DictConfig | None) -> tuple[RecommendRule, list[str]]:
+    """search.recommend as a rule, or the default rule and what is wrong with the node."""
+    values = OmegaConf.to_container(node, resolve=True) if node is not None else {}
+    known = set(RecommendRule.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        return RecommendRule(), [
+            f"search.recommend: unknown keys {unknown}; it takes {', '.join(sorted(known))}"
+        ]
+    try:
+        return RecommendRule(**values), []
+    except ConfigError as error:
+        return RecommendRule(), error.problems
 
 
 def _collect(problems: list[str], check: Callable[[], object]) -> object | None:

@@ -72,7 +72,7 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
     parent = [r for r in runs if r.data.tags.get("batchfit.role") == "study"]
     assert len(parent) == 1
     parent = parent[0]
-    nested = {r.data.tags["mlflow.runName"]: r for r in runs if r is not parent}
+    nested = {f"trial-{r.data.tags['batchfit.trial']}": r for r in runs if r is not parent}
     assert parent.info.run_id == study.user_attrs["mlflow_parent_run_id"]
     assert parent.data.params["model.width"] == "4"
     assert parent.data.metrics["trials/finished"] == 6

@@ -3,6 +3,10 @@
     python -m train +experiment=resnet data=digits trainer.batch_size=64 \
         trainer.accum_steps=2 trainer.precision=bf16 optimizer.lr=0.05
 
+or the configuration a study recommends, from its best.yaml (more overrides may follow):
+
+    python -m train +best=mlruns/hydra/2026-11-30/14-03-12/best.yaml
+
 compose (Hydra) -> validate -> run -> report. `search.memory_budget` applies here too.
 """
 
@@ -11,10 +15,14 @@ from __future__ import annotations
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
+from search.recommend import BEST_KEY, load_overrides, merge_overrides
 from search.redact import redact_logging
+from search.space import override_key
 from search.tracking import ROLE_TAG, STATE_TAG, Tracker, http_defaults
 from train.config import ConfigError
 from train.loop import Diverged, Hooks
@@ -32,6 +40,8 @@ def main(cfg: DictConfig) -> None:
     http_defaults()
     console, errors = Console(), Console(stderr=True)
     try:
+        if BEST_KEY in cfg:
+            cfg = _recommended(cfg)
         spec = plan(cfg, cfg.search.memory_budget)
         note = check_builds(cfg, spec)
     except ConfigError as error:
@@ -94,6 +104,19 @@ def main(cfg: DictConfig) -> None:
         f"{result.step_ms:.0f} ms/step | peak {format_bytes(result.peak_bytes)}",
         soft_wrap=True,
     )
+
+
+def _recommended(cfg: DictConfig) -> DictConfig:
+    """The config of +best=PATH: the file's overrides (config search path included), then
+    the command line's other overrides, which win."""
+    task = [o for o in HydraConfig.get().overrides.task if override_key(o) != BEST_KEY]
+    overrides = merge_overrides(load_overrides(cfg[BEST_KEY]), task)
+    try:
+        return hydra.compose(config_name="config", overrides=overrides)
+    except HydraException as error:
+        raise ConfigError(
+            [f"{BEST_KEY}={cfg[BEST_KEY]}: its overrides do not compose: {error}"]
+        ) from None
 
 
 if __name__ == "__main__":

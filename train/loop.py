@@ -340,7 +340,11 @@ def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunRes
                 loss_sum.zero_()
                 interval_steps = 0
                 if hooks.on_log:
-                    metrics = {"train/loss": last_loss, "train/lr": step_lr}
+                    metrics = {
+                        "train/loss": last_loss,
+                        "train/lr": step_lr,
+                        "train/epoch": epoch + (index_in_epoch + 1) / steps_per_epoch,
+                    }
                     if step >= first_timed_step and clock.read() > 0:
                         metrics["throughput/samples_per_sec"] = timed_samples / clock.seconds
                     hooks.on_log(step + 1, metrics)
@@ -349,7 +353,11 @@ def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunRes
             if (due if cfg.val_every_steps else end_of_epoch) or last_step:
                 clock.stop()
                 metrics = evaluate(model, data, cfg.batch_size, precision, device)
-                metrics.update(step=step + 1, epoch=epoch + (index_in_epoch + 1) / steps_per_epoch)
+                metrics.update(
+                    step=step + 1,
+                    epoch=epoch + (index_in_epoch + 1) / steps_per_epoch,
+                    num_epochs=num_steps / steps_per_epoch,
+                )
                 evals.append(metrics)
                 if hooks.on_eval:
                     hooks.on_eval(step + 1, metrics)

@@ -78,7 +78,11 @@ def test_oom_trials_are_pruned_with_reason_and_memory_figures(hydra_conf, stores
             assert t.user_attrs["peak_bytes"] <= 2**20
     assert any(b >= 256 for b in by_batch) and any(b < 256 for b in by_batch)
 
-    runs = {r.data.tags["mlflow.runName"]: r for r in _mlflow_runs(stores, "t")}
+    runs = {
+        f"trial-{r.data.tags['batchfit.trial']}" if "batchfit.trial" in r.data.tags
+        else r.data.tags["mlflow.runName"]: r
+        for r in _mlflow_runs(stores, "t")
+    }  # fmt: skip
     parent = runs.pop("t")
     assert study.user_attrs[PARENT_ATTR] == parent.info.run_id
     assert parent.data.metrics["trials/finished"] == 6

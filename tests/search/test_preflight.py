@@ -76,7 +76,12 @@ def _runs(stores: dict, experiment: str) -> dict[str, object]:
     client = MlflowClient(stores["mlflow"])
     exp = client.get_experiment_by_name(experiment)
     runs = client.search_runs([exp.experiment_id], max_results=1000)
-    return {r.data.tags["mlflow.runName"]: r for r in runs}
+    # Trial runs by trial number (their names carry the outcome), the parent by its name.
+    return {
+        f"trial-{r.data.tags['batchfit.trial']}" if "batchfit.trial" in r.data.tags
+        else r.data.tags["mlflow.runName"]: r
+        for r in runs
+    }  # fmt: skip
 
 
 def test_trials_predicted_not_to_fit_are_pruned_before_training(hydra_conf, stores) -> None:

@@ -1,0 +1,79 @@
+"""What a study publishes as it goes: the recommended configuration (`best.yaml`), the
+summary (`summary.md`, also the parent run's description) and the plots (`plots/`), on the
+study's parent MLflow run, and `best.yaml` in the Hydra output directory.
+
+Redrawn after a finished trial, at most every PUBLISH_EVERY_S (drawing takes about a second
+on 2 CPU cores, which short trials would otherwise pay again and again), and always at the
+end. Everything is read back from the study, so any worker's publication shows all trials.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import optuna
+from optuna.trial import FrozenTrial
+
+from search import plots, report
+from search.config import RecommendRule
+from search.recommend import BEST_FILE, Recommendation, best_document, recommend
+from search.redact import redact
+from search.tracking import RunLog
+
+PUBLISH_EVERY_S = 15.0
+RECOMMENDED_TAG = "batchfit.recommended"  # the recommended trial's number, on the parent run
+PLOTS_PATH = "plots"
+
+
+class Results:
+    def __init__(
+        self,
+        parent: RunLog,
+        metrics: Sequence[str],
+        rule: RecommendRule,
+        overrides_of: Callable[[FrozenTrial], list[str]],
+        output_dir: Path | None,
+    ):
+        self.parent = parent
+        self.metrics = list(metrics)
+        self.rule = rule
+        self.overrides_of = overrides_of  # FrozenTrial -> the overrides that train it again
+        self.output_dir = output_dir  # the Hydra output directory (best.yaml), if any
+        self._published_at: float | None = None
+        self.seconds = 0.0  # spent drawing and writing, for the record
+
+    @property
+    def best_path(self) -> Path | None:
+        return self.output_dir / BEST_FILE if self.output_dir else None
+
+    def recommendation(self, study: optuna.Study) -> Recommendation | None:
+        return recommend(study.get_trials(deepcopy=False), self.rule, self.metrics)
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        """Optuna callback: publish, unless that was done less than PUBLISH_EVERY_S ago."""
+        now = time.monotonic()
+        if self._published_at is None or now - self._published_at >= PUBLISH_EVERY_S:
+            self.publish(study)
+
+    def publish(self, study: optuna.Study) -> Recommendation | None:
+        started = time.perf_counter()
+        rec = self.recommendation(study)
+        overrides = self.overrides_of(rec.trial) if rec else []
+        files = {"summary.md": report.summary_markdown(study, self.metrics, rec, overrides)}
+        if rec is not None:
+            document = best_document(rec, study.study_name, overrides, self.metrics)
+            files[BEST_FILE] = redact(document)
+            if self.best_path is not None:
+                self.best_path.parent.mkdir(parents=True, exist_ok=True)
+                self.best_path.write_text(document)
+            self.parent.tags({RECOMMENDED_TAG: rec.trial.number})
+        self.parent.description(files["summary.md"])
+        self.parent.artifacts({name: text.encode() for name, text in files.items()})
+        self.parent.artifacts(
+            plots.render(study, self.metrics, rec.trial.number if rec else None), PLOTS_PATH
+        )
+        self._published_at = time.monotonic()
+        self.seconds += time.perf_counter() - started
+        return rec
