@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import shlex
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ from search.study import (
     open_study,
     should_start_trial,
 )
-from search.tracking import RunLog, StudyRun, Tracker
+from search.tracking import RunLog, StudyRun, Tracker, ui_link
 from search.validate import Checked, validate
 from train.predict import PredictionUnsupported
 
@@ -191,7 +192,12 @@ class StudyDriver:
             # A resumed study, or workers started together with one seed, must not replay
             # the seeded first proposals.
             study.sampler.reseed_rng()
-        tracker = Tracker(cfg.mlflow.tracking_uri, name, cfg.mlflow.artifact_root)
+        tracker = Tracker(
+            cfg.mlflow.tracking_uri,
+            name,
+            cfg.mlflow.artifact_root,
+            cfg.mlflow.system_metrics_interval_s if cfg.mlflow.system_metrics else None,
+        )
         parent, created = tracker.study_run(name, study.user_attrs.get(PARENT_ATTR))
         if created:
             study.set_user_attr(PARENT_ATTR, parent.run_id)
@@ -237,6 +243,7 @@ class StudyDriver:
         rec = self.results.publish(self.study)
         self.parent.log.finish("FINISHED")
         self._close_tracking()
+        self._say_where_to_browse()
         best_path = self.results.best_path
         report.summary(
             self.console,
@@ -247,6 +254,18 @@ class StudyDriver:
             _shown(best_path) if rec and best_path else None,
         )
         return rec.trial.values[0] if rec else None
+
+    def _say_where_to_browse(self) -> None:
+        uri = self.tracker.tracking_uri
+        link = ui_link(uri, self.tracker.experiment_id)
+        if uri.startswith("http"):
+            self.console.print(f"In MLflow: {link}", soft_wrap=True)
+        else:
+            self.console.print(
+                f"In MLflow: mlflow ui --backend-store-uri {shlex.quote(redact(uri))}, then open "
+                f"{link}",
+                soft_wrap=True,
+            )
 
     def _work(self, objective: Objective, callbacks: list, console: Console) -> None:
         """Take trials until the study (all workers together) has search.n_trials finished.

@@ -1,14 +1,19 @@
-"""The fit report: which batch sizes fit the memory budget, per precision, without training.
+"""The fit report: which batch sizes fit the memory budget, per accumulation and precision,
+without training.
 
     python -m search.fit +experiment=resnet data=digits
 
-For every precision and batch size of the search space, with the base config's model and
-optimizer (other searched keys at their configured values), the predicted peak memory of a
-training step (train/predict.py: the step computed on fake tensors) and the largest batch
-size that fits the budget with search.preflight_margin to spare. With
-search.accumulation=derived, the rows are the searched effective batch sizes and each cell
-gives the micro-batch x accumulation a trial would train with. A study logs the same table to
-its parent MLflow run (`fit_report.json`, `fit_report.txt`).
+For every precision, batch size and accumulation of the search space, with the base config's
+model and optimizer (other searched keys at their configured values), the predicted peak
+memory of a training step (train/predict.py: the step computed on fake tensors) and the
+largest batch size that fits the budget with search.preflight_margin to spare. Accumulation
+matters: the second micro-batch of a step runs over the gradients the first one left, so it
+can peak higher. Accumulations whose peaks are the same at every batch size and precision
+share one block of rows. A precision this device cannot run (tf32 off CUDA) is shown as n/a
+with the reason; trials skip it. With search.accumulation=derived, the rows are the searched
+effective batch sizes and each cell gives the micro-batch x accumulation a trial would train
+with. A study logs the same table to its parent MLflow run (`fit_report.json`,
+`fit_report.txt`).
 """
 
 from __future__ import annotations
@@ -24,12 +29,20 @@ from omegaconf import DictConfig
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from search.compose import task_overrides
 from search.config import SearchConfig
-from search.space import SearchSpace
-from train.config import ConfigError
+from search.space import SearchSpace, parse_space
+from train.config import ConfigError, TrainerConfig
 from train.memory import format_bytes
-from train.predict import PredictionUnsupported, fits_budget, largest_fitting_batch
+from train.precision import unsupported_reason
+from train.predict import (
+    MemoryPredictor,
+    PredictionUnsupported,
+    fits_budget,
+    largest_fitting_batch,
+)
 from train.run import RunSpec, build_data, memory_predictor
 
 BATCH_KEY = "trainer.batch_size"
@@ -40,11 +53,12 @@ PRECISION_KEY = "trainer.precision"
 
 @dataclass
 class Cell:
-    peak_bytes: int | None  # None: not even a micro-batch of 1 fits (derived) or no prediction
-    fits: bool
-    batch_size: int  # the micro-batch (derived: chosen; searched: the row's)
-    accum_steps: int
-    error: str | None = None
+    effective_batch_size: int  # samples per optimizer step: batch_size x accum_steps
+    batch_size: int | None  # the micro-batch (searched: the row's; derived: chosen, or None)
+    accum_steps: int | None  # derived: chosen, or None when not even a micro-batch of 1 fits
+    peak_bytes: int | None  # None: not predicted (see reason) or, derived, nothing fits
+    fits: bool | None  # None: not applicable, the device cannot run the precision
+    reason: str | None = None  # why there is no prediction
 
 
 @dataclass
@@ -52,29 +66,46 @@ class FitReport:
     budget_bytes: int | None
     margin: float
     derived: bool
-    accum_steps: int  # searched mode: the largest searched accumulation, the worst case
-    precisions: list[str]
+    precisions: list[str]  # every precision of the space, those the device cannot run included
+    unsupported: dict[str, str]  # precision -> why the device cannot run it (not predicted)
     batch_sizes: list[int]  # rows: micro-batches (searched) or effective batches (derived)
-    cells: dict[tuple[str, int], Cell] = field(default_factory=dict)
+    accum_steps: list[int | None]  # searched: every accumulation of the space; derived: [None]
+    cells: dict[tuple[str, int, int | None], Cell] = field(default_factory=dict)
     seconds: float = 0.0
 
-    def largest(self, precision: str) -> int | None:
-        fitting = [b for b in self.batch_sizes if self.cells[precision, b].fits]
+    def largest(self, precision: str, accum: int | None = None) -> int | None:
+        fitting = [b for b in self.batch_sizes if self.cells[precision, b, accum].fits]
         return max(fitting, default=None)
 
+    def accum_groups(self) -> list[list[int | None]]:
+        """The accumulations, those whose cells are the same at every batch size and precision
+        together (a prediction runs a step's first two micro-batches only: 2 and 4 usually
+        peak alike, 1 lower)."""
+        groups: dict[tuple, list[int | None]] = {}
+        for accum in self.accum_steps:
+            outcome = tuple(
+                (c.peak_bytes, c.fits, c.reason)
+                for c in (
+                    self.cells[p, b, accum] for p in self.precisions for b in self.batch_sizes
+                )
+            )
+            groups.setdefault(outcome, []).append(accum)
+        return list(groups.values())
+
     def rows(self) -> dict[str, list]:
-        """Column-wise, for mlflow's log_table."""
+        """Column-wise, for mlflow's log_table: one row per (precision, row, accumulation)."""
         columns: dict[str, list] = {
             "precision": [], "batch_size": [], "accum_steps": [], "effective_batch_size": [],
-            "predicted_bytes": [], "fits": [],
+            "predicted_bytes": [], "fits": [], "reason": [],
         }  # fmt: skip
-        for (precision, row), cell in self.cells.items():
+        for (precision, _, _), cell in self.cells.items():
             columns["precision"].append(precision)
             columns["batch_size"].append(cell.batch_size)
             columns["accum_steps"].append(cell.accum_steps)
-            columns["effective_batch_size"].append(row if self.derived else None)
+            columns["effective_batch_size"].append(cell.effective_batch_size)
             columns["predicted_bytes"].append(cell.peak_bytes)
             columns["fits"].append(cell.fits)
+            columns["reason"].append(cell.reason)
         return columns
 
 
@@ -96,74 +127,103 @@ def _values(dist: BaseDistribution | None, fixed: str | None, default: object) -
     return [default]
 
 
+def _space_values(space: SearchSpace, key: str, default: object) -> list:
+    return _values(space.distributions.get(key), space.fixed.get(key), default)
+
+
 def fit_report(
     cfg: DictConfig, space: SearchSpace, spec: RunSpec, settings: SearchConfig
 ) -> FitReport:
-    """Predict every (precision, batch size) of the space; PredictionUnsupported when the
-    model cannot run on fake tensors."""
+    """Predict every (precision, row, accumulation) of the space; PredictionUnsupported when
+    the model cannot run on fake tensors."""
     started = time.perf_counter()
     derived = settings.accumulation == "derived"
     trainer = spec.trainer
-    dists, fixed = space.distributions, space.fixed
-    precisions = [
-        str(p)
-        for p in _values(dists.get(PRECISION_KEY), fixed.get(PRECISION_KEY), trainer.precision)
-    ]
-    row_key = EFFECTIVE_KEY if derived else BATCH_KEY
-    rows = sorted(
-        int(b)
-        for b in _values(
-            dists.get(row_key),
-            fixed.get(row_key),
-            trainer.effective_batch_size if derived else trainer.batch_size,
-        )
-    )
-    accum = max(
-        int(a) for a in _values(dists.get(ACCUM_KEY), fixed.get(ACCUM_KEY), trainer.accum_steps)
-    )
+    # validate drops the precisions this device cannot run from `space`; the report shows
+    # them, from the space as configured, with the reason.
+    configured = parse_space(cfg.search.params or {})
+    precisions = [str(p) for p in _space_values(configured, PRECISION_KEY, trainer.precision)]
+    unsupported = {p: reason for p in precisions if (reason := unsupported_reason(p, spec.device))}
+    if derived:
+        rows = _space_values(space, EFFECTIVE_KEY, trainer.effective_batch_size)
+        accums: list[int | None] = [None]
+    else:
+        rows = _space_values(space, BATCH_KEY, trainer.batch_size)
+        accums = sorted({int(a) for a in _space_values(space, ACCUM_KEY, trainer.accum_steps)})
     report = FitReport(
-        spec.budget_bytes, settings.preflight_margin, derived, accum, precisions, rows
+        spec.budget_bytes,
+        settings.preflight_margin,
+        derived,
+        precisions,
+        unsupported,
+        sorted({int(b) for b in rows}),
+        accums,
     )
     predictor = memory_predictor(cfg, spec)
     num_train = len(build_data(cfg).train_y)
     for precision in precisions:
-        for row in rows:
-            if derived:
-                geometry = dataclasses.replace(
-                    trainer,
-                    batch_size=row,
-                    accum_steps=1,
-                    effective_batch_size=None,
-                    precision=precision,
-                )
-                found = largest_fitting_batch(
-                    predictor, geometry, num_train, spec.limit_bytes, settings.preflight_margin
-                )
-                if found is None:
-                    report.cells[precision, row] = Cell(None, False, 0, 0)
+        for row in report.batch_sizes:
+            for accum in accums:
+                if precision in unsupported:
+                    effective = row if accum is None else row * accum
+                    batch = None if derived else row
+                    cell = Cell(effective, batch, accum, None, None, unsupported[precision])
+                elif derived:
+                    geometry = _geometry(trainer, row, 1, precision)
+                    cell = _derived_cell(predictor, geometry, num_train, spec, settings)
                 else:
-                    b, prediction = found
-                    report.cells[precision, row] = Cell(prediction.peak_bytes, True, b, row // b)
-                continue
-            geometry = dataclasses.replace(
-                trainer,
-                batch_size=row,
-                accum_steps=accum,
-                effective_batch_size=None,
-                precision=precision,
-            )
-            try:
-                peak = predictor.predict(geometry, num_train).peak_bytes
-            except PredictionUnsupported as error:
-                if row != 1:  # the model does not run on fake tensors: no report
-                    raise
-                # BatchNorm over a 1x1 feature map cannot train on a single sample
-                report.cells[precision, row] = Cell(None, False, row, accum, str(error))
-                continue
-            fits = fits_budget(peak, spec.limit_bytes, settings.preflight_margin)
-            report.cells[precision, row] = Cell(peak, fits, row, accum)
+                    geometry = _geometry(trainer, row, accum, precision)
+                    cell = _searched_cell(predictor, geometry, num_train, spec, settings)
+                report.cells[precision, row, accum] = cell
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _geometry(trainer: TrainerConfig, batch: int, accum: int, precision: str) -> TrainerConfig:
+    return dataclasses.replace(
+        trainer,
+        batch_size=batch,
+        accum_steps=accum,
+        effective_batch_size=None,  # batch x accum, filled in by TrainerConfig
+        precision=precision,
+    )
+
+
+def _searched_cell(
+    predictor: MemoryPredictor,
+    geometry: TrainerConfig,
+    num_train: int,
+    spec: RunSpec,
+    settings: SearchConfig,
+) -> Cell:
+    batch, accum = geometry.batch_size, geometry.accum_steps
+    assert geometry.effective_batch_size is not None
+    try:
+        peak = predictor.predict(geometry, num_train).peak_bytes
+    except PredictionUnsupported as error:
+        if batch != 1:  # the model does not run on fake tensors: no report
+            raise
+        # BatchNorm over a 1x1 feature map cannot train on a single sample
+        return Cell(geometry.effective_batch_size, batch, accum, None, False, str(error))
+    fits = fits_budget(peak, spec.limit_bytes, settings.preflight_margin)
+    return Cell(geometry.effective_batch_size, batch, accum, peak, fits)
+
+
+def _derived_cell(
+    predictor: MemoryPredictor,
+    geometry: TrainerConfig,
+    num_train: int,
+    spec: RunSpec,
+    settings: SearchConfig,
+) -> Cell:
+    effective = geometry.batch_size  # the whole effective batch as one micro-batch
+    found = largest_fitting_batch(
+        predictor, geometry, num_train, spec.limit_bytes, settings.preflight_margin
+    )
+    if found is None:
+        return Cell(effective, None, None, None, False)
+    batch, prediction = found
+    return Cell(effective, batch, effective // batch, prediction.peak_bytes, True)
 
 
 def render(report: FitReport) -> Table:
@@ -171,35 +231,46 @@ def render(report: FitReport) -> Table:
     what = (
         "effective batch: micro-batch x accumulation, peak"
         if report.derived
-        else (f"batch size (accum_steps={report.accum_steps}): predicted peak")
+        else "predicted peak per batch size x accum_steps"
     )
+    notes = [f"n/a: {reason}; trials skip it" for reason in report.unsupported.values()]
     table = Table(
         title=f"Fit report: {what}; budget {budget}, margin {report.margin:.0%}",
-        caption=f"predicted in {report.seconds:.1f} s, nothing trained",
+        caption="\n".join([f"predicted in {report.seconds:.1f} s, nothing trained", *notes]),
     )
     table.add_column("effective batch" if report.derived else "batch size", justify="right")
     for precision in report.precisions:
         table.add_column(precision, justify="right")
-    for row in report.batch_sizes:
-        cells = []
-        for precision in report.precisions:
-            cell = report.cells[precision, row]
-            if cell.peak_bytes is None:
-                cells.append(
-                    "[red]does not fit[/red]" if cell.error is None else "[dim]cannot train[/dim]"
-                )
-                continue
-            text = format_bytes(cell.peak_bytes)
-            if report.derived:
-                text = f"{cell.batch_size} x {cell.accum_steps}, {text}"
-            cells.append(f"[green]{text}[/green]" if cell.fits else f"[red]{text} (OOM)[/red]")
-        table.add_row(str(row), *cells)
-    table.add_section()
-    table.add_row(
-        "largest that fits",
-        *(f"[bold]{report.largest(p) or '-'}[/bold]" for p in report.precisions),
-    )
+    for group in report.accum_groups():
+        accum = group[0]
+        if not report.derived:
+            label = f"accum_steps {', '.join(map(str, group))}"
+            if len(group) > 1:
+                label += ": same peak"
+            table.add_row(Text(label, style="bold", justify="left"))
+        for row in report.batch_sizes:
+            table.add_row(str(row), *(_cell_text(report, p, row, accum) for p in report.precisions))
+        table.add_section()
+        largest = [
+            "[dim]n/a[/dim]"
+            if p in report.unsupported
+            else f"[bold]{report.largest(p, accum) or '-'}[/bold]"
+            for p in report.precisions
+        ]
+        table.add_row("largest that fits", *largest, end_section=True)
     return table
+
+
+def _cell_text(report: FitReport, precision: str, row: int, accum: int | None) -> str:
+    cell = report.cells[precision, row, accum]
+    if cell.fits is None:
+        return "[dim]n/a[/dim]"
+    if cell.peak_bytes is None:
+        return "[red]does not fit[/red]" if cell.reason is None else "[dim]cannot train[/dim]"
+    text = format_bytes(cell.peak_bytes)
+    if report.derived:
+        text = f"{cell.batch_size} x {cell.accum_steps}, {text}"
+    return f"[green]{text}[/green]" if cell.fits else f"[red]{text} (OOM)[/red]"
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -211,7 +282,7 @@ def main(cfg: DictConfig) -> None:
         console = Console(width=160)
     hydra_cfg = HydraConfig.get()
     name = cfg.search.study_name or "fit-report"  # checked, not used: nothing is recorded
-    base = list(hydra_cfg.overrides.task)
+    base = task_overrides(hydra_cfg)
 
     def compose(trial_overrides: list[str]) -> DictConfig:
         return hydra.compose(config_name="config", overrides=base + trial_overrides)

@@ -46,6 +46,9 @@ PROBE_MARGIN = 4.0
 STEP_MARGIN = 1.5
 
 
+CURVE_METRICS = ("throughput/samples_per_sec",)  # logged per interval while a trial trains
+
+
 class Prune(Exception):
     """Stop this trial as PRUNED for `reason`."""
 
@@ -288,7 +291,9 @@ class Objective:
         )
         outcome = None
         try:
-            outcome = Outcome("COMPLETE", result=run(cfg, spec, hooks))
+            with self.tracker.system_metrics(log.run_id):
+                result = run(cfg, spec, hooks)
+            outcome = Outcome("COMPLETE", result=result)
         except OutOfMemory as oom:
             outcome = Outcome("PRUNED", "oom", str(oom), peak_bytes=oom.peak_bytes)
         except Diverged as diverged:
@@ -389,9 +394,13 @@ class Objective:
             attrs["error"] = outcome.message[:1000]
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
-        log.metrics(
-            {k: v for k, v in metrics.items() if v == v}, step=result.num_steps if result else 0
-        )
+        # The trial's end figures at step 0: MLflow's chart view draws a metric whose last
+        # step is 0 as one bar per run (a comparison), not as a one-point line. Figures
+        # with a curve (throughput, logged per interval) end at the last step instead.
+        curves = {k: v for k, v in metrics.items() if k in CURVE_METRICS and v == v}
+        log.metrics({k: v for k, v in metrics.items() if k not in curves and v == v}, step=0)
+        if curves:
+            log.metrics(curves, step=result.num_steps if result else 0)
         tags = {STATE_TAG: outcome.state}
         if outcome.reason:
             tags.update(

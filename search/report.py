@@ -130,7 +130,7 @@ class StudyProgress:
         elapsed = time.monotonic() - self.started
         line = f"progress: {done}/{self.n_trials} trials, {_clock(elapsed)} elapsed"
         new = done - self.done_at_start
-        if 0 < new and done < self.n_trials:
+        if new > 0 and done < self.n_trials:
             line += f", ~{_clock(elapsed / new * (self.n_trials - done))} left"
         return line + (f"; {self.best}" if self.best else "")
 

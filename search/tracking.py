@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import tempfile
 import time
@@ -40,6 +41,20 @@ TRIAL_TAG = "batchfit.trial"
 STATE_TAG = "batchfit.state"
 NOTE_TAG = "mlflow.note.content"  # a run's description in the MLflow UI (markdown)
 
+# The MLflow UI (3.17) opens an experiment on its GenAI page unless the URL or the browser
+# says otherwise; it ignores the experiment-kind tag (set anyway, for UIs that read it). A
+# saved view (an experiment tag) shows the columns that matter; the link opens both.
+KIND_TAG = "mlflow.experimentKind"
+VIEW_KEY = "batchfit"
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
+VIEW_COLUMNS = [
+    "metrics.`val/acc`", "metrics.`throughput/samples_per_sec`", "metrics.`memory/peak_bytes`",
+    "metrics.`time/trial_s`", "params.`trainer.batch_size`", "params.`trainer.accum_steps`",
+    "params.`effective_batch_size`", "params.`trainer.precision`", "params.`lr_scaled`",
+    "tags.`batchfit.state`", "tags.`batchfit.prune_reason`",
+]  # fmt: skip
+RUN_NAME_COLUMN = "attributes.`Run Name`"
+
 PARENT_WAIT_S = 60.0  # how long a worker waits for the parent run another worker creates
 FRESH_EXPERIMENT_S = 300.0  # an experiment younger than this may still be getting its parent
 START_RETRY_S = 30.0  # reaching the store at start (SQLite schema being created by a peer)
@@ -53,6 +68,23 @@ def http_defaults() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+
+
+def experiment_tags() -> dict[str, str]:
+    state = {
+        "selectedColumns": VIEW_COLUMNS,
+        "columnOrder": [RUN_NAME_COLUMN, *VIEW_COLUMNS],
+        "columnWidths": {RUN_NAME_COLUMN: 460},  # run names carry the outcome: show them whole
+    }
+    view = {"name": "batchfit: trials", "createdAt": _now_ms(), "state": json.dumps(state)}
+    return {KIND_TAG: "custom_model_development", VIEW_TAG: json.dumps(view)}
+
+
+def ui_link(tracking_uri: str, experiment_id: str) -> str:
+    """Where the study's runs are in the MLflow UI, with batchfit's view of them."""
+    base = tracking_uri if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
+    query = f"viewStateShareKey={VIEW_KEY}&workflowType=machine_learning"
+    return f"{redact(base.rstrip('/'))}/#/experiments/{experiment_id}/runs?{query}"
 
 
 def _now_ms() -> int:
@@ -178,8 +210,16 @@ def _retry_at_start(call: Callable[[], Any], tracking_uri: str) -> Any:
 class Tracker:
     """The MLflow side of a study or a single run."""
 
-    def __init__(self, tracking_uri: str, experiment_name: str, artifact_root: str):
+    def __init__(
+        self,
+        tracking_uri: str,
+        experiment_name: str,
+        artifact_root: str,
+        system_metrics_interval_s: float | None = None,
+    ):
         self.tracking_uri = tracking_uri
+        # MLflow's system metrics (CPU, memory, GPU) per run, sampled this often; None: off
+        self.system_metrics_interval_s = system_metrics_interval_s
         self.outbox = Outbox()
         self.created_experiment = False  # True in the one worker that created it
         with _schema_lock(tracking_uri):  # MlflowClient creates or migrates the schema
@@ -194,7 +234,9 @@ class Tracker:
             return found.experiment_id
         location = (Path(artifact_root).resolve() / name).as_uri()
         try:
-            experiment_id = self.client.create_experiment(name, artifact_location=location)
+            experiment_id = self.client.create_experiment(
+                name, artifact_location=location, tags=experiment_tags()
+            )
         except MlflowException:  # another worker created it first
             found = self.client.get_experiment_by_name(name)
             if found is None:
@@ -202,6 +244,27 @@ class Tracker:
             return found.experiment_id
         self.created_experiment = True
         return experiment_id
+
+    @contextlib.contextmanager
+    def system_metrics(self, run_id: str | None) -> Iterator[None]:
+        """MLflow's system metrics monitor on this run while the block runs (a thread that
+        samples CPU, memory and GPU every system_metrics_interval_s and logs `system/*`)."""
+        if not self.system_metrics_interval_s or run_id is None:
+            yield
+            return
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(
+            run_id,
+            sampling_interval=self.system_metrics_interval_s,
+            samples_before_logging=1,
+            tracking_uri=self.tracking_uri,
+        )
+        monitor.start()
+        try:
+            yield
+        finally:
+            monitor.finish()
 
     def start_run(self, name: str, tags: Mapping[str, Any], parent_id: str | None = None) -> RunLog:
         all_tags = {k: redact(str(v)) for k, v in tags.items()}
