@@ -19,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
+from rich.markup import escape  # messages carry [...]: not markup
 
 from search.compose import task_overrides
 from search.driver import StudyDriver, TrackingIncomplete
@@ -56,16 +57,16 @@ def main(cfg: DictConfig) -> float | None:
             output_dir=Path(hydra_cfg.runtime.output_dir),
         )
     except ConfigError as error:
-        errors.print(f"[bold red]Configuration error[/bold red]\n{redact(str(error))}")
+        errors.print(f"[bold red]Configuration error[/bold red]\n{escape(redact(str(error)))}")
         sys.exit(2)
     try:
         return driver.run()
     except ConfigError as error:  # a trial met a config problem the checks could not see
         driver.parent.log.finish("FAILED")
-        errors.print(f"[bold red]Configuration error[/bold red]\n{redact(str(error))}")
+        errors.print(f"[bold red]Configuration error[/bold red]\n{escape(redact(str(error)))}")
         sys.exit(2)
     except TrackingIncomplete as error:
-        errors.print(f"[bold red]MLflow records incomplete[/bold red]\n{error}")
+        errors.print(f"[bold red]MLflow records incomplete[/bold red]\n{escape(str(error))}")
         sys.exit(1)
     except KeyboardInterrupt:
         driver.interrupted()

@@ -28,6 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 from rich.console import Console
+from rich.markup import escape  # messages carry [...]: not markup
 from rich.table import Table
 from rich.text import Text
 
@@ -291,7 +292,9 @@ def main(cfg: DictConfig) -> None:
         checked = validate(cfg, name, compose, open_store=False)
         report = fit_report(cfg, checked.space, checked.spec, checked.settings)
     except ConfigError as error:
-        Console(stderr=True).print(f"[bold red]Configuration error[/bold red]\n{error}")
+        Console(stderr=True).print(
+            f"[bold red]Configuration error[/bold red]\n{escape(str(error))}"
+        )
         sys.exit(2)
     except PredictionUnsupported as error:
         Console(stderr=True).print(

@@ -243,10 +243,12 @@ def summary(
     if rec is None:
         return
     console.print(f"[bold]Recommended[/bold]: {rec.describe()}", soft_wrap=True)
-    console.print("Overrides: " + redact(" ".join(overrides)), soft_wrap=True)
-    console.print("Train it again: " + redact(rerun_command(overrides)), soft_wrap=True)
+    # Not rich markup: hydra.searchpath=[...] would be read as a tag and dropped.
+    plain = {"soft_wrap": True, "markup": False, "highlight": False}
+    console.print("Overrides: " + redact(" ".join(overrides)), **plain)
+    console.print("Train it again: " + redact(rerun_command(overrides)), **plain)
     if best_path:
-        console.print(f"or: python -m train +{BEST_KEY}={shlex.quote(best_path)}", soft_wrap=True)
+        console.print(f"or: python -m train +{BEST_KEY}={shlex.quote(best_path)}", **plain)
 
 
 def counts_line(trials: Sequence[FrozenTrial]) -> str:

@@ -4,6 +4,7 @@ Optuna storage and the MLflow store read back."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -121,8 +122,8 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
     )
 
     # The printed rerun command trains the winner as a plain MLflow run.
-    rerun = next(line for line in out.splitlines() if line.startswith("Rerun it: "))
-    args = rerun.removeprefix("Rerun it: python -m train ").split()
+    rerun = next(line for line in out.splitlines() if line.startswith("Train it again: "))
+    args = shlex.split(rerun.removeprefix("Train it again: "))[3:]  # after python -m train
     done = _run("train", args, tmp_path)
     assert "val acc" in done.stdout
     train_runs = client.search_runs([client.get_experiment_by_name("train").experiment_id])

@@ -56,7 +56,7 @@ def test_joblib_workers_share_one_study(tmp_path: Path) -> None:
     sweep = next((tmp_path / "mlruns" / "hydra" / "multirun").glob("*/*"))
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1", "2"]
     # Nothing identifies a worker in what a user reruns or in what the study fixes.
-    reruns = [line for line in out.splitlines() if line.startswith("Rerun it: ")]
+    reruns = [line for line in out.splitlines() if line.startswith("Train it again: ")]
     assert len(reruns) == 3 and all("worker" not in line for line in reruns)
     assert "worker" not in study.user_attrs["batchfit.config"]
 

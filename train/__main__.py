@@ -19,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.markup import escape  # messages carry [...]: not markup
 
 from search.recommend import BEST_KEY, load_overrides, merge_overrides
 from search.redact import redact_logging
@@ -45,7 +46,7 @@ def main(cfg: DictConfig) -> None:
         spec = plan(cfg, cfg.search.memory_budget)
         note = check_builds(cfg, spec)
     except ConfigError as error:
-        errors.print(f"[bold red]Configuration error[/bold red]\n{error}")
+        errors.print(f"[bold red]Configuration error[/bold red]\n{escape(str(error))}")
         sys.exit(2)
     prediction = None
     try:
@@ -81,7 +82,7 @@ def main(cfg: DictConfig) -> None:
         failure = ("oom" if isinstance(error, OutOfMemory) else "diverged", str(error))
     except ConfigError as error:
         log.finish("FAILED")
-        errors.print(f"[bold red]Configuration error[/bold red]\n{error}")
+        errors.print(f"[bold red]Configuration error[/bold red]\n{escape(str(error))}")
         sys.exit(2)
     except BaseException:
         log.finish("FAILED")
@@ -89,7 +90,7 @@ def main(cfg: DictConfig) -> None:
     if failure:
         log.tags({STATE_TAG: "PRUNED", "batchfit.prune_reason": failure[0]})
         log.finish("FAILED")
-        errors.print(f"[bold red]{failure[0]}[/bold red]: {failure[1]}")
+        errors.print(f"[bold red]{failure[0]}[/bold red]: {escape(failure[1])}")
         sys.exit(1)
     extra = {"memory/budget_bytes": spec.budget_bytes} if spec.budget_bytes else {}
     if prediction is not None:

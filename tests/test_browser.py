@@ -1,0 +1,170 @@
+"""The MLflow UI as a user sees a study: a tiny study, `mlflow server` on 127.0.0.1 against
+its store, and headless Chromium (Playwright driving Debian's chromium package) on the link
+the study prints. Screenshots go to tmp_path, and to $BATCHFIT_SCREENSHOTS when set (the
+README's pictures are made so: BATCHFIT_SCREENSHOTS=docs pytest tests/test_browser.py).
+
+Skipped where chromium is missing, unless BATCHFIT_REQUIRE_BROWSER=1 (CI), which fails."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow.tracking import MlflowClient
+from optuna.trial import TrialState
+
+from tests.sweeps import MlflowServer, clean_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+N_TRIALS = 6
+STUDY = [
+    "model=small_cnn",
+    "model.width=4",
+    "data=digits",
+    "trainer.max_epochs=2",
+    "search.study_name=browser",
+    f"search.n_trials={N_TRIALS}",
+    "search.memory_budget=1MiB",  # batch 256 needs ~2.6 MB: pruned as oom_predicted
+    "search.objectives=[val/acc,throughput/samples_per_sec]",
+    "+search.params={trainer.batch_size:'choice(16,64,256)',trainer.accum_steps:'choice(1,2)',"
+    "optimizer.lr:'tag(log, interval(0.01, 0.3))'}",
+]
+TIMEOUT_MS = 60_000
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("BATCHFIT_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"chromium not found at {CHROMIUM}; install it: apt-get install chromium")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def study_in_mlflow(tmp_path_factory: pytest.TempPathFactory):
+    """(the study, its MLflow link on a live server, the server, the store's client)."""
+    workdir = tmp_path_factory.mktemp("browser")
+    done = subprocess.run(
+        [sys.executable, "-m", "search", *STUDY],
+        cwd=workdir, env=clean_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    link = re.search(r"then open (\S+)", done.stdout)
+    assert link, done.stdout
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(workdir / "mlruns" / "optuna.journal"))
+    )
+    study = optuna.load_study(study_name="browser", storage=storage)
+    backend = f"sqlite:///{workdir}/mlruns/mlflow.db"
+    server = MlflowServer(backend, workdir)
+    server.start()
+    try:
+        yield (
+            study,
+            link.group(1).replace("http://127.0.0.1:5000", server.url),
+            server,
+            (MlflowClient(backend)),
+        )
+    finally:
+        server.stop()
+
+
+def _shoot(page, tmp_path: Path, name: str) -> None:  # noqa: ANN001
+    page.screenshot(path=str(tmp_path / name), full_page=False)
+    if os.environ.get("BATCHFIT_SCREENSHOTS"):
+        folder = Path(os.environ["BATCHFIT_SCREENSHOTS"])
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy(tmp_path / name, folder / name)
+
+
+def _close_assistant(page) -> None:  # noqa: ANN001
+    close = page.get_by_role("button", name="Close")
+    if close.count():
+        close.first.click()
+
+
+def test_the_runs_table_shows_the_study_its_trials_and_their_figures(
+    browser, study_in_mlflow, tmp_path: Path
+) -> None:
+    study, link, _, _ = study_in_mlflow
+    trials = study.get_trials()
+    pruned = [t for t in trials if t.state == TrialState.PRUNED]
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert pruned and complete  # the seed gives both; the checks below need both
+    page = browser.new_page(viewport={"width": 1600, "height": 900})
+    page.goto(link)
+    # The experiment opens on its training runs (not the GenAI overview), in batchfit's view.
+    page.get_by_role("heading", name="Runs").wait_for(timeout=TIMEOUT_MS)
+    assert page.get_by_text("browser", exact=True).count() >= 1  # the experiment
+    _close_assistant(page)
+    parent = page.locator("[role=row]", has_text="browser").last
+    parent.wait_for(timeout=TIMEOUT_MS)
+    assert page.locator("[role=row]", has_text="trial-").count() == 0  # nested: collapsed
+    parent.locator("button[data-component-id*=runnamecellrenderer]").click()
+    rows = page.locator("[role=row]", has_text="trial-")
+    rows.nth(N_TRIALS - 1).wait_for(timeout=TIMEOUT_MS)
+    assert rows.count() == N_TRIALS
+    texts = {int(re.search(r"trial-(\d+)", rows.nth(i).inner_text()).group(1)): rows.nth(i)
+             for i in range(rows.count())}  # fmt: skip
+    # The view's columns are there without column picking.
+    header = page.locator(".ag-header").inner_text()
+    for column in ("val/acc", "throughput/sam", "memory/peak", "trainer.batch_size"):
+        assert column in header, header
+    for t in pruned:  # pruned trials say so in their name, with the reason
+        text = texts[t.number].inner_text()
+        assert f"PRUNED {t.user_attrs['reason']}" in text, text
+    for t in complete:  # completed ones carry their figures: accuracy, speed, MiB
+        text = texts[t.number].inner_text()
+        assert f"acc {t.user_attrs['val_acc']:.3f}" in text, text
+        assert f"{t.user_attrs['throughput']:.0f}/s" in text, text
+        assert f"{t.user_attrs['peak_bytes'] / 2**20:.1f} MiB" in text, text
+        # AG Grid renders a row's pinned and scrolling columns as two elements.
+        index = texts[t.number].get_attribute("row-index")
+        cell = page.locator(f"[role=row][row-index='{index}'] [col-id='metrics.`val/acc`']")
+        assert float(cell.inner_text()) == pytest.approx(t.user_attrs["val_acc"], abs=1e-3)
+    _shoot(page, tmp_path, "mlflow-runs.png")
+    page.close()
+
+
+def test_the_parent_run_shows_the_summary_and_a_plot_renders(
+    browser, study_in_mlflow, tmp_path: Path
+) -> None:
+    study, link, server, client = study_in_mlflow
+    parent_id = study.user_attrs["mlflow_parent_run_id"]
+    experiment = client.get_run(parent_id).info.experiment_id
+    run_url = f"{server.url}/#/experiments/{experiment}/runs/{parent_id}"
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(run_url + "?workflowType=machine_learning")
+    # The description is the study's summary, rendered.
+    page.get_by_text("Recommended configuration").first.wait_for(timeout=TIMEOUT_MS)
+    recommended = client.get_run(parent_id).data.tags["batchfit.recommended"]
+    assert f"trial {recommended}," in page.locator("body").inner_text()
+    for name in ("front.png", "memory_vs_batch.png", "throughput_vs_batch.png"):
+        page.goto(f"{run_url}/artifacts/plots/{name}?workflowType=machine_learning")
+        image = page.locator("img[src^=blob]").first
+        image.wait_for(timeout=TIMEOUT_MS)
+        width, height = image.evaluate("i => [i.naturalWidth, i.naturalHeight]")
+        assert width > 300 and height > 200, (name, width, height)
+    _close_assistant(page)
+    _shoot(page, tmp_path, "mlflow-plot.png")
+    # The interactive page runs its plotly script inside the artifact viewer's iframe.
+    page.close()
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{run_url}/artifacts/plots/study.html?workflowType=machine_learning")
+    frame = page.frame_locator("iframe[sandbox]").first
+    frame.locator(".js-plotly-plot").first.wait_for(state="attached", timeout=TIMEOUT_MS)
+    page.close()
