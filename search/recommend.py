@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
@@ -128,9 +129,13 @@ def load_overrides(path: str | Path) -> list[str]:
     fix = f"give the path of a {BEST_FILE} a study wrote, e.g. +{BEST_KEY}=mlruns/.../{BEST_FILE}"
     if not file.is_file():
         raise ConfigError([f"{BEST_KEY}={str(path)!r}: no such file; {fix}"])
-    loaded = OmegaConf.load(file)
+    loaded = yaml.safe_load(file.read_text())  # as written: ${...} stays an interpolation
     overrides = loaded.get("overrides") if isinstance(loaded, Mapping) else None
-    if not overrides or not all(isinstance(o, str) for o in overrides):
+    if (
+        not isinstance(overrides, list)
+        or not overrides
+        or not all(isinstance(o, str) for o in overrides)
+    ):
         raise ConfigError([f"{BEST_KEY}={str(path)!r} has no list of overrides; {fix}"])
     return list(overrides)
 

@@ -1,0 +1,316 @@
+"""search/recommend.py: which trial the rule picks, the rule's validation, and best.yaml.
+
+The expected picks are worked out by hand in the comments next to each case."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+from omegaconf import OmegaConf
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import FrozenTrial, TrialState, create_trial
+
+from search.config import RecommendRule
+from search.recommend import (
+    best_document,
+    load_overrides,
+    merge_overrides,
+    metric_value,
+    recommend,
+)
+from search.validate import recommend_rule, search_config
+from train.config import ConfigError
+
+ACC, LOSS, SPEED, PEAK = "val/acc", "val/loss", "throughput/samples_per_sec", "memory/peak_bytes"
+BATCHES = CategoricalDistribution([16, 32, 64, 128, 256, 512])
+
+
+def _complete(
+    batch: int,
+    acc: float,
+    speed: float,
+    loss: float = 0.3,
+    peak: float = 1e6,
+    with_metrics: bool = True,
+) -> FrozenTrial:
+    """A completed trial of a (val/acc, throughput) study, as search/objective.py records
+    it; `with_metrics=False`: as recorded before the figures were kept by name."""
+    attrs: dict = {"trainer.batch_size": batch, "val_acc": acc, "throughput": speed}
+    if with_metrics:
+        attrs["metrics"] = {ACC: acc, LOSS: loss, SPEED: speed, PEAK: peak}
+    return create_trial(
+        state=TrialState.COMPLETE,
+        values=[acc, speed],
+        params={"trainer.batch_size": batch},
+        distributions={"trainer.batch_size": BATCHES},
+        user_attrs=attrs,
+    )
+
+
+def _numbered(trials: list[FrozenTrial]) -> list[FrozenTrial]:
+    """The trials as a study numbers them (0, 1, ...), in this order."""
+    study = optuna.create_study(directions=["maximize", "maximize"])
+    for trial in trials:
+        study.add_trial(trial)
+    return study.get_trials(deepcopy=False)
+
+
+def _four() -> list[FrozenTrial]:
+    # trial:     0            1            2             3
+    return _numbered(
+        [
+            _complete(64, 0.950, 300.0),
+            _complete(128, 0.945, 900.0),
+            _complete(256, 0.930, 2000.0),
+            _complete(32, 0.951, 100.0),
+        ]
+    )
+
+
+def test_fastest_within_tolerance_of_the_best_accuracy() -> None:
+    # Best acc 0.951; within 1%: acc >= 0.951 * 0.99 = 0.94149 -> trials 0 (0.950) and 1
+    # (0.945); trial 2 (0.930) is out though fastest. The faster of 0 and 1 is 1 (900/s).
+    rec = recommend(_four(), RecommendRule(ACC, 0.01, SPEED))
+    assert rec.trial.number == 1
+    assert rec.best_value == 0.951
+    assert rec.num_candidates == 3  # 0, 1 and 3 (the best itself)
+    assert rec.describe() == (
+        "trial 1, the best throughput/samples_per_sec (900) among the 3 trials whose val/acc "
+        "is within 1% of the best (0.951; this one 0.945)"
+    )
+
+
+def test_zero_tolerance_picks_the_best_metric() -> None:
+    rec = recommend(_four(), RecommendRule(ACC, 0.0, SPEED))
+    assert rec.trial.number == 3 and rec.num_candidates == 1
+    assert rec.describe() == "trial 3, the best val/acc (0.951)"
+
+
+def test_a_wide_tolerance_reaches_the_fastest() -> None:
+    # 0.930 >= 0.951 * 0.97 = 0.92247: every trial is a candidate, and 2 is the fastest.
+    assert recommend(_four(), RecommendRule(ACC, 0.03, SPEED)).trial.number == 2
+
+
+def test_minimized_metric_tolerance_is_above_the_lowest() -> None:
+    # Lowest loss 0.200 (trial 3); within 2%: loss <= 0.200 * 1.02 = 0.204 -> trials 0
+    # (0.203), 1 (0.204) and 3; trial 2 (0.250) is out. The fastest of them is 1 (900/s).
+    # Read as a maximized metric, the "best" would be 0.250 and trial 2 alone would qualify.
+    trials = _numbered(
+        [
+            _complete(64, 0.9, 300.0, loss=0.203),
+            _complete(128, 0.9, 900.0, loss=0.204),
+            _complete(256, 0.9, 2000.0, loss=0.250),
+            _complete(32, 0.9, 100.0, loss=0.200),
+        ]
+    )
+    rec = recommend(trials, RecommendRule(LOSS, 0.02, SPEED))
+    assert rec.trial.number == 1 and rec.best_value == 0.200
+    assert recommend(trials, RecommendRule(LOSS, 0.0, SPEED)).trial.number == 3
+
+
+def test_minimized_prefer_picks_the_smallest_peak() -> None:
+    trials = _numbered(
+        [_complete(64, 0.95, 300.0, peak=9e5), _complete(128, 0.95, 900.0, peak=5e5)]
+    )
+    assert recommend(trials, RecommendRule(ACC, 0.01, PEAK)).trial.number == 1
+
+
+@pytest.mark.parametrize("better_first", [True, False])
+@pytest.mark.parametrize(
+    ("metric", "worse", "better"),
+    [(ACC, 0.946, 0.948), (LOSS, 0.209, 0.205)],
+)
+def test_a_tie_on_prefer_goes_to_the_better_metric(
+    metric: str, worse: float, better: float, better_first: bool
+) -> None:
+    # Both within 5% of the best (0.95 acc, 0.2 loss: a slow trial) and equally fast;
+    # in either order the better of the two is picked.
+    def trial(value: float, speed: float = 900.0) -> FrozenTrial:
+        return _complete(64, value, speed, loss=value)
+
+    order = [trial(better), trial(worse)] if better_first else [trial(worse), trial(better)]
+    trials = _numbered([trial(0.95 if metric == ACC else 0.2, speed=100.0), *order])
+    rec = recommend(trials, RecommendRule(metric, 0.05, SPEED))
+    assert metric_value(rec.trial, metric) == better
+
+
+def test_pruned_failed_running_and_nan_trials_are_ignored() -> None:
+    dazzling = {"metrics": {ACC: 0.99, SPEED: 9000.0}, "trainer.batch_size": 512}
+    trials = _numbered(
+        [
+            create_trial(state=TrialState.PRUNED, user_attrs=dazzling | {"reason": "oom"}),
+            create_trial(state=TrialState.FAIL, user_attrs=dazzling | {"error": "boom"}),
+            create_trial(state=TrialState.RUNNING, user_attrs=dazzling),
+            create_trial(  # a figure kept as NaN (diverged): nothing to compare
+                state=TrialState.COMPLETE,
+                values=[0.5, 9000.0],
+                user_attrs={"metrics": {ACC: float("nan"), SPEED: 9000.0}},
+            ),
+            *_four(),
+        ]
+    )
+    rec = recommend(trials, RecommendRule(ACC, 0.01, SPEED))
+    assert rec.trial.number == 4 + 1  # _four()'s trial 1, after the four above
+    assert rec.best_value == 0.951 and rec.num_candidates == 3
+
+
+def test_no_completed_trial_recommends_nothing() -> None:
+    assert recommend([], RecommendRule()) is None
+    pruned = create_trial(state=TrialState.PRUNED, user_attrs={"reason": "oom_predicted"})
+    assert recommend(_numbered([pruned]), RecommendRule()) is None
+
+
+def test_old_trials_fall_back_to_their_objective_values() -> None:
+    old = _numbered(
+        [
+            _complete(64, 0.950, 300.0, with_metrics=False),
+            _complete(128, 0.945, 900.0, with_metrics=False),
+            _complete(256, 0.930, 2000.0),  # a newer one, with its figures by name
+            _complete(32, 0.951, 100.0, with_metrics=False),
+        ]
+    )
+    rule = RecommendRule(ACC, 0.01, SPEED)
+    assert recommend(old, rule, objectives=[ACC, SPEED]).trial.number == 1
+    # The objective order names each value.
+    assert metric_value(old[1], ACC, [ACC, SPEED]) == 0.945
+    assert metric_value(old[1], ACC, [SPEED, ACC]) == 900.0
+    assert metric_value(old[1], LOSS, [ACC, SPEED]) is None  # neither kept nor an objective
+    # Without the objectives the old trials have no figures: only the new one remains.
+    assert recommend(old, rule).trial.number == 2
+
+
+@pytest.mark.parametrize("key", ["metric", "prefer"])
+def test_rule_rejects_an_unknown_metric_naming_its_key(key: str) -> None:
+    with pytest.raises(
+        ConfigError, match=rf"search\.recommend\.{key}: unknown metric 'val/accuracy'"
+    ) as error:
+        RecommendRule(**{key: "val/accuracy"})
+    assert f"e.g. search.recommend.{key}=" in str(error.value)
+
+
+@pytest.mark.parametrize("tolerance", [-0.01, True, "0.01", None])
+def test_rule_rejects_a_tolerance_that_is_not_a_number_at_least_zero(tolerance: object) -> None:
+    with pytest.raises(
+        ConfigError, match=rf"search\.recommend\.tolerance must be a number >= 0.*{tolerance!r}"
+    ):
+        RecommendRule(tolerance=tolerance)
+
+
+def test_rule_reports_every_problem_at_once() -> None:
+    with pytest.raises(ConfigError) as error:
+        RecommendRule(metric="acc", tolerance=-1, prefer="speed")
+    assert [p.split(" ", 1)[0] for p in error.value.problems] == [
+        "search.recommend.metric:",
+        "search.recommend.prefer:",
+        "search.recommend.tolerance",
+    ]
+
+
+def test_rule_accepts_zero_and_integer_tolerances() -> None:
+    assert RecommendRule(tolerance=0).tolerance == 0
+    assert RecommendRule(tolerance=1).tolerance == 1
+
+
+def test_recommend_rule_from_config() -> None:
+    node = OmegaConf.create({"metric": LOSS, "tolerance": 0.02, "prefer": PEAK})
+    assert recommend_rule(node) == (RecommendRule(LOSS, 0.02, PEAK), [])
+    assert recommend_rule(None) == (RecommendRule(), [])
+    rule, problems = recommend_rule(OmegaConf.create({"metric": ACC, "tolerence": 0.02}))
+    assert rule == RecommendRule()
+    assert problems == [
+        "search.recommend: unknown keys ['tolerence']; it takes metric, prefer, tolerance"
+    ]
+    rule, problems = recommend_rule(OmegaConf.create({"tolerance": -1}))
+    assert rule == RecommendRule() and len(problems) == 1
+    assert problems[0].startswith("search.recommend.tolerance must be a number >= 0")
+
+
+def test_search_config_reports_recommend_problems_with_the_others(hydra_conf) -> None:
+    cfg = hydra_conf(["search.recommend.prefer=speed", "search.n_trials=0"])
+    with pytest.raises(ConfigError) as error:
+        search_config(cfg, "s")
+    keys = sorted(p.split(" ", 1)[0] for p in error.value.problems)
+    assert keys == ["search.n_trials", "search.recommend.prefer:"]
+    assert search_config(hydra_conf(), "s").recommend == RecommendRule(ACC, 0.01, SPEED)
+
+
+OVERRIDES = [
+    "+experiment=resnet",
+    "trainer.batch_size=128",
+    "trainer.precision=bf16",
+    "optimizer.lr=0.003",
+    "hydra.searchpath=['file:///tmp/my conf',file:///tmp/other]",
+]
+
+
+def test_best_yaml_round_trip(tmp_path: Path) -> None:
+    rec = recommend(_four(), RecommendRule(ACC, 0.01, SPEED))
+    document = best_document(rec, "study-a", OVERRIDES, [ACC, SPEED])
+    path = tmp_path / "best.yaml"
+    path.write_text(document)
+    assert load_overrides(path) == OVERRIDES
+    assert document.startswith("# The configuration study study-a recommends: trial 1, ")
+    assert "# Train it again: python -m train +best=<this file>" in document
+    loaded = OmegaConf.load(path)
+    assert loaded.study == "study-a" and loaded.trial == 1
+    assert loaded["values"] == {ACC: 0.945, LOSS: 0.3, SPEED: 900.0, PEAK: 1e6}
+
+
+def test_merge_overrides_later_keys_win() -> None:
+    first = [
+        "data=digits",
+        "trainer.batch_size=64",
+        "+experiment=resnet",
+        "trainer.device=cuda",
+        "~trainer.max_steps",
+        "optimizer.lr=0.1",
+    ]
+    then = [
+        "trainer.batch_size=128",
+        "experiment=resnet_derived",
+        "++trainer.device=cpu",
+        "optimizer.lr_scaling=linear",  # another key, though it starts like optimizer.lr
+    ]
+    assert merge_overrides(first, then) == [
+        "data=digits",
+        "~trainer.max_steps",
+        "optimizer.lr=0.1",
+        *then,
+    ]
+    assert merge_overrides(first, []) == first
+    assert merge_overrides([], then) == then
+
+
+def test_load_overrides_names_best_on_a_missing_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=r"^- best='.*nope\.yaml': no such file; give the path"):
+        load_overrides(missing)
+    with pytest.raises(ConfigError, match=r"best='.*': no such file"):
+        load_overrides(tmp_path)  # a directory is not a best.yaml
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "study: s\ntrial: 1\n",  # no overrides
+        "overrides: []\n",
+        "overrides: [1, 2]\n",  # not override strings
+        "overrides: trainer.batch_size=64\n",  # a string, not a list
+        "- trainer.batch_size=64\n",  # a bare list, not a best.yaml
+    ],
+)
+def test_load_overrides_names_best_on_a_file_without_overrides(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "best.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"^- best='.*best\.yaml' has no list of overrides; "):
+        load_overrides(path)
+
+
+def test_best_yaml_round_trip_keeps_interpolations(tmp_path: Path) -> None:
+    overrides = ["model.num_classes=${data.num_classes}", "trainer.batch_size=64"]
+    rec = recommend(_four(), RecommendRule())
+    path = tmp_path / "best.yaml"
+    path.write_text(best_document(rec, "s", overrides, [ACC, SPEED]))
+    assert load_overrides(path) == overrides
