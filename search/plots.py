@@ -228,8 +228,9 @@ def front(
         line = sorted(
             (x, y) for t, x, y in zip(complete, xs, ys, strict=True) if t.number in on_front
         )
-        ax.step([x for x, _ in line], [y for _, y in line], where="post", color="tab:red",
-                alpha=0.5, label="Pareto front")  # fmt: skip
+        # The front's points joined in order (a staircase would depend on the directions).
+        ax.plot([x for x, _ in line], [y for _, y in line], "--", color="tab:red", alpha=0.6,
+                label="Pareto front")  # fmt: skip
         for t, x, y in zip(complete, xs, ys, strict=True):
             ax.annotate(
                 f"#{t.number}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points"

@@ -25,6 +25,17 @@ from search.tracking import RunLog
 PUBLISH_EVERY_S = 15.0
 RECOMMENDED_TAG = "batchfit.recommended"  # the recommended trial's number, on the parent run
 PLOTS_PATH = "plots"
+DESCRIPTION_CHARS = 8000  # MLflow's limit on a tag value (3.17)
+CUT_NOTE = "\n\n... (the rest is in this run's summary.md)\n"
+
+
+def description(summary: str) -> str:
+    """The summary as a run description: MLflow keeps at most DESCRIPTION_CHARS of a tag
+    (cutting longer ones anywhere, or refusing them), so a long one ends at a whole line."""
+    if len(summary) <= DESCRIPTION_CHARS:
+        return summary
+    cut = summary.rfind("\n", 0, DESCRIPTION_CHARS - len(CUT_NOTE))
+    return summary[:cut] + CUT_NOTE
 
 
 class Results:
@@ -69,7 +80,7 @@ class Results:
                 self.best_path.parent.mkdir(parents=True, exist_ok=True)
                 self.best_path.write_text(document)
             self.parent.tags({RECOMMENDED_TAG: rec.trial.number})
-        self.parent.description(files["summary.md"])
+        self.parent.description(description(files["summary.md"]))
         self.parent.artifacts({name: text.encode() for name, text in files.items()})
         self.parent.artifacts(
             plots.render(study, self.metrics, rec.trial.number if rec else None), PLOTS_PATH

@@ -55,7 +55,12 @@ def main(cfg: DictConfig) -> None:
         note = f"memory is not predicted for this model ({error}); it is measured as it trains"
     if note:
         console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
-    tracker = Tracker(cfg.mlflow.tracking_uri, "train", cfg.mlflow.artifact_root)
+    tracker = Tracker(
+        cfg.mlflow.tracking_uri,
+        "train",
+        cfg.mlflow.artifact_root,
+        cfg.mlflow.system_metrics_interval_s if cfg.mlflow.system_metrics else None,
+    )
     log = tracker.start_run("train", tags={ROLE_TAG: "train"})
     log.params(spec.params())
     log.text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
@@ -77,7 +82,8 @@ def main(cfg: DictConfig) -> None:
     hooks = Hooks(on_log=lambda step, metrics: log.metrics(metrics, step), on_eval=on_eval)
     failure = None
     try:
-        result = run(cfg, spec, hooks)
+        with tracker.system_metrics(log.run_id):
+            result = run(cfg, spec, hooks)
     except (OutOfMemory, Diverged) as error:
         failure = ("oom" if isinstance(error, OutOfMemory) else "diverged", str(error))
     except ConfigError as error:

@@ -415,3 +415,16 @@ def test_publish_without_a_completed_trial(tracker: Tracker, tmp_path: Path) -> 
     assert "summary.md" in artifacts and "plots/front.png" in artifacts
     assert "best.yaml" not in artifacts
     assert RECOMMENDED_TAG not in tracker.client.get_run(parent.run_id).data.tags
+
+
+def test_a_long_summary_becomes_a_description_cut_at_a_whole_line() -> None:
+    from search.results import CUT_NOTE, DESCRIPTION_CHARS, description
+
+    rows = "\n".join(f"| {n} | 256 | 1 | 256 | fp32 | oom_predicted |" for n in range(400))
+    summary = "# Study s\n\n" + rows + "\n"
+    assert len(summary) > DESCRIPTION_CHARS  # ~16,000 characters: 400 pruned trials
+    text = description(summary)
+    assert len(text) <= DESCRIPTION_CHARS and text.endswith(CUT_NOTE)
+    kept = text.removesuffix(CUT_NOTE)
+    assert summary.startswith(kept) and kept.endswith("oom_predicted |")  # a whole row
+    assert description("# short\n") == "# short\n"

@@ -4,6 +4,7 @@ new SQLite store together, and the parent run created once."""
 from __future__ import annotations
 
 import multiprocessing
+import time
 from pathlib import Path
 
 from mlflow.entities import Metric
@@ -65,3 +66,28 @@ def test_workers_opening_one_new_sqlite_store_together(tmp_path: Path) -> None:
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("study")
     assert len(client.search_runs([experiment.experiment_id])) == 1
+
+
+def test_system_metrics_are_sampled_while_a_trial_trains_and_can_be_turned_off(
+    tmp_path: Path,
+) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    on = Tracker(uri, "sys", str(tmp_path / "a"), system_metrics_interval_s=0.5)
+    run = on.start_run("trial-0", tags={})
+    assert on.close(30)
+    with on.system_metrics(run.run_id):
+        deadline = time.monotonic() + 2.0  # four sampling intervals of work
+        while time.monotonic() < deadline:
+            sum(i * i for i in range(10_000))
+    history = MlflowClient(uri).get_metric_history(run.run_id, "system/cpu_utilization_percentage")
+    assert len(history) >= 2, history  # sampled over the block, not once
+    assert (
+        "system/system_memory_usage_megabytes" in MlflowClient(uri).get_run(run.run_id).data.metrics
+    )
+
+    off = Tracker(uri, "sys", str(tmp_path / "a"))  # mlflow.system_metrics=false
+    quiet = off.start_run("trial-1", tags={})
+    assert off.close(30)
+    with off.system_metrics(quiet.run_id):
+        time.sleep(1.0)
+    assert not [k for k in MlflowClient(uri).get_run(quiet.run_id).data.metrics if "system" in k]
