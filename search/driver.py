@@ -23,7 +23,6 @@ from search.overhead import CallClock, Lap, storage_methods
 from search.redact import redact
 from search.results import Results
 from search.sampler import FeasibilityFilter
-from search.space import override_key
 from search.study import (
     SURPLUS_ATTR,
     claims_slot,
@@ -36,6 +35,7 @@ from search.study import (
 )
 from search.tracking import RunLog, StudyRun, Tracker, ui_link
 from search.validate import Checked, validate
+from train.overrides import override_key
 from train.predict import PredictionUnsupported
 
 PARENT_ATTR = "mlflow_parent_run_id"
@@ -192,12 +192,7 @@ class StudyDriver:
             # A resumed study, or workers started together with one seed, must not replay
             # the seeded first proposals.
             study.sampler.reseed_rng()
-        tracker = Tracker(
-            cfg.mlflow.tracking_uri,
-            name,
-            cfg.mlflow.artifact_root,
-            cfg.mlflow.system_metrics_interval_s if cfg.mlflow.system_metrics else None,
-        )
+        tracker = Tracker.from_config(cfg.mlflow, name)
         parent, created = tracker.study_run(name, study.user_attrs.get(PARENT_ATTR))
         if created:
             study.set_user_attr(PARENT_ATTR, parent.run_id)

@@ -10,7 +10,8 @@ HTML page (Optuna's plotly visualisations). The study's parent MLflow run carrie
   precision, the budget as a line;
 - `lr_vs_effective_batch.png`: the learning rate trained with against the effective batch,
   coloured by val accuracy, with the line of the linear scaling rule through the best trial;
-- `importances.png`: parameter importances per objective (Optuna's default evaluator), once
+- `importances.png`: parameter importances per objective (Optuna's default evaluator,
+  PED-ANOVA in Optuna 5), once
   MIN_IMPORTANCE_TRIALS trials have completed;
 - `study.html`: Optuna's Pareto front (or history), parallel coordinates and importances,
   with plotly.js embedded so the page works offline in MLflow's artifact viewer.
@@ -23,17 +24,14 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import matplotlib
+import optuna
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure  # without pyplot: no backend, no global figure state
+from optuna.trial import FrozenTrial, TrialState
 
-matplotlib.use("Agg")  # no display; the only backend this module needs
-
-import matplotlib.pyplot as plt  # noqa: E402
-import optuna  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from optuna.trial import FrozenTrial, TrialState  # noqa: E402
-
-from search.config import OBJECTIVE_METRICS  # noqa: E402
-from search.recommend import metric_value  # noqa: E402
+from search.config import OBJECTIVE_METRICS
+from search.recommend import metric_value
+from search.study import SURPLUS_ATTR
 
 MIN_IMPORTANCE_TRIALS = 5  # fewer completed trials say nothing about importance
 MIB = 2**20
@@ -72,7 +70,7 @@ def points(trials: Sequence[FrozenTrial]) -> list[Point]:
         a = t.user_attrs
         if t.state not in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
             continue
-        if "trainer.batch_size" not in a or "surplus" in a:
+        if "trainer.batch_size" not in a or SURPLUS_ATTR in a:
             continue  # never configured (a surplus trial, or one killed before its config)
         complete = t.state == TrialState.COMPLETE
         found.append(
@@ -99,7 +97,7 @@ def _color(precision: str) -> str:
     return PRECISION_COLORS.get(precision, "tab:gray")
 
 
-def _log2_batch_axis(ax: plt.Axes, batches: Sequence[int]) -> None:
+def _log2_batch_axis(ax: Axes, batches: Sequence[int]) -> None:
     ax.set_xscale("log", base=2)
     ticks = sorted({b for b in batches if b})
     if ticks:
@@ -108,14 +106,15 @@ def _log2_batch_axis(ax: plt.Axes, batches: Sequence[int]) -> None:
     ax.set_xlabel("batch size (micro-batch)")
 
 
-def _figure(title: str) -> tuple[Figure, plt.Axes]:
-    fig, ax = plt.subplots(figsize=(7.5, 4.8), layout="constrained")
+def _figure(title: str) -> tuple[Figure, Axes]:
+    fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+    ax = fig.add_subplot()
     ax.set_title(title, fontsize=11)
     ax.grid(alpha=0.3)
     return fig, ax
 
 
-def _no_data(ax: plt.Axes, text: str) -> None:
+def _no_data(ax: Axes, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
@@ -286,7 +285,7 @@ def importances(study: optuna.Study, metrics: Sequence[str]) -> Figure | None:
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if len(complete) < MIN_IMPORTANCE_TRIALS:
         return None
-    fig, ax = _figure("Parameter importances (fANOVA), per objective")
+    fig, ax = _figure("Parameter importances per objective (Optuna's default evaluator)")
     per_metric = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -298,7 +297,6 @@ def importances(study: optuna.Study, metrics: Sequence[str]) -> Figure | None:
             except (RuntimeError, ValueError):  # a single distinct value, or one param only
                 continue
     if not per_metric:
-        plt.close(fig)
         return None
     params = sorted({p for values in per_metric.values() for p in values})
     height = 0.8 / len(per_metric)
@@ -306,7 +304,7 @@ def importances(study: optuna.Study, metrics: Sequence[str]) -> Figure | None:
         ys = [k + j * height for k in range(len(params))]
         ax.barh(ys, [values.get(p, 0.0) for p in params], height=height, label=metric)
     ax.set_yticks([k + 0.4 - height / 2 for k in range(len(params))], params)
-    ax.set_xlabel("importance (share of the objective's variance)")
+    ax.set_xlabel("importance (normalised: the parameters' importances sum to 1)")
     ax.legend(fontsize=8)
     return fig
 
@@ -314,7 +312,6 @@ def importances(study: optuna.Study, metrics: Sequence[str]) -> Figure | None:
 def png(fig: Figure) -> bytes:
     out = io.BytesIO()
     fig.savefig(out, format="png", dpi=110)
-    plt.close(fig)
     return out.getvalue()
 
 
@@ -327,10 +324,14 @@ def html(study: optuna.Study, metrics: Sequence[str]) -> str:
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if len(names) >= 2:
+        if len(names) in (2, 3):  # Optuna draws a front of two or three objectives
             figures.append(vis.plot_pareto_front(study, target_names=names))
         else:
-            figures.append(vis.plot_optimization_history(study, target_name=names[0]))
+            figures.append(
+                vis.plot_optimization_history(
+                    study, target=lambda t: t.values[0], target_name=names[0]
+                )
+            )
         if complete:
             figures.append(
                 vis.plot_parallel_coordinate(

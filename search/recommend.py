@@ -15,22 +15,17 @@ trains it again (train/__main__.py composes the file's overrides, then the comma
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import yaml
 from omegaconf import OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
 from search.config import OBJECTIVE_METRICS, RecommendRule
-from search.space import override_key
-from train.config import ConfigError
+from train.overrides import BEST_KEY
 
 METRICS_ATTR = "metrics"  # a completed trial's figures by metric name (search/objective.py)
-BEST_FILE = "best.yaml"
-BEST_KEY = "best"  # python -m train +best=PATH
 
 
 def metric_value(trial: FrozenTrial, name: str, objectives: Sequence[str] = ()) -> float | None:
@@ -58,38 +53,47 @@ class Recommendation:
     trial: FrozenTrial
     rule: RecommendRule
     best_value: float  # the best `rule.metric` of the study
-    num_candidates: int  # trials within the tolerance
+    num_candidates: int  # trials within the tolerance (with a `prefer` value)
+    value: float  # the trial's `rule.metric`
+    preferred: float | None  # the trial's `rule.prefer` (None: no trial within had one)
 
     def describe(self) -> str:
-        rule, t = self.rule, self.trial
-        value = metric_value(t, rule.metric)
-        if rule.metric == rule.prefer or not rule.tolerance:
-            return f"trial {t.number}, the best {rule.metric} ({value:.4g})"
+        rule, n = self.rule, self.trial.number
+        if rule.metric == rule.prefer or not rule.tolerance or self.preferred is None:
+            return f"trial {n}, the best {rule.metric} ({self.value:.4g})"
         among = f"{self.num_candidates} trial" + ("s" if self.num_candidates > 1 else "")
         return (
-            f"trial {t.number}, the best {rule.prefer} ({metric_value(t, rule.prefer):.4g}) "
-            f"among the {among} whose {rule.metric} is within {rule.tolerance:.0%} of the best "
-            f"({self.best_value:.4g}; this one {value:.4g})"
+            f"trial {n}, the best {rule.prefer} ({self.preferred:.4g}) among the {among} whose "
+            f"{rule.metric} is within {rule.tolerance:.0%} of the best ({self.best_value:.4g}; "
+            f"this one {self.value:.4g})"
         )
 
 
 def recommend(
     trials: Sequence[FrozenTrial], rule: RecommendRule, objectives: Sequence[str] = ()
 ) -> Recommendation | None:
-    """The trial the rule picks among the completed ones; None before any completed."""
+    """The trial the rule picks among the completed ones; None before any has `metric`.
+    The best `metric` is taken over every completed trial; among those within the
+    tolerance, trials without a `prefer` value (NaN) cannot be preferred, and if none has
+    one, the best `metric` is the answer."""
     scored = [
         (t, metric_value(t, rule.metric, objectives), metric_value(t, rule.prefer, objectives))
         for t in trials
         if t.state == TrialState.COMPLETE
     ]
-    scored = [(t, m, p) for t, m, p in scored if m is not None and p is not None]
+    scored = [(t, m, p) for t, m, p in scored if m is not None]
     if not scored:
         return None
-    best = scored[0][1]
-    for _, m, _ in scored:
-        if _better(rule.metric, m, best):
-            best = m
-    candidates = [s for s in scored if within(rule.metric, s[1], best, rule.tolerance)]
+    top = scored[0]
+    for candidate in scored[1:]:
+        if _better(rule.metric, candidate[1], top[1]):
+            top = candidate
+    best = top[1]
+    candidates = [
+        s for s in scored if s[2] is not None and within(rule.metric, s[1], best, rule.tolerance)
+    ]
+    if not candidates:
+        return Recommendation(top[0], rule, best, 0, top[1], None)
     chosen = candidates[0]
     for candidate in candidates[1:]:
         t, m, p = candidate
@@ -97,7 +101,7 @@ def recommend(
             p == chosen[2] and _better(rule.metric, m, chosen[1])
         ):
             chosen = candidate
-    return Recommendation(chosen[0], rule, best, len(candidates))
+    return Recommendation(chosen[0], rule, best, len(candidates), chosen[1], chosen[2])
 
 
 def best_document(
@@ -121,26 +125,3 @@ def best_document(
         f"# Train it again: python -m train +{BEST_KEY}=<this file> [more overrides]\n"
     )
     return header + OmegaConf.to_yaml(OmegaConf.create(body), sort_keys=False)
-
-
-def load_overrides(path: str | Path) -> list[str]:
-    """The overrides of a best.yaml, for `python -m train +best=PATH`."""
-    file = Path(path).expanduser()
-    fix = f"give the path of a {BEST_FILE} a study wrote, e.g. +{BEST_KEY}=mlruns/.../{BEST_FILE}"
-    if not file.is_file():
-        raise ConfigError([f"{BEST_KEY}={str(path)!r}: no such file; {fix}"])
-    loaded = yaml.safe_load(file.read_text())  # as written: ${...} stays an interpolation
-    overrides = loaded.get("overrides") if isinstance(loaded, Mapping) else None
-    if (
-        not isinstance(overrides, list)
-        or not overrides
-        or not all(isinstance(o, str) for o in overrides)
-    ):
-        raise ConfigError([f"{BEST_KEY}={str(path)!r} has no list of overrides; {fix}"])
-    return list(overrides)
-
-
-def merge_overrides(first: Sequence[str], then: Sequence[str]) -> list[str]:
-    """`first`, less the keys `then` sets, followed by `then`: the later one wins."""
-    later = {override_key(o) for o in then}
-    return [o for o in first if override_key(o) not in later] + list(then)

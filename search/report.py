@@ -14,6 +14,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -24,11 +25,12 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from search.recommend import BEST_KEY, Recommendation
+from search.recommend import Recommendation
 from search.redact import redact
-from search.space import override_key, override_value
+from search.space import override_value
 from search.study import counts_as_finished
 from train.memory import format_bytes
+from train.overrides import BEST_KEY, override_key
 
 PRECISION_KEY = "trainer.precision"
 BATCH_KEY = "trainer.batch_size"
@@ -67,7 +69,7 @@ def trial_line(trial: FrozenTrial) -> str:
     if "seconds" in attrs:
         parts.append(f"{attrs['seconds']:.1f} s")
     if trial.state != TrialState.COMPLETE and "message" in attrs:
-        parts.append(f"[dim]{attrs['message'][:120]}[/dim]")
+        parts.append(f"[dim]{escape(attrs['message'][:120])}[/dim]")
     return " | ".join(parts)
 
 
@@ -89,7 +91,7 @@ class StudyProgress:
         self.done_at_start = done
         self.best = ""
         self._progress = Progress(
-            TextColumn("[bold]trials"),
+            TextColumn("{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
@@ -100,7 +102,9 @@ class StudyProgress:
             transient=True,
             disable=not self.live,
         )
-        self._trials = self._progress.add_task("trials", total=n_trials, completed=done, best="")
+        self._trials = self._progress.add_task(
+            "[bold]trials", total=n_trials, completed=done, best=""
+        )
         self._epochs = None
 
     def __enter__(self) -> StudyProgress:
@@ -145,9 +149,11 @@ class StudyProgress:
         if not self.live:
             self.print(f"  {text}")
         elif self._epochs is None:
-            self._epochs = self._progress.add_task(text, total=total or None, completed=epoch)
+            self._epochs = self._progress.add_task(
+                escape(text), total=total or None, completed=epoch, best=""
+            )
         else:
-            self._progress.update(self._epochs, description=text, completed=epoch)
+            self._progress.update(self._epochs, description=escape(text), completed=epoch)
 
 
 def _clock(seconds: float) -> str:

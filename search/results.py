@@ -18,9 +18,10 @@ from optuna.trial import FrozenTrial
 
 from search import plots, report
 from search.config import RecommendRule
-from search.recommend import BEST_FILE, Recommendation, best_document, recommend
+from search.recommend import Recommendation, best_document, recommend
 from search.redact import redact
 from search.tracking import RunLog
+from train.overrides import BEST_FILE
 
 PUBLISH_EVERY_S = 15.0
 RECOMMENDED_TAG = "batchfit.recommended"  # the recommended trial's number, on the parent run
@@ -74,8 +75,10 @@ class Results:
         overrides = self.overrides_of(rec.trial) if rec else []
         files = {"summary.md": report.summary_markdown(study, self.metrics, rec, overrides)}
         if rec is not None:
-            document = best_document(rec, study.study_name, overrides, self.metrics)
-            files[BEST_FILE] = redact(document)
+            # Masked in both copies, like everything batchfit writes: a password in a URL
+            # comes back from its environment variable (see redact.py) on a rerun.
+            document = redact(best_document(rec, study.study_name, overrides, self.metrics))
+            files[BEST_FILE] = document
             if self.best_path is not None:
                 self.best_path.parent.mkdir(parents=True, exist_ok=True)
                 self.best_path.write_text(document)

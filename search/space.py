@@ -66,11 +66,6 @@ class SearchSpace:
         return dropped if kept else []
 
 
-def override_key(override: str) -> str:
-    """The config key of a Hydra override: `+a.b=1` -> `a.b`."""
-    return override.split("=", 1)[0].lstrip("+~")
-
-
 def override_value(value: Any) -> str:
     if value is None:
         return "null"

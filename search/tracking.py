@@ -17,6 +17,7 @@ import fcntl
 import json
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -121,6 +122,10 @@ class RunLog:
         self.outbox = outbox
         self.run_id = run_id
         self._pending: list[Metric] = []
+        # Uploads still queued, by artifact path: a newer version of the same files joins
+        # the queued one instead of queueing again (plots are megabytes, redrawn often).
+        self._uploads: dict[str | None, dict[str, bytes]] = {}
+        self._uploads_lock = threading.Lock()
 
     def metrics(self, values: Mapping[str, float], step: int = 0, flush: bool = False) -> None:
         now = _now_ms()
@@ -154,14 +159,28 @@ class RunLog:
         )
 
     def artifacts(self, files: Mapping[str, bytes], artifact_path: str | None = None) -> None:
-        """Files (name -> content) under `artifact_path`, replacing earlier versions."""
-        contents = dict(files)
+        """Files (name -> content) under `artifact_path`, replacing earlier versions. While
+        an upload to the same path waits in the outbox (MLflow away or busy), these files
+        replace its contents: one upload, of the newest versions."""
+        with self._uploads_lock:
+            queued = self._uploads.get(artifact_path)
+            if queued is not None:
+                queued.update(files)
+                return
+            contents = self._uploads[artifact_path] = dict(files)
 
         def upload() -> None:
-            with tempfile.TemporaryDirectory() as folder:
-                for name, content in contents.items():
-                    (Path(folder) / name).write_bytes(content)
-                self.client.log_artifacts(self.run_id, folder, artifact_path)
+            while True:  # again if newer files joined while these were written
+                with self._uploads_lock:
+                    snapshot = dict(contents)
+                with tempfile.TemporaryDirectory() as folder:
+                    for name, content in snapshot.items():
+                        (Path(folder) / name).write_bytes(content)
+                    self.client.log_artifacts(self.run_id, folder, artifact_path)
+                with self._uploads_lock:
+                    if contents == snapshot:  # written: a new version queues anew
+                        del self._uploads[artifact_path]
+                        return
 
         self.outbox.put(upload)
 
@@ -231,6 +250,9 @@ class Tracker:
     def _experiment(self, name: str, artifact_root: str) -> str:
         found = self.client.get_experiment_by_name(name)
         if found is not None:
+            if VIEW_TAG not in found.tags:  # made before batchfit saved its view
+                for key, value in experiment_tags().items():
+                    self.client.set_experiment_tag(found.experiment_id, key, value)
             return found.experiment_id
         location = (Path(artifact_root).resolve() / name).as_uri()
         try:
@@ -244,6 +266,12 @@ class Tracker:
             return found.experiment_id
         self.created_experiment = True
         return experiment_id
+
+    @classmethod
+    def from_config(cls, mlflow: Any, experiment_name: str) -> Tracker:
+        """From the `mlflow` config node (conf/config.yaml)."""
+        interval = mlflow.system_metrics_interval_s if mlflow.system_metrics else None
+        return cls(mlflow.tracking_uri, experiment_name, mlflow.artifact_root, interval)
 
     @contextlib.contextmanager
     def system_metrics(self, run_id: str | None) -> Iterator[None]:

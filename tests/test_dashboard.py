@@ -143,6 +143,11 @@ def test_dashboard_serves_the_journal_study(served: tuple[Dashboard, Path]) -> N
 
     assert detail["name"] == "dashboard"
     assert detail["directions"] == [d.name.lower() for d in study.directions]
+    # The objectives by name (study.set_metric_names), as its trial table and CSV show them.
+    (summary,) = _get(f"{dashboard.url}/api/studies")["study_summaries"]
+    with urllib.request.urlopen(f"{dashboard.url}/csv/{summary['study_id']}", timeout=10) as answer:
+        header = answer.read().decode().splitlines()[0].split(",")
+    assert header[:4] == ["Number", "State", "val/acc", "memory/peak_bytes"], header
     assert len(detail["trials"]) == len(trials) == 3
     states = [t["state"] for t in detail["trials"]]
     assert states == [t.state.name.capitalize() for t in trials]

@@ -21,13 +21,12 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
 
-from search.recommend import BEST_KEY, load_overrides, merge_overrides
 from search.redact import redact_logging
-from search.space import override_key
 from search.tracking import ROLE_TAG, STATE_TAG, Tracker, http_defaults
 from train.config import ConfigError
 from train.loop import Diverged, Hooks
 from train.memory import OutOfMemory, format_bytes
+from train.overrides import BEST_KEY, load_overrides, merge_overrides, override_key
 from train.predict import PredictionUnsupported
 from train.run import check_builds, plan, predict, run
 
@@ -55,12 +54,7 @@ def main(cfg: DictConfig) -> None:
         note = f"memory is not predicted for this model ({error}); it is measured as it trains"
     if note:
         console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
-    tracker = Tracker(
-        cfg.mlflow.tracking_uri,
-        "train",
-        cfg.mlflow.artifact_root,
-        cfg.mlflow.system_metrics_interval_s if cfg.mlflow.system_metrics else None,
-    )
+    tracker = Tracker.from_config(cfg.mlflow, "train")
     log = tracker.start_run("train", tags={ROLE_TAG: "train"})
     log.params(spec.params())
     log.text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")

@@ -13,15 +13,10 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from search.config import RecommendRule
-from search.recommend import (
-    best_document,
-    load_overrides,
-    merge_overrides,
-    metric_value,
-    recommend,
-)
+from search.recommend import best_document, metric_value, recommend
 from search.validate import recommend_rule, search_config
 from train.config import ConfigError
+from train.overrides import load_overrides, merge_overrides
 
 ACC, LOSS, SPEED, PEAK = "val/acc", "val/loss", "throughput/samples_per_sec", "memory/peak_bytes"
 BATCHES = CategoricalDistribution([16, 32, 64, 128, 256, 512])
@@ -314,3 +309,36 @@ def test_best_yaml_round_trip_keeps_interpolations(tmp_path: Path) -> None:
     path = tmp_path / "best.yaml"
     path.write_text(best_document(rec, "s", overrides, [ACC, SPEED]))
     assert load_overrides(path) == overrides
+
+
+def test_a_trial_without_a_prefer_value_does_not_move_the_best() -> None:
+    # Trial 0 is the most accurate but has no throughput (NaN: a run too short to time;
+    # its objective value stands in as 0): the 1% window is still measured from its 0.95,
+    # so trial 1 (0.80) is not within it; trial 2 (0.946) is.
+    no_speed = _complete(64, acc=0.95, speed=0.0)
+    no_speed.user_attrs["metrics"][SPEED] = float("nan")
+    trials = _numbered(
+        [
+            no_speed,
+            _complete(64, acc=0.80, speed=1000.0),
+            _complete(64, acc=0.946, speed=300.0),
+        ]
+    )
+    rec = recommend(trials, RecommendRule())
+    assert rec.trial.number == 2 and rec.best_value == 0.95 and rec.num_candidates == 1
+    # No trial within the window has a throughput: the most accurate one is the answer.
+    rec = recommend(trials[:2], RecommendRule())
+    assert rec.trial.number == 0 and rec.preferred is None
+    assert rec.describe() == "trial 0, the best val/acc (0.95)"
+
+
+def test_old_trials_are_described_from_their_objective_values() -> None:
+    old = _numbered(
+        [
+            _complete(64, acc=0.9, speed=500.0, with_metrics=False),
+            _complete(64, acc=0.895, speed=900.0, with_metrics=False),
+        ]
+    )
+    rec = recommend(old, RecommendRule(), [ACC, SPEED])
+    assert rec.trial.number == 1
+    assert rec.describe().startswith("trial 1, the best throughput/samples_per_sec (900)")

@@ -20,10 +20,11 @@ from rich.console import Console
 from search import plots, report
 from search.config import RecommendRule
 from search.plots import MIN_IMPORTANCE_TRIALS
-from search.recommend import load_overrides, recommend
+from search.recommend import recommend
 from search.report import EPOCH_LINES_AFTER_S, StudyProgress, run_name, summary_markdown
 from search.results import PUBLISH_EVERY_S, RECOMMENDED_TAG, Results
 from search.tracking import NOTE_TAG, Tracker
+from train.overrides import load_overrides
 
 METRICS = ["val/acc", "throughput/samples_per_sec"]
 MIB = 2**20
@@ -334,6 +335,28 @@ def test_epoch_lines_only_for_a_trial_running_long(clock: list[float]) -> None:
     assert EPOCH_LINES_AFTER_S < 6.0
     progress.epoch(3, metrics, elapsed_s=6.0)
     assert console.file.getvalue() == "  #3 epoch 1.00/3: val/acc 0.9, val/loss 0.25 (6 s)\n"
+
+
+def test_live_progress_in_a_terminal_shows_the_trial_and_its_epochs() -> None:
+    """The rich display as a terminal shows it: the trials bar with the best so far, and a
+    long trial's epoch line, which is gone when the trial ends."""
+    console = Console(file=io.StringIO(), force_terminal=True, width=200)
+    study = optuna.create_study(directions=["maximize", "maximize"])
+    metrics = {"epoch": 1.0, "num_epochs": 3, "val/acc": 0.9, "val/loss": 0.25}
+    with StudyProgress(console, n_trials=4, done=0, metric="val/acc") as progress:
+        progress.epoch(0, metrics, elapsed_s=6.0)
+        shown = progress._progress.get_renderable()
+        text = Console(file=io.StringIO(), width=200, record=True)
+        text.print(shown)
+        screen = text.export_text()
+        assert "trials" in screen and "#0 epoch 1.00/3: val/acc 0.9" in screen, screen
+        study.add_trial(_trials()[0])
+        progress.trial_finished(study, study.get_trials()[-1])
+        text = Console(file=io.StringIO(), width=200, record=True)
+        text.print(progress._progress.get_renderable())
+        screen = text.export_text()
+        assert "1/4" in screen and "best val/acc 0.93 (#0)" in screen, screen
+        assert "epoch" not in screen
 
 
 # --- Results.publish on a real MLflow store ----------------------------------------------

@@ -3,6 +3,7 @@ new SQLite store together, and the parent run created once."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from search.outbox import Outbox
-from search.tracking import Tracker, http_defaults
+from search.tracking import RunLog, Tracker, http_defaults
 from tests.sweeps import free_port
 
 
@@ -69,10 +70,12 @@ def test_workers_opening_one_new_sqlite_store_together(tmp_path: Path) -> None:
 
 
 def test_system_metrics_are_sampled_while_a_trial_trains_and_can_be_turned_off(
-    tmp_path: Path,
+    tmp_path: Path, hydra_conf
 ) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    on = Tracker(uri, "sys", str(tmp_path / "a"), system_metrics_interval_s=0.5)
+    stores = [f"mlflow.tracking_uri={uri}", f"mlflow.artifact_root={tmp_path / 'a'}"]
+    cfg = hydra_conf([*stores, "mlflow.system_metrics_interval_s=0.5"])
+    on = Tracker.from_config(cfg.mlflow, "sys")  # on by default
     run = on.start_run("trial-0", tags={})
     assert on.close(30)
     with on.system_metrics(run.run_id):
@@ -85,9 +88,34 @@ def test_system_metrics_are_sampled_while_a_trial_trains_and_can_be_turned_off(
         "system/system_memory_usage_megabytes" in MlflowClient(uri).get_run(run.run_id).data.metrics
     )
 
-    off = Tracker(uri, "sys", str(tmp_path / "a"))  # mlflow.system_metrics=false
+    off = Tracker.from_config(hydra_conf([*stores, "mlflow.system_metrics=false"]).mlflow, "sys")
     quiet = off.start_run("trial-1", tags={})
     assert off.close(30)
     with off.system_metrics(quiet.run_id):
         time.sleep(1.0)
     assert not [k for k in MlflowClient(uri).get_run(quiet.run_id).data.metrics if "system" in k]
+
+
+def test_an_experiment_made_before_the_saved_view_gets_it(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    client.create_experiment("old", artifact_location=(tmp_path / "a").as_uri())
+    tracker = Tracker(uri, "old", str(tmp_path / "a"))
+    tags = client.get_experiment(tracker.experiment_id).tags
+    view = json.loads(tags["mlflow.sharedViewState.batchfit"])
+    assert "metrics.`val/acc`" in json.loads(view["state"])["selectedColumns"]
+    assert tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_a_queued_upload_takes_the_newest_files_instead_of_queueing_again(
+    monkeypatch, tmp_path: Path
+) -> None:
+    http_defaults()
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    client = MlflowClient(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    log = RunLog(client, Outbox(), run_id="run")
+    log.artifacts({"a.png": b"1", "b.png": b"1"}, "plots")
+    log.artifacts({"a.png": b"2"}, "plots")  # redrawn while the first waits: joins it
+    log.artifacts({"summary.md": b"x"})  # another path queues on its own
+    assert len(log.outbox) == 2
+    assert log._uploads["plots"] == {"a.png": b"2", "b.png": b"1"}
