@@ -1,7 +1,8 @@
 """The MLflow UI as a user sees a study: a tiny study, `mlflow server` on 127.0.0.1 against
 its store, and headless Chromium (Playwright driving Debian's chromium package) on the link
 the study prints. Screenshots go to tmp_path, and to $BATCHFIT_SCREENSHOTS when set (the
-README's pictures are made so: BATCHFIT_SCREENSHOTS=docs pytest tests/test_browser.py).
+README's pictures are made so: BATCHFIT_SCREENSHOTS=docs pytest tests/test_browser.py; the
+README shows mlflow-runs.png and mlflow-throughput_vs_batch.png).
 
 Skipped where chromium is missing, unless BATCHFIT_REQUIRE_BROWSER=1 (CI), which fails."""
 
@@ -153,16 +154,20 @@ def test_the_parent_run_shows_the_summary_and_a_plot_renders(
     page.get_by_text("Recommended configuration").first.wait_for(timeout=TIMEOUT_MS)
     recommended = client.get_run(parent_id).data.tags["batchfit.recommended"]
     assert f"trial {recommended}," in page.locator("body").inner_text()
-    for name in ("front.png", "memory_vs_batch.png", "throughput_vs_batch.png"):
-        page.goto(f"{run_url}/artifacts/plots/{name}?workflowType=machine_learning")
-        image = page.locator("img[src^=blob]").first
-        image.wait_for(timeout=TIMEOUT_MS)
-        width, height = image.evaluate("i => [i.naturalWidth, i.naturalHeight]")
-        assert width > 300 and height > 200, (name, width, height)
-    _close_assistant(page)
-    _shoot(page, tmp_path, "mlflow-plot.png")
-    # The interactive page runs its plotly script inside the artifact viewer's iframe.
     page.close()
+    for name in ("front.png", "memory_vs_batch.png", "throughput_vs_batch.png"):
+        # A fresh page each: a hash change alone leaves the previous image showing.
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{run_url}/artifacts/plots/{name}?workflowType=machine_learning")
+        page.get_by_text(f"plots/{name}", exact=True).wait_for(timeout=TIMEOUT_MS)
+        image = page.locator("img[src^=blob]")
+        image.first.wait_for(timeout=TIMEOUT_MS)
+        width, height = image.first.evaluate("i => [i.naturalWidth, i.naturalHeight]")
+        assert width > 300 and height > 200, (name, width, height)
+        _close_assistant(page)
+        _shoot(page, tmp_path, f"mlflow-{name}")
+        page.close()
+    # The interactive page runs its plotly script inside the artifact viewer's iframe.
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(f"{run_url}/artifacts/plots/study.html?workflowType=machine_learning")
     frame = page.frame_locator("iframe[sandbox]").first
