@@ -136,8 +136,7 @@ def throughput_vs_batch(pts: Sequence[Point]) -> Figure:
         if oom:
             ax.plot(
                 [p.batch_size for p in oom], [0.0] * len(oom), "x", color=_color(precision),
-                markersize=11, markeredgewidth=2.5, clip_on=False,
-                label=f"{precision} OOM" if not done else f"{precision} OOM (pruned)",
+                markersize=11, markeredgewidth=2.5, clip_on=False, label=f"{precision} OOM",
             )  # fmt: skip
     if not pts:
         _no_data(ax, "no trial yet")
@@ -155,15 +154,17 @@ def memory_vs_batch(pts: Sequence[Point]) -> Figure:
         mine = [p for p in pts if p.precision == precision]
         measured = [p for p in mine if p.peak_bytes is not None]
         predicted = [p for p in mine if p.predicted_bytes is not None]
-        ax.plot(
-            [p.batch_size for p in measured], [p.peak_bytes / MIB for p in measured], "o",
-            color=_color(precision), label=f"{precision} measured",
-        )  # fmt: skip
-        ax.plot(
-            [p.batch_size for p in predicted], [p.predicted_bytes / MIB for p in predicted], "o",
-            markerfacecolor="none", markersize=10, color=_color(precision),
-            label=f"{precision} predicted",
-        )  # fmt: skip
+        if measured:
+            ax.plot(
+                [p.batch_size for p in measured], [p.peak_bytes / MIB for p in measured], "o",
+                color=_color(precision), label=f"{precision} measured",
+            )  # fmt: skip
+        if predicted:
+            ax.plot(
+                [p.batch_size for p in predicted], [p.predicted_bytes / MIB for p in predicted],
+                "o", markerfacecolor="none", markersize=10, color=_color(precision),
+                label=f"{precision} predicted",
+            )  # fmt: skip
     budgets = {p.budget_bytes for p in pts if p.budget_bytes}
     for budget in budgets:
         ax.axhline(budget / MIB, color="tab:red", linestyle="--", label="budget")

@@ -12,6 +12,7 @@ compose (Hydra) -> validate -> run -> report. `search.memory_budget` applies her
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import hydra
@@ -38,6 +39,7 @@ from train.run import check_builds, plan, predict, run
 def main(cfg: DictConfig) -> None:
     redact_logging()
     http_defaults()
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # its system-metrics chatter
     console, errors = Console(), Console(stderr=True)
     try:
         if BEST_KEY in cfg:
