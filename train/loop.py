@@ -66,6 +66,11 @@ class RunResult:
     val_loss: float
     train_loss: float
     evals: list[Metrics] = field(default_factory=list)
+    # What the throughput clock saw: the optimizer steps and samples it timed (warm-up and
+    # memory-measured steps excluded), and its seconds (validation excluded).
+    timed_steps: int = 0
+    timed_samples: int = 0
+    timed_seconds: float = 0.0
 
     def metrics(self) -> Metrics:
         """The run's final figures under their metric names (NaN ones left out)."""
@@ -377,4 +382,7 @@ def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunRes
         val_loss=evals[-1]["val/loss"],
         train_loss=last_loss,
         evals=evals,
+        timed_steps=timed_steps,
+        timed_samples=timed_samples,
+        timed_seconds=clock.seconds,
     )

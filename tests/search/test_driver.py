@@ -13,6 +13,7 @@ from optuna.trial import TrialState
 from rich.console import Console
 
 from search.driver import PARENT_ATTR, StudyDriver
+from search.objective import PROBE_MARGIN, Prune, TimeBudget
 from train.config import ConfigError
 
 FAST = [
@@ -203,6 +204,10 @@ def test_diverged_and_slow_trials_are_pruned_with_their_reason(hydra_conf, store
     (trial,) = slow.study.get_trials()
     assert trial.state == TrialState.PRUNED and trial.user_attrs["reason"] == "slow"
     assert "search.trial_time_budget_s" in trial.user_attrs["message"]
+    # Stopped by the probe, before its first step: not by the per-step check, which would
+    # also say `slow` after paying for a step (its memory check sets peak_bytes).
+    assert trial.user_attrs["message"].startswith("a probe step projects")
+    assert "peak_bytes" not in trial.user_attrs
 
 
 def test_resume_runs_to_n_trials_without_duplicates(hydra_conf, stores) -> None:
@@ -274,3 +279,15 @@ def test_single_objective_studies_use_the_pruner_on_val_acc(hydra_conf, stores) 
     for t in driver.study.get_trials():
         assert t.state == TrialState.PRUNED and t.user_attrs["reason"] == "pruner"
         assert len(t.intermediate_values) == 1  # stopped at the first of two validations
+
+
+def test_the_probe_prunes_only_a_projection_far_over_the_budget() -> None:
+    budget = TimeBudget(60.0)
+    # 1 ms per sample x 1000 samples = 1 s: far under 60 s.
+    budget.on_probe(0.001, 1000)
+    # Just under and just over PROBE_MARGIN x 60 s.
+    budget.on_probe(PROBE_MARGIN * 60.0 / 1000 * 0.99, 1000)
+    with pytest.raises(Prune, match=r"projects \d+ s of training for 1000 samples") as info:
+        budget.on_probe(PROBE_MARGIN * 60.0 / 1000 * 1.01, 1000)
+    assert info.value.reason == "slow"
+    TimeBudget(None).on_probe(1e6, 1000)  # no budget: never pruned

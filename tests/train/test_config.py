@@ -77,9 +77,10 @@ def test_each_bad_value_names_its_key_and_fix(kwargs, match):
     ],
 )
 def test_valid_combinations(kwargs):
-    cfg = TrainerConfig(**kwargs)
-    for key, value in kwargs.items():
-        assert getattr(cfg, key) == value
+    cfg = TrainerConfig(**kwargs)  # accepted: no ConfigError
+    # What follows from them: the effective batch, and the same config back from its fields.
+    assert cfg.effective_batch_size == cfg.batch_size * cfg.accum_steps
+    assert TrainerConfig(**dataclasses.asdict(cfg)) == cfg
 
 
 def test_several_problems_are_reported_together():
@@ -121,9 +122,15 @@ def test_non_numeric_grad_clip_norm_is_a_config_error():
         TrainerConfig(grad_clip_norm="abc")
 
 
-def test_constants():
-    assert LR_SCALING_RULES == ("none", "linear", "sqrt")
-    assert DEVICES == ("auto", "cpu", "cuda")
+def test_every_rule_and_device_is_accepted_and_unknown_ones_are_refused_with_the_list():
+    for rule in LR_SCALING_RULES:
+        assert TrainerConfig(lr_scaling=rule).lr_scaling == rule
+    for device in DEVICES:
+        assert TrainerConfig(device=device).device == device
+    with pytest.raises(ConfigError, match=r"lr_scaling must be one of none, linear, sqrt, got"):
+        TrainerConfig(lr_scaling="cubic")
+    with pytest.raises(ConfigError, match=r"device must be one of auto, cpu, cuda, got 'tpu'"):
+        TrainerConfig(device="tpu")
 
 
 # --------------------------------------------------------------------------- conf/

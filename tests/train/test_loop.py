@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from train import loop
 from train.config import TrainerConfig
 from train.data import Splits, synthetic
 from train.loop import (
@@ -16,6 +18,7 @@ from train.loop import (
     Hooks,
     evaluate,
     fit,
+    memory_steps,
     optimizer_step,
     probe_seconds_per_sample,
     samples_planned,
@@ -484,3 +487,57 @@ def test_evaluate_counts_accuracy_over_ragged_batches():
     assert metrics["val/acc"] == pytest.approx(4 / 7)
     expected_loss = F.cross_entropy(torch.tensor([5.0, 0.0, 0.0]).expand(7, 3), val_y)
     assert metrics["val/loss"] == pytest.approx(expected_loss.item(), rel=1e-6)
+
+
+# --------------------------------------------------------------------------- the throughput clock
+
+
+@pytest.mark.parametrize(
+    ("warmup_steps", "first_timed", "timed_samples"),
+    [
+        # 152 training samples, effective batch 32: steps of 32, 32, 32, 32, 24 per epoch.
+        # The CPU tracker measures steps 0 and 1 (the first full step with optimizer state):
+        # with no warm-up the clock starts at step 2 -> steps 2..9 are timed:
+        # 32 + 32 + 24 (epoch 1) + 152 (epoch 2) = 240 samples.
+        (0, 2, 240),
+        # Warm-up past the measured steps: steps 3..9 -> 32 + 24 + 152 = 208 samples.
+        (3, 3, 208),
+    ],
+)
+def test_the_clock_times_neither_memory_measured_nor_warm_up_steps(
+    warmup_steps: int, first_timed: int, timed_samples: int
+) -> None:
+    data = _splits()
+    cfg = TrainerConfig(
+        batch_size=32, accum_steps=1, max_epochs=2, warmup_steps=warmup_steps, device="cpu"
+    )
+    assert memory_steps(len(data.train_y), cfg, 10) == [0, 1]
+    result = _fit(_flat_linear(data), data, cfg)
+    assert result.num_steps == 10
+    assert result.timed_steps == 10 - first_timed
+    assert result.timed_samples == timed_samples
+    # The figures are the timed samples over the timed seconds, nothing else.
+    assert result.throughput_samples_per_sec == pytest.approx(timed_samples / result.timed_seconds)
+    assert result.step_ms == pytest.approx(1000 * result.timed_seconds / result.timed_steps)
+
+
+def test_validation_is_not_on_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each validation sleeps SLEEP_S; the timed steps of this tiny linear model take a few
+    milliseconds in all (tens under load), so a clock that ran through validation would
+    read at least 2 x SLEEP_S (the validations after steps 2 and 3, both timed)."""
+    sleep_s = 0.5
+    real_evaluate = loop.evaluate
+
+    def slow_evaluate(*args, **kwargs):  # noqa: ANN002, ANN003
+        time.sleep(sleep_s)
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate", slow_evaluate)
+    data = _splits()
+    cfg = TrainerConfig(
+        batch_size=32, max_steps=4, max_epochs=None, val_every_steps=1, warmup_steps=0,
+        device="cpu",
+    )  # fmt: skip
+    result = _fit(_flat_linear(data), data, cfg)
+    assert len(result.evals) == 4 and result.timed_steps == 2
+    assert result.timed_seconds < sleep_s, result.timed_seconds

@@ -88,13 +88,18 @@ def test_parse_budget_rejects_infinity_with_value_error():
         parse_budget(float("inf"), 1000)
 
 
-@pytest.mark.parametrize("value", [0.5, "0.5", "0.0001%"])
-def test_parse_budget_never_returns_zero(value):
-    try:
-        budget = parse_budget(value, 1000)
-    except ValueError:
-        return
-    assert budget is None or budget > 0
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (0.5, "not a positive number of bytes"),  # would round to a budget of 0 bytes
+        ("0.5", "not a memory size"),  # bytes as a string need no fraction
+        ("0.0001%", "not a share"),  # 0.0001% of 1000 bytes is under one byte
+    ],
+)
+def test_parse_budget_refuses_what_would_be_a_zero_budget(value, match):
+    with pytest.raises(ValueError, match=match):
+        parse_budget(value, 1000)
+    assert parse_budget("0.1%", 1000) == 1  # the smallest share that is a byte is accepted
 
 
 def test_format_bytes():
@@ -615,4 +620,6 @@ def test_cuda_device_without_index_is_accepted_by_the_meter():
     assert resolve_device("auto").index is not None
     meter = MemoryMeter(torch.device("cuda"), 2**30)
     meter.start()
-    assert meter.stats().peak_bytes >= 0
+    kept = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+    assert meter.stats().peak_bytes >= MiB  # the allocation is seen on the indexed device
+    del kept

@@ -12,8 +12,15 @@ CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def test_precisions():
-    assert PRECISIONS == ("fp32", "tf32", "bf16", "fp16")
+def test_every_precision_is_accepted_and_an_unknown_one_is_refused_with_the_list():
+    from train.config import ConfigError, TrainerConfig
+
+    for name in PRECISIONS:  # each one a run may use, and each with autocast behind it
+        assert TrainerConfig(precision=name, device="cpu").precision == name
+    with pytest.raises(ConfigError, match=r"must be one of fp32, tf32, bf16, fp16, got 'fp8'"):
+        TrainerConfig(precision="fp8")
+    # On the CPU, only tf32 (a CUDA tensor-core mode) cannot run.
+    assert [p for p in PRECISIONS if unsupported_reason(p, CPU)] == ["tf32"]
 
 
 def test_tf32_is_unsupported_on_cpu():
