@@ -158,9 +158,10 @@ class StudyDriver:
         output_dir: Path | None = None,
     ) -> StudyDriver:
         name = cfg.search.study_name or default_study_name(choices)
-        searched = (
+        params = (
             OmegaConf.to_container(cfg.search.params, resolve=True) if cfg.search.params else {}
         )
+        searched = {key: text for key, text in params.items() if text is not None}  # null: dropped
         # A trial's overrides replace the command line's for the same key; which worker this
         # is never reaches a trial.
         base = [o for o in overrides if override_key(o) not in {*searched, WORKER_KEY}]

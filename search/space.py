@@ -75,12 +75,16 @@ def override_value(value: Any) -> str:
 
 
 def parse_space(params: Mapping[str, Any]) -> SearchSpace:
-    """Parse `search.params`; every problem is reported at once in a ConfigError."""
+    """Parse `search.params`; every problem is reported at once in a ConfigError. A key set
+    to null is not searched (`'++search.params={trainer.precision:null}'` drops a key an
+    experiment searches; trials then use the config's own value)."""
     parser = OverridesParser.create()
     distributions: dict[str, BaseDistribution] = {}
     fixed: dict[str, str] = {}
     problems: list[str] = []
     for key, text in params.items():
+        if text is None:
+            continue
         where = f"search.params.{key}"
         try:
             (override,) = parser.parse_overrides([f"{key}={text}"])

@@ -77,3 +77,53 @@ def test_every_problem_is_reported_at_once() -> None:
         parse_space({"a": "interval(2, 1)", "b": "tag(log, interval(-1, 1))", "c": "choice(1, 2)"})
     assert len(error.value.problems) == 2
     assert "search.params.a" in str(error.value) and "search.params.b" in str(error.value)
+
+
+def test_one_command_line_form_narrows_widens_adds_and_drops_searched_keys(hydra_conf) -> None:
+    """`'++search.params={KEY: DIST, KEY: null}'` merges into the experiment's space."""
+    cfg = hydra_conf(
+        [
+            "+experiment=resnet",
+            "data=digits",
+            "++search.params={trainer.precision:'choice(fp32)',"  # narrow
+            "trainer.accum_steps:'choice(1,2,4,8)',"  # widen
+            "trainer.grad_clip_norm:'choice(0.5,1.0)',"  # add
+            "optimizer.lr:null}",  # drop: trials use optimizer.lr from the config
+        ]
+    )
+    space = parse_space(cfg.search.params)
+    d = space.distributions
+    assert d["trainer.precision"] == CategoricalDistribution(["fp32"])
+    assert d["trainer.accum_steps"] == CategoricalDistribution([1, 2, 4, 8])
+    assert d["trainer.grad_clip_norm"] == CategoricalDistribution([0.5, 1.0])
+    assert "optimizer.lr" not in d and "optimizer.lr" not in space.fixed
+    # The experiment's other keys are untouched.
+    assert d["trainer.batch_size"] == CategoricalDistribution([16, 32, 64, 128, 256, 512, 1024])
+    # The same form works where nothing was searched yet.
+    plain = hydra_conf(["++search.params={trainer.batch_size:'choice(16,32)'}"])
+    assert parse_space(plain.search.params).distributions == {
+        "trainer.batch_size": CategoricalDistribution([16, 32])
+    }
+
+
+def test_a_dropped_key_is_not_searched_by_a_study(hydra_conf, stores) -> None:
+    from rich.console import Console
+
+    from search.driver import StudyDriver
+
+    overrides = [
+        *stores["overrides"],
+        "model=small_cnn",
+        "model.width=4",
+        "trainer.max_epochs=1",
+        "search.n_trials=1",
+        "search.study_name=dropped",
+        "search.memory_budget=null",
+        "++search.params={trainer.batch_size:'choice(32)',optimizer.lr:null}",
+    ]
+    cfg = hydra_conf(overrides)
+    driver = StudyDriver.prepare(cfg, overrides, {"model": "small_cnn"}, Console(quiet=True))
+    driver.run()
+    (trial,) = driver.study.get_trials()
+    assert trial.params == {"trainer.batch_size": 32}
+    assert trial.user_attrs["optimizer.lr"] == cfg.optimizer.lr  # the config's own value
