@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import hydra
+import optuna
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -24,7 +26,7 @@ from rich.markup import escape  # messages carry [...]: not markup
 from search.compose import task_overrides
 from search.driver import StudyDriver, TrackingIncomplete
 from search.redact import redact, redact_logging
-from search.tracking import http_defaults
+from search.tracking import http_defaults, quiet_logging
 from train.config import ConfigError
 
 
@@ -39,6 +41,8 @@ def select_gpu(job_num: int) -> None:
 def main(cfg: DictConfig) -> float | None:
     redact_logging()
     http_defaults()
+    quiet_logging()
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     console = Console()
     if not console.is_terminal:  # piped to a file or CI log: rich would assume 80 columns
         console = Console(width=160)

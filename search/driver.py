@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import io
-import logging
 import shlex
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -379,9 +377,3 @@ class StudyDriver:
             "[yellow]Interrupted.[/yellow] Finished trials are saved; run the same command "
             "again to resume the study."
         )
-
-
-# Library chatter (database migrations, experimental-API notices) would bury the trial lines.
-logging.getLogger("alembic").setLevel(logging.WARNING)
-logging.getLogger("mlflow").setLevel(logging.WARNING)
-warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -69,6 +70,13 @@ def http_defaults() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+
+
+def quiet_logging() -> None:
+    """MLflow's INFO chatter (schema migrations through alembic, the system-metrics monitor)
+    would bury the trial lines; the entry points call this, importing does not."""
+    for name in ("alembic", "mlflow"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def experiment_tags() -> dict[str, str]:

@@ -12,7 +12,6 @@ compose (Hydra) -> validate -> run -> report. `search.memory_budget` applies her
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import hydra
@@ -23,7 +22,7 @@ from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
 
 from search.redact import redact_logging
-from search.tracking import ROLE_TAG, STATE_TAG, Tracker, http_defaults
+from search.tracking import ROLE_TAG, STATE_TAG, Tracker, http_defaults, quiet_logging
 from train.config import ConfigError
 from train.loop import Diverged, Hooks
 from train.memory import OutOfMemory, format_bytes
@@ -39,7 +38,7 @@ from train.run import check_builds, plan, predict, run
 def main(cfg: DictConfig) -> None:
     redact_logging()
     http_defaults()
-    logging.getLogger("mlflow").setLevel(logging.WARNING)  # its system-metrics chatter
+    quiet_logging()
     console, errors = Console(), Console(stderr=True)
     try:
         if BEST_KEY in cfg:
