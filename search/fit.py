@@ -44,12 +44,15 @@ from train.predict import (
     fits_budget,
     largest_fitting_batch,
 )
-from train.run import RunSpec, build_data, memory_predictor
-
-BATCH_KEY = "trainer.batch_size"
-EFFECTIVE_KEY = "trainer.effective_batch_size"
-ACCUM_KEY = "trainer.accum_steps"
-PRECISION_KEY = "trainer.precision"
+from train.run import (
+    ACCUM_KEY,
+    BATCH_KEY,
+    EFFECTIVE_KEY,
+    PRECISION_KEY,
+    RunSpec,
+    build_data,
+    memory_predictor,
+)
 
 
 @dataclass

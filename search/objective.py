@@ -26,9 +26,8 @@ import optuna
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from search import report
+from search import record, report
 from search.config import SearchConfig
-from search.recommend import METRICS_ATTR
 from search.space import SearchSpace
 from search.tracking import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG, RunLog, Tracker
 from train.config import ConfigError
@@ -287,7 +286,7 @@ class Objective:
             on_step=budget.on_step,
             on_log=lambda step, metrics: log.metrics(metrics, step),
             on_eval=self._on_eval(trial, log),
-            on_memory=lambda peak: trial.set_user_attr("peak_bytes", peak),
+            on_memory=lambda peak: trial.set_user_attr(record.PEAK, peak),
         )
         outcome = None
         try:
@@ -348,29 +347,31 @@ class Objective:
     def _record(
         self, trial: optuna.Trial, outcome: Outcome, log: RunLog, spec: RunSpec, seconds: float
     ) -> list[float]:
-        attrs: dict[str, Any] = {"state": outcome.state, "seconds": round(seconds, 2)}
+        attrs: dict[str, Any] = {record.STATE: outcome.state, "seconds": round(seconds, 2)}
         overhead = self.overhead()
         metrics: dict[str, float] = {"time/trial_s": seconds, **overhead}
         attrs.update({key.removeprefix("time/"): value for key, value in overhead.items()})
         if "mlflow_run_id" not in trial.user_attrs and log.run_id is not None:
             attrs["mlflow_run_id"] = log.run_id
         if spec.budget_bytes is not None:
-            attrs["budget_bytes"] = metrics["memory/budget_bytes"] = spec.budget_bytes
+            attrs[record.BUDGET] = metrics["memory/budget_bytes"] = spec.budget_bytes
         result = outcome.result
         if result is not None:
             attrs.update(
-                throughput=result.throughput_samples_per_sec,
-                step_ms=result.step_ms,
-                val_acc=result.val_acc,
-                peak_bytes=result.peak_bytes,
+                {
+                    record.THROUGHPUT: result.throughput_samples_per_sec,
+                    "step_ms": result.step_ms,
+                    record.VAL_ACC: result.val_acc,
+                    record.PEAK: result.peak_bytes,
+                    record.METRICS: metric_values(result),
+                }
             )
-            attrs[METRICS_ATTR] = metric_values(result)
             metrics.update(result.metrics())
         elif outcome.peak_bytes is not None:
-            attrs["peak_bytes"] = metrics["memory/peak_bytes"] = outcome.peak_bytes
+            attrs[record.PEAK] = metrics["memory/peak_bytes"] = outcome.peak_bytes
         if outcome.prediction is not None:
             predicted = outcome.prediction.peak_bytes
-            attrs["predicted_bytes"] = metrics["memory/predicted_bytes"] = predicted
+            attrs[record.PREDICTED] = metrics["memory/predicted_bytes"] = predicted
             metrics["time/prediction_s"] = outcome.prediction.seconds
             if result is not None:
                 # The caching allocator's reserve is what runs out on CUDA; on CPU the peak.
@@ -380,7 +381,7 @@ class Objective:
         if self.settings.oom_constraint and spec.budget_bytes is not None:
             violation = _memory_violation(
                 outcome,
-                attrs.get("peak_bytes", trial.user_attrs.get("peak_bytes")),
+                attrs.get(record.PEAK, trial.user_attrs.get(record.PEAK)),
                 spec.budget_bytes,
                 self.settings.preflight_margin,
             )
@@ -388,8 +389,8 @@ class Objective:
                 trial.set_constraint("memory", violation)
                 attrs["memory_violation"] = violation
         if outcome.reason:
-            attrs["reason"] = outcome.reason
-            attrs["message"] = outcome.message[:1000]
+            attrs[record.REASON] = outcome.reason
+            attrs[record.MESSAGE] = outcome.message[:1000]
         if outcome.state == "FAIL":
             attrs["error"] = outcome.message[:1000]
         for key, value in attrs.items():

@@ -29,13 +29,14 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure  # without pyplot: no backend, no global figure state
 from optuna.trial import FrozenTrial, TrialState
 
+from search import record
 from search.config import OBJECTIVE_METRICS
 from search.recommend import metric_value
 from search.study import SURPLUS_ATTR
+from train.run import ACCUM_KEY, BATCH_KEY, EFFECTIVE_PARAM, LR_PARAM, PRECISION_KEY
 
 MIN_IMPORTANCE_TRIALS = 5  # fewer completed trials say nothing about importance
 MIB = 2**20
-OOM_REASONS = ("oom", "oom_predicted")
 PRECISION_COLORS = {
     "fp32": "tab:blue", "tf32": "tab:purple", "bf16": "tab:green", "fp16": "tab:orange",
 }  # fmt: skip
@@ -61,7 +62,7 @@ class Point:
 
     @property
     def oom(self) -> bool:
-        return self.reason in OOM_REASONS
+        return self.reason in record.OOM_REASONS
 
 
 def points(trials: Sequence[FrozenTrial]) -> list[Point]:
@@ -70,24 +71,24 @@ def points(trials: Sequence[FrozenTrial]) -> list[Point]:
         a = t.user_attrs
         if t.state not in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
             continue
-        if "trainer.batch_size" not in a or SURPLUS_ATTR in a:
+        if BATCH_KEY not in a or SURPLUS_ATTR in a:
             continue  # never configured (a surplus trial, or one killed before its config)
         complete = t.state == TrialState.COMPLETE
         found.append(
             Point(
                 number=t.number,
                 state=t.state.name,
-                reason=a.get("reason"),
-                precision=str(a.get("trainer.precision")),
-                batch_size=a.get("trainer.batch_size"),
-                accum_steps=a.get("trainer.accum_steps"),
-                effective_batch_size=a.get("effective_batch_size"),
-                lr=a.get("lr_scaled"),
-                throughput=a.get("throughput") if complete else None,
-                val_acc=a.get("val_acc") if complete else None,
-                peak_bytes=a.get("peak_bytes"),
-                predicted_bytes=a.get("predicted_bytes"),
-                budget_bytes=a.get("budget_bytes"),
+                reason=a.get(record.REASON),
+                precision=str(a.get(PRECISION_KEY)),
+                batch_size=a.get(BATCH_KEY),
+                accum_steps=a.get(ACCUM_KEY),
+                effective_batch_size=a.get(EFFECTIVE_PARAM),
+                lr=a.get(LR_PARAM),
+                throughput=a.get(record.THROUGHPUT) if complete else None,
+                val_acc=a.get(record.VAL_ACC) if complete else None,
+                peak_bytes=a.get(record.PEAK),
+                predicted_bytes=a.get(record.PREDICTED),
+                budget_bytes=a.get(record.BUDGET),
             )
         )
     return found

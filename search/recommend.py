@@ -22,16 +22,15 @@ from typing import Any
 from omegaconf import OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
+from search import record
 from search.config import OBJECTIVE_METRICS, RecommendRule
 from train.overrides import BEST_KEY
-
-METRICS_ATTR = "metrics"  # a completed trial's figures by metric name (search/objective.py)
 
 
 def metric_value(trial: FrozenTrial, name: str, objectives: Sequence[str] = ()) -> float | None:
     """A completed trial's figure by metric name (from its objective values for trials
     recorded before the figures were kept by name)."""
-    value = trial.user_attrs.get(METRICS_ATTR, {}).get(name)
+    value = trial.user_attrs.get(record.METRICS, {}).get(name)
     if value is None and name in objectives and trial.values:
         value = trial.values[list(objectives).index(name)]
     return None if value is None or value != value else float(value)

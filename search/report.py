@@ -25,20 +25,19 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from search import record
 from search.recommend import Recommendation
 from search.redact import redact
 from search.space import override_value
 from search.study import counts_as_finished
 from train.memory import format_bytes
 from train.overrides import BEST_KEY, override_key
-
-PRECISION_KEY = "trainer.precision"
-BATCH_KEY = "trainer.batch_size"
+from train.run import ACCUM_KEY, BATCH_KEY, EFFECTIVE_PARAM, LR_PARAM, PRECISION_KEY
 
 
 def state_label(trial: FrozenTrial) -> str:
     if trial.state == TrialState.PRUNED:
-        return f"PRUNED ({trial.user_attrs.get('reason', 'pruner')})"
+        return f"PRUNED ({trial.user_attrs.get(record.REASON, 'pruner')})"
     return trial.state.name
 
 
@@ -54,22 +53,22 @@ def trial_line(trial: FrozenTrial) -> str:
     attrs = trial.user_attrs
     params = " ".join(f"{_short(k)}={_fmt(v)}" for k, v in trial.params.items())
     parts = [f"#{trial.number:<3} {state_label(trial):<18} {params}"]
-    if "throughput" in attrs:
-        parts.append(f"{attrs['throughput']:.0f} samples/s")
-    if "peak_bytes" in attrs:
-        parts.append(f"peak {format_bytes(attrs['peak_bytes'])}")
-    if "predicted_bytes" in attrs:
+    if record.THROUGHPUT in attrs:
+        parts.append(f"{attrs[record.THROUGHPUT]:.0f} samples/s")
+    if record.PEAK in attrs:
+        parts.append(f"peak {format_bytes(attrs[record.PEAK])}")
+    if record.PREDICTED in attrs:
         error = attrs.get("prediction_error")
         parts.append(
             f"predicted {format_bytes(attrs['predicted_bytes'])}"
             + (f" ({error:+.1%})" if error is not None else "")
         )
-    if "val_acc" in attrs:
-        parts.append(f"val acc {attrs['val_acc']:.3f}")
+    if record.VAL_ACC in attrs:
+        parts.append(f"val acc {attrs[record.VAL_ACC]:.3f}")
     if "seconds" in attrs:
         parts.append(f"{attrs['seconds']:.1f} s")
-    if trial.state != TrialState.COMPLETE and "message" in attrs:
-        parts.append(f"[dim]{escape(attrs['message'][:120])}[/dim]")
+    if trial.state != TrialState.COMPLETE and record.MESSAGE in attrs:
+        parts.append(f"[dim]{escape(attrs[record.MESSAGE][:120])}[/dim]")
     return " | ".join(parts)
 
 
@@ -183,9 +182,9 @@ def oom_boundary(trials: Sequence[FrozenTrial]) -> dict[str, tuple[int | None, i
         precision, batch = t.user_attrs.get(PRECISION_KEY), t.user_attrs.get(BATCH_KEY)
         if precision is None or batch is None:
             continue
-        if t.user_attrs.get("reason") in ("oom", "oom_predicted"):
+        if t.user_attrs.get(record.REASON) in record.OOM_REASONS:
             failed[precision] = min(batch, failed.get(precision, batch))
-        elif "peak_bytes" in t.user_attrs:  # it trained past the memory check
+        elif record.PEAK in t.user_attrs:  # it trained past the memory check
             fitted[precision] = max(batch, fitted.get(precision, batch))
     return {p: (fitted.get(p), failed.get(p)) for p in sorted(set(fitted) | set(failed))}
 
@@ -198,7 +197,7 @@ def rerun_overrides(
     out, except the memory budget, which `python -m train` honours."""
     values = {**(fixed or {}), **{k: override_value(v) for k, v in trial.params.items()}}
     if "trainer.effective_batch_size" in values:  # derived accumulation: what the trial used
-        for key in (BATCH_KEY, "trainer.accum_steps"):
+        for key in (BATCH_KEY, ACCUM_KEY):
             if key in trial.user_attrs:
                 values[key] = override_value(trial.user_attrs[key])
     kept = []
@@ -238,7 +237,7 @@ def summary(
     for t in best:
         cells = [str(t.number), *(_fmt(v) for v in t.params.values())]
         cells += [_fmt(v) for v in t.values]
-        table.add_row(*cells, format_bytes(t.user_attrs.get("peak_bytes")))
+        table.add_row(*cells, format_bytes(t.user_attrs.get(record.PEAK)))
     console.print(table)
     boundary = Table(title="Memory boundary (batch size per precision)")
     for column in ("precision", "largest that fitted", "smallest OOM"):
@@ -276,18 +275,18 @@ def run_name(number: int, attrs: Mapping[str, Any]) -> str:
     """A trial's MLflow run name, the first thing the runs table shows: its configuration,
     and once it has ended (attrs has its `state`) its outcome (pruned and failed ones say
     so) and key figures."""
-    config = f"{attrs.get(BATCH_KEY)}x{attrs.get('trainer.accum_steps')} {attrs.get(PRECISION_KEY)}"
+    config = f"{attrs.get(BATCH_KEY)}x{attrs.get(ACCUM_KEY)} {attrs.get(PRECISION_KEY)}"
     name = f"trial-{number} · {config}"
-    if attrs.get("state") == "COMPLETE":
+    if attrs.get(record.STATE) == "COMPLETE":
         figures = [
-            f"acc {attrs['val_acc']:.3f}" if attrs.get("val_acc") is not None else None,
-            f"{attrs['throughput']:.0f}/s" if attrs.get("throughput") else None,
-            f"{mib(attrs.get('peak_bytes'))} MiB" if attrs.get("peak_bytes") else None,
+            f"acc {attrs[record.VAL_ACC]:.3f}" if attrs.get(record.VAL_ACC) is not None else None,
+            f"{attrs[record.THROUGHPUT]:.0f}/s" if attrs.get(record.THROUGHPUT) else None,
+            f"{mib(attrs.get(record.PEAK))} MiB" if attrs.get(record.PEAK) else None,
         ]
         return " · ".join([name, *(f for f in figures if f)])
-    if attrs.get("state") == "PRUNED":
-        return f"{name} · PRUNED {attrs.get('reason', 'pruner')}"
-    if attrs.get("state") == "FAIL":
+    if attrs.get(record.STATE) == "PRUNED":
+        return f"{name} · PRUNED {attrs.get(record.REASON, 'pruner')}"
+    if attrs.get(record.STATE) == "FAIL":
         return f"{name} · FAILED"
     return name
 
@@ -306,13 +305,13 @@ TRIAL_COLUMNS = (
 
 def trial_row(t: FrozenTrial) -> list[str]:
     a = t.user_attrs
-    throughput = a.get("throughput") if t.state == TrialState.COMPLETE else None
+    throughput = a.get(record.THROUGHPUT) if t.state == TrialState.COMPLETE else None
     return [
-        str(t.number), _fmt(a.get(BATCH_KEY)), _fmt(a.get("trainer.accum_steps")),
-        _fmt(a.get("effective_batch_size")), _fmt(a.get(PRECISION_KEY)), _fmt(a.get("lr_scaled")),
-        _fmt(a.get("val_acc")) if t.state == TrialState.COMPLETE else "-",
-        f"{throughput:.0f}" if throughput else "-", mib(a.get("peak_bytes")),
-        mib(a.get("predicted_bytes")),
+        str(t.number), _fmt(a.get(BATCH_KEY)), _fmt(a.get(ACCUM_KEY)),
+        _fmt(a.get(EFFECTIVE_PARAM)), _fmt(a.get(PRECISION_KEY)), _fmt(a.get(LR_PARAM)),
+        _fmt(a.get(record.VAL_ACC)) if t.state == TrialState.COMPLETE else "-",
+        f"{throughput:.0f}" if throughput else "-", mib(a.get(record.PEAK)),
+        mib(a.get(record.PREDICTED)),
     ]  # fmt: skip
 
 
@@ -351,7 +350,8 @@ def summary_markdown(
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     if pruned:
         rows = [
-            (t.number, *trial_row(t)[1:5], t.user_attrs.get("reason", "pruner")) for t in pruned
+            (t.number, *trial_row(t)[1:5], t.user_attrs.get(record.REASON, "pruner"))
+            for t in pruned
         ]
         parts += [
             "## Pruned trials",

@@ -22,11 +22,13 @@ from optuna.distributions import BaseDistribution, FloatDistribution
 from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
 
+from train.run import ACCUM_KEY, BATCH_KEY
+
 CONSTRAINT = "memory"
 # Memory grows with the micro-batch. Not with trainer.effective_batch_size (derived
 # accumulation): a larger one may train a smaller micro-batch, so it is compared for equality.
-BATCH_KEYS = ("trainer.batch_size",)
-ACCUM_KEY = "trainer.accum_steps"  # 1 micro-batch, or 2 or more (the same peak from 2 on)
+BATCH_KEYS = (BATCH_KEY,)
+# ACCUM_KEY (train/run.py) counts as 1 micro-batch, or 2 or more: the same peak from 2 on.
 
 
 def is_infeasible(trial: FrozenTrial) -> bool:

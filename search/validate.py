@@ -23,10 +23,18 @@ from search.space import SearchSpace, parse_space
 from search.storage import open_storage
 from train.config import ConfigError
 from train.precision import unsupported_reason
-from train.run import RunSpec, check_builds, plan, resolve_device
+from train.run import (
+    ACCUM_KEY,
+    BATCH_KEY,
+    EFFECTIVE_KEY,
+    PRECISION_KEY,
+    RunSpec,
+    check_builds,
+    plan,
+    resolve_device,
+)
 
 _MISSING = object()
-EFFECTIVE_KEY = "trainer.effective_batch_size"
 
 
 @dataclass
@@ -150,7 +158,7 @@ def _compose_trial(compose: Callable[[list[str]], DictConfig], space: SearchSpac
 
 
 def _drop_unsupported_precisions(space: SearchSpace, device, problems: list[str]) -> list[str]:  # noqa: ANN001
-    key = "trainer.precision"
+    key = PRECISION_KEY
     dist = space.distributions.get(key)
     if not isinstance(dist, CategoricalDistribution):
         return []
@@ -171,7 +179,7 @@ def _check_accumulation(space: SearchSpace, derived: bool) -> list[str]:
         problems = [
             f"search.params.{key}: search.accumulation=derived sets {key} itself from the "
             f"budget; remove it from search.params and search {EFFECTIVE_KEY} instead"
-            for key in ("trainer.batch_size", "trainer.accum_steps")
+            for key in (BATCH_KEY, ACCUM_KEY)
             if key in keys
         ]
         if EFFECTIVE_KEY not in keys:
@@ -219,8 +227,8 @@ def _check_key(
         try:
             OmegaConf.update(trial_cfg, key, value, merge=False)
             if derived and key == EFFECTIVE_KEY:  # a trial's first, consistent geometry
-                OmegaConf.update(trial_cfg, "trainer.batch_size", value, merge=False)
-                OmegaConf.update(trial_cfg, "trainer.accum_steps", 1, merge=False)
+                OmegaConf.update(trial_cfg, BATCH_KEY, value, merge=False)
+                OmegaConf.update(trial_cfg, ACCUM_KEY, 1, merge=False)
             plan(trial_cfg, trial_cfg.search.memory_budget)
         except ConfigError as error:
             problems += [

@@ -25,6 +25,15 @@ from train.models import materialize, param_bytes
 from train.precision import unsupported_reason
 from train.predict import MemoryPredictor, Prediction, PredictionUnsupported
 
+# The config keys of a run's batch geometry and precision, and the names of what follows
+# from them, as RunSpec.params gives them (a trial's user attrs and MLflow params).
+BATCH_KEY = "trainer.batch_size"
+ACCUM_KEY = "trainer.accum_steps"
+PRECISION_KEY = "trainer.precision"
+EFFECTIVE_KEY = "trainer.effective_batch_size"  # set with search.accumulation=derived
+EFFECTIVE_PARAM = "effective_batch_size"
+LR_PARAM = "lr_scaled"
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -39,12 +48,12 @@ class RunSpec:
     def params(self) -> dict[str, Any]:
         """What the run trains with, searched or not, and what follows from it."""
         return {
-            "trainer.batch_size": self.trainer.batch_size,
-            "trainer.accum_steps": self.trainer.accum_steps,
-            "trainer.precision": self.trainer.precision,
+            BATCH_KEY: self.trainer.batch_size,
+            ACCUM_KEY: self.trainer.accum_steps,
+            PRECISION_KEY: self.trainer.precision,
             "optimizer.lr": self.base_lr,
-            "effective_batch_size": self.trainer.effective_batch_size,
-            "lr_scaled": self.lr,
+            EFFECTIVE_PARAM: self.trainer.effective_batch_size,
+            LR_PARAM: self.lr,
             "device": str(self.device),
         }
 

@@ -1,0 +1,16 @@
+"""What a trial records in Optuna, by name: the user attrs that search/objective.py writes
+and the report, the plots, the recommendation and the sampler read. (The run's own params,
+batch size to scaled lr, are named in train/run.py.)"""
+
+from __future__ import annotations
+
+STATE = "state"  # COMPLETE, PRUNED or FAIL, as the trial ended
+REASON = "reason"  # why a trial was pruned: OOM_REASONS, diverged, slow, pruner
+MESSAGE = "message"  # what happened, in words
+PEAK = "peak_bytes"  # measured peak memory (past the memory check)
+PREDICTED = "predicted_bytes"  # the preflight prediction
+BUDGET = "budget_bytes"
+THROUGHPUT = "throughput"  # samples/s of a completed trial
+VAL_ACC = "val_acc"
+METRICS = "metrics"  # a completed trial's figures by metric name
+OOM_REASONS = ("oom", "oom_predicted")
