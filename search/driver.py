@@ -207,6 +207,13 @@ class StudyDriver:
     def run(self) -> float | None:
         settings = self.checked.settings
         storage_lap, tracking_lap = Lap(self.storage_clock), Lap(self.tracker.outbox.clock)
+        done = num_finished(self.study)
+        self.console.print(
+            f"Study [bold]{settings.study_name}[/bold] in {redact(settings.storage)}: {done} of "
+            f"{settings.n_trials} trials finished; MLflow: {redact(self.tracker.tracking_uri)}",
+            soft_wrap=True,
+        )
+        progress = report.StudyProgress(self.console, settings.n_trials, done, settings.metrics[0])
         objective = Objective(
             self.compose,
             self.checked.space,
@@ -215,15 +222,8 @@ class StudyDriver:
             self.parent.log.run_id,
             notify=lambda message: self.console.print(f"[yellow]note[/yellow] {message}"),
             overhead=lambda: {"time/storage_s": storage_lap(), "time/tracking_s": tracking_lap()},
+            on_epoch=progress.epoch,
         )
-        done = num_finished(self.study)
-        self.console.print(
-            f"Study [bold]{settings.study_name}[/bold] in {redact(settings.storage)}: {done} of "
-            f"{settings.n_trials} trials finished; MLflow: {redact(self.tracker.tracking_uri)}",
-            soft_wrap=True,
-        )
-        progress = report.StudyProgress(self.console, settings.n_trials, done, settings.metrics[0])
-        objective.on_epoch = progress.epoch
         with progress:
 
             def show(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:

@@ -212,16 +212,15 @@ def lr_vs_effective_batch(pts: Sequence[Point]) -> Figure:
 
 
 def front(
-    trials: Sequence[FrozenTrial], metrics: Sequence[str], pts: Sequence[Point],
-    recommended: int | None,
-) -> Figure:  # fmt: skip
+    study: optuna.Study, metrics: Sequence[str], pts: Sequence[Point], recommended: int | None
+) -> Figure:
     """The Pareto front of the first two objectives, or the history of a single one."""
-    complete = [t for t in trials if t.state == TrialState.COMPLETE and t.values]
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     oom = [p for p in pts if p.oom]
     if len(metrics) >= 2:
         fig, ax = _figure(f"Pareto front: {metrics[1]} against {metrics[0]}")
         x_name, y_name = metrics[1], metrics[0]
-        on_front = {t.number for t in _front(complete, metrics)}
+        on_front = {t.number for t in study.best_trials}  # Optuna's front, all objectives
         xs = [metric_value(t, x_name, metrics) for t in complete]
         ys = [metric_value(t, y_name, metrics) for t in complete]
         colors = ["tab:red" if t.number in on_front else "tab:blue" for t in complete]
@@ -270,16 +269,6 @@ def front(
     else:
         ax.legend(fontsize=8, loc="best")
     return fig
-
-
-def _front(complete: Sequence[FrozenTrial], metrics: Sequence[str]) -> list[FrozenTrial]:
-    signs = [1 if OBJECTIVE_METRICS[m] == "maximize" else -1 for m in metrics]
-
-    def dominates(a: FrozenTrial, b: FrozenTrial) -> bool:
-        pairs = [(s * x, s * y) for s, x, y in zip(signs, a.values, b.values, strict=True)]
-        return all(x >= y for x, y in pairs) and any(x > y for x, y in pairs)
-
-    return [t for t in complete if not any(dominates(o, t) for o in complete)]
 
 
 def importances(study: optuna.Study, metrics: Sequence[str]) -> Figure | None:
@@ -364,10 +353,9 @@ def render(
     study: optuna.Study, metrics: Sequence[str], recommended: int | None
 ) -> dict[str, bytes]:
     """Every plot of the study: file name -> content."""
-    trials = study.get_trials(deepcopy=False)
-    pts = points(trials)
+    pts = points(study.get_trials(deepcopy=False))
     files = {
-        "front.png": png(front(trials, metrics, pts, recommended)),
+        "front.png": png(front(study, metrics, pts, recommended)),
         "throughput_vs_batch.png": png(throughput_vs_batch(pts)),
         "memory_vs_batch.png": png(memory_vs_batch(pts)),
         "lr_vs_effective_batch.png": png(lr_vs_effective_batch(pts)),

@@ -256,12 +256,18 @@ def summary(
         console.print(f"or: python -m train +{BEST_KEY}={shlex.quote(best_path)}", **plain)
 
 
-def counts_line(trials: Sequence[FrozenTrial]) -> str:
-    """'12 finished trials: 7 COMPLETE, 5 PRUNED (oom_predicted)'."""
+def counts_by_state(trials: Sequence[FrozenTrial]) -> dict[str, int]:
+    """Finished trials per state label ('COMPLETE', 'PRUNED (oom_predicted)', ...)."""
     by_state: dict[str, int] = defaultdict(int)
     for t in trials:
         if counts_as_finished(t):
             by_state[state_label(t)] += 1
+    return dict(by_state)
+
+
+def counts_line(trials: Sequence[FrozenTrial]) -> str:
+    """'12 finished trials: 7 COMPLETE, 5 PRUNED (oom_predicted)'."""
+    by_state = counts_by_state(trials)
     return f"{sum(by_state.values())} finished trials: " + ", ".join(
         f"{n} {label}" for label, n in sorted(by_state.items())
     )

@@ -54,7 +54,6 @@ class Results:
         self.overrides_of = overrides_of  # FrozenTrial -> the overrides that train it again
         self.output_dir = output_dir  # the Hydra output directory (best.yaml), if any
         self._published_at: float | None = None
-        self.seconds = 0.0  # spent drawing and writing, for the record
 
     @property
     def best_path(self) -> Path | None:
@@ -70,7 +69,6 @@ class Results:
             self.publish(study)
 
     def publish(self, study: optuna.Study) -> Recommendation | None:
-        started = time.perf_counter()
         rec = self.recommendation(study)
         overrides = self.overrides_of(rec.trial) if rec else []
         files = {"summary.md": report.summary_markdown(study, self.metrics, rec, overrides)}
@@ -89,5 +87,4 @@ class Results:
             plots.render(study, self.metrics, rec.trial.number if rec else None), PLOTS_PATH
         )
         self._published_at = time.monotonic()
-        self.seconds += time.perf_counter() - started
         return rec

@@ -32,8 +32,7 @@ from optuna.trial import TrialState
 
 from search.outbox import RETRY_MIN_S, Outbox, is_transient
 from search.redact import redact
-from search.report import state_label
-from search.study import counts_as_finished
+from search.report import counts_by_state
 from train.config import ConfigError
 
 PARENT_TAG = "mlflow.parentRunId"
@@ -405,12 +404,11 @@ class StudyRun:
         """Optuna callback: refresh counts and best values after each finished trial. Each
         best/<metric> is the best of that objective so far over all completed trials (one
         trial need not hold them all), so its chart only ever improves."""
-        counts: dict[str, float] = {}
         trials = study.get_trials(deepcopy=False)
-        for trial in trials:
-            if counts_as_finished(trial):
-                key = "trials/" + state_label(trial).lower().replace(" (", "_").rstrip(")")
-                counts[key] = counts.get(key, 0) + 1
+        counts: dict[str, float] = {
+            "trials/" + label.lower().replace(" (", "_").rstrip(")"): n
+            for label, n in counts_by_state(trials).items()
+        }
         counts["trials/finished"] = sum(counts.values())
         complete = [t for t in trials if t.state == TrialState.COMPLETE and t.values]
         for i, (metric, direction) in enumerate(zip(self.metrics, study.directions, strict=True)):
