@@ -111,6 +111,19 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def run_module(
+    module: str, args: list[str], cwd: Path, returncode: int = 0
+) -> subprocess.CompletedProcess:
+    """`python -m module args` in `cwd` as a user runs it (without MLFLOW_TRACKING_URI, the
+    stores default to cwd/mlruns), checked for its exit status."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == returncode, done.stdout + done.stderr
+    return done
+
+
 class MlflowServer:
     """`mlflow server` on 127.0.0.1:port with the given backend store; start/stop at will."""
 

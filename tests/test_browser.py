@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import optuna
@@ -20,7 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from tests.sweeps import MlflowServer, clean_env
+from tests.sweeps import MlflowServer, run_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -59,11 +57,7 @@ def browser():
 def study_in_mlflow(tmp_path_factory: pytest.TempPathFactory):
     """(the study, its MLflow link on a live server, the server, the store's client)."""
     workdir = tmp_path_factory.mktemp("browser")
-    done = subprocess.run(
-        [sys.executable, "-m", "search", *STUDY],
-        cwd=workdir, env=clean_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = run_module("search", STUDY, workdir)
     link = re.search(r"then open (\S+)", done.stdout)
     assert link, done.stdout
     storage = optuna.storages.JournalStorage(

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import optuna
 import pytest
+
+from tests.sweeps import free_port, run_module
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +48,6 @@ STUDY = [
 STARTUP_TIMEOUT_S = 30  # the server imports Optuna and answers in ~6 s on a laptop CPU
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=10) as answer:
         return json.load(answer)
@@ -64,7 +59,7 @@ class Dashboard:
     def __init__(self, storage: str, log: Path):
         command = shutil.which("optuna-dashboard", path=str(Path(sys.executable).parent))
         assert command, f"optuna_dashboard imports but no optuna-dashboard next to {sys.executable}"
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         self.log = log
         self._log_file = log.open("w")
         # wsgiref, not the gunicorn that mlflow installs and the dashboard picks by default:
@@ -108,12 +103,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Dashboard
     """A study run by batchfit with the default journal storage, and a dashboard serving it."""
     pytest.importorskip("optuna_dashboard", reason="optuna-dashboard is not installed")
     cwd = tmp_path_factory.mktemp("dashboard")
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    done = subprocess.run(
-        [sys.executable, "-m", "search", *STUDY],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_module("search", STUDY, cwd)
     journal = cwd / "mlruns" / "optuna.journal"  # search.storage=journal:mlruns/optuna.journal
     dashboard = Dashboard(str(journal), cwd / "dashboard.log")
     try:

@@ -3,16 +3,15 @@ Optuna storage and the MLflow store read back."""
 
 from __future__ import annotations
 
-import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
+
+from tests.sweeps import run_module
 
 pytestmark = pytest.mark.slow
 
@@ -31,22 +30,8 @@ STUDY = [
 ]
 
 
-def _run(module: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    done = subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done
-
-
 def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
-    out = _run("search", STUDY, tmp_path).stdout
+    out = run_module("search", STUDY, tmp_path).stdout
     # Defaults put both stores under ./mlruns of the working directory.
     journal = optuna.storages.JournalStorage(
         optuna.storages.journal.JournalFileBackend(str(tmp_path / "mlruns" / "optuna.journal"))
@@ -112,7 +97,7 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
             assert run.data.tags["batchfit.prune_reason"] == t.user_attrs["reason"]
 
     # The same command with a larger n_trials resumes: same study, same parent run.
-    _run("search", [*STUDY, "search.n_trials=8"], tmp_path)
+    run_module("search", [*STUDY, "search.n_trials=8"], tmp_path)
     study = optuna.load_study(study_name="e2e", storage=journal)
     assert [t.number for t in study.get_trials()] == list(range(8))
     runs = client.search_runs([experiment.experiment_id])
@@ -124,7 +109,7 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
     # The printed rerun command trains the winner as a plain MLflow run.
     rerun = next(line for line in out.splitlines() if line.startswith("Train it again: "))
     args = shlex.split(rerun.removeprefix("Train it again: "))[3:]  # after python -m train
-    done = _run("train", args, tmp_path)
+    done = run_module("train", args, tmp_path)
     assert "val acc" in done.stdout
     train_runs = client.search_runs([client.get_experiment_by_name("train").experiment_id])
     assert len(train_runs) == 1
@@ -133,7 +118,7 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
 
 
 def test_train_entry_point_with_the_issue_command(tmp_path: Path) -> None:
-    done = _run(
+    done = run_module(
         "train",
         [
             "+experiment=resnet", "data=digits", "model=small_cnn", "trainer.batch_size=64",
@@ -155,7 +140,7 @@ def test_train_entry_point_with_the_issue_command(tmp_path: Path) -> None:
 def test_fit_report_entry_point(tmp_path: Path) -> None:
     # ResNet-18 on digits under the 160 MiB of conf/budget/resnet18_digits.yaml: parameters,
     # gradients and momentum take 128 MiB; with the 5% margin fp32 fits up to batch 32.
-    done = _run("search.fit", ["+experiment=resnet", "data=digits"], tmp_path)
+    done = run_module("search.fit", ["+experiment=resnet", "data=digits"], tmp_path)
     out = done.stdout
     assert "budget 160.0 MiB, margin 5%" in " ".join(out.split())  # the title may wrap
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 3}
@@ -166,12 +151,9 @@ def test_fit_report_entry_point(tmp_path: Path) -> None:
 
 
 def test_fit_report_of_a_budget_below_the_optimizer_state(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    done = subprocess.run(
-        [sys.executable, "-m", "search.fit", "+experiment=resnet", "data=digits",
-         "search.memory_budget=100MiB"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    done = run_module(
+        "search.fit", ["+experiment=resnet", "data=digits", "search.memory_budget=100MiB"],
+        tmp_path, returncode=2,
     )  # fmt: skip
-    assert done.returncode == 2
     message = " ".join(done.stderr.split())  # rich wraps it to the terminal width
     assert "below the 127.9 MiB that the parameters, gradients and optimizer state" in message

@@ -5,11 +5,8 @@ and the MLflow store read back."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +16,8 @@ import yaml
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from optuna.trial import FrozenTrial
+
+from tests.sweeps import run_module
 
 pytestmark = pytest.mark.slow
 
@@ -51,22 +50,6 @@ SECTIONS = ("model", "data", "optimizer", "trainer")  # of config.yaml, what a r
 RERUN = "Train it again: "
 RERUN_BEST = "or: python -m train +best="
 RUN_ID = re.compile(r"MLflow run ([0-9a-f]{32})")
-
-
-def _run(
-    module: str, args: list[str], cwd: Path, returncode: int = 0
-) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    done = subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == returncode, done.stdout + done.stderr
-    return done
 
 
 def _line(stdout: str, prefix: str) -> str:
@@ -120,7 +103,7 @@ def user_conf(tmp_path_factory: pytest.TempPathFactory) -> UserConf:
 @pytest.fixture(scope="module")
 def study(user_conf: UserConf) -> Study:
     conf = user_conf
-    out = _run(
+    out = run_module(
         "search", ["--config-dir", str(conf.path), "search.study_name=plug", *STUDY], conf.root
     ).stdout
     shown = Path(_line(out, RERUN_BEST))
@@ -183,7 +166,7 @@ def test_study_with_a_user_config_dir_prints_and_writes_its_rerun(study: Study) 
 
 def test_train_best_yaml_trains_the_recommended_trial_again(study: Study, tmp_path: Path) -> None:
     conf, trial = study.conf, study.trial
-    done = _run("train", [f"+best={study.best_path}"], conf.root)
+    done = run_module("train", [f"+best={study.best_path}"], conf.root)
     run, config = _trained(conf.client, done.stdout, tmp_path / "rerun")
     _assert_trains_the_trial(study, run)
     trial_config = yaml.safe_load(
@@ -204,7 +187,7 @@ def test_printed_command_trains_it_from_another_directory(study: Study, tmp_path
     elsewhere.mkdir()
     # Only the MLflow store points back; the user's groups come from the absolute search path.
     store = f"mlflow.tracking_uri=sqlite:///{conf.root}/mlruns/mlflow.db"
-    done = _run("train", [*command[3:], store], elsewhere)
+    done = run_module("train", [*command[3:], store], elsewhere)
     run, config = _trained(conf.client, done.stdout, tmp_path / "rerun")
     _assert_trains_the_trial(study, run)
     assert config["model"]["width"] == 4
@@ -215,7 +198,7 @@ def test_a_relative_searchpath_reaches_the_trials_and_best_yaml(user_conf: UserC
     study_args = [a for a in STUDY if not a.startswith("search.n_trials=")]
     # Hydra resolves file://myconf against the working directory; a trial's hydra.compose
     # must get it too, or it fails with "Could not find 'data/mydigits'".
-    out = _run(
+    out = run_module(
         "search",
         ["hydra.searchpath=[file://myconf]", "search.study_name=plugrel", "search.n_trials=2"]
         + study_args,
@@ -227,7 +210,7 @@ def test_a_relative_searchpath_reaches_the_trials_and_best_yaml(user_conf: UserC
 
 
 def test_train_best_of_a_missing_file_names_the_override(tmp_path: Path) -> None:
-    done = _run("train", ["+best=nowhere/best.yaml"], tmp_path, returncode=2)
+    done = run_module("train", ["+best=nowhere/best.yaml"], tmp_path, returncode=2)
     message = " ".join(done.stderr.split())  # rich wraps it to the terminal width
     assert "best='nowhere/best.yaml': no such file" in message
     assert "+best=mlruns/.../best.yaml" in message  # the fix: where a study writes it
@@ -236,7 +219,7 @@ def test_train_best_of_a_missing_file_names_the_override(tmp_path: Path) -> None
 
 def test_command_line_overrides_after_best_win(study: Study, tmp_path: Path) -> None:
     conf = study.conf
-    done = _run("train", [f"+best={study.best_path}", "trainer.max_epochs=2"], conf.root)
+    done = run_module("train", [f"+best={study.best_path}", "trainer.max_epochs=2"], conf.root)
     run, config = _trained(conf.client, done.stdout, tmp_path)
     assert config["trainer"]["max_epochs"] == 2  # best.yaml says 1
     assert config["trainer"]["batch_size"] == study.trial.params["trainer.batch_size"]

@@ -197,7 +197,7 @@ def test_lr_reference_line_is_linear_scaling_through_the_best_accuracy() -> None
 def test_front_stars_the_recommended_trial() -> None:
     study = _study()
     trials = study.get_trials()
-    fig = plots.front(trials, METRICS, plots.points(trials), recommended=1)
+    fig = plots.front(study, METRICS, plots.points(trials), recommended=1)
     assert _lines(fig, "*") == [([900.0], [0.945])]  # x: throughput, y: accuracy
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert "pruned as OOM (no values): #4 512x1 fp32" in texts
