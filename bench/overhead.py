@@ -57,7 +57,7 @@ if str(REPO) not in sys.path:  # `python bench/overhead.py` from anywhere, insta
 
 from search.driver import StudyDriver  # noqa: E402
 from train.loop import steps_plan  # noqa: E402
-from train.run import build_data, build_model, plan  # noqa: E402
+from train.run import build_data, build_model, build_pipeline, build_task, plan  # noqa: E402
 
 CONF_DIR = REPO / "conf"
 
@@ -93,7 +93,7 @@ def plain_run(cfg: DictConfig) -> Measured:
     t, device = spec.trainer, spec.device
     torch.manual_seed(t.seed)  # as train.run.run: same model initialisation
     data = build_data(cfg)
-    model = build_model(cfg, data).to(device)
+    model = build_model(cfg, build_pipeline(cfg, device), build_task(cfg)).to(device)
     opt_cfg = cfg.optimizer
     if opt_cfg._target_ == "torch.optim.SGD":
         optimizer = torch.optim.SGD(

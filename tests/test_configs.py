@@ -12,8 +12,10 @@ from torch import nn
 
 from search.validate import validate
 from train.config import ConfigError
-from train.data import Splits, split
-from train.run import build_data, build_model, plan, run
+from train.data import Datasets, Splits, split
+from train.run import build_data, build_model, build_pipeline, build_task, plan, run
+
+CPU = torch.device("cpu")
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -45,14 +47,23 @@ def test_every_option_composes_and_instantiates(hydra_conf, group: str, option: 
             build_data(cfg)
         return
     data = build_data(cfg)
-    assert isinstance(data, Splits) and len(data.train_y) > 0
-    model = build_model(cfg, data)
+    assert isinstance(data, Splits | Datasets)
+    pipeline = build_pipeline(cfg, CPU)
+    assert pipeline.num_train > 0
+    task = build_task(cfg)
+    assert task.directions()["val/loss"] == "minimize"
+    if group == "task":
+        assert isinstance(task, instantiate(cfg.task).__class__)
+        return  # a task's own data and model are composed by the experiments below
+    if group == "data" and not isinstance(data, Splits):
+        return  # a dataset for a model of its own (its experiment builds and trains it)
+    model = build_model(cfg, pipeline, task)
     optimizer = instantiate(cfg.optimizer, lr=spec.lr)(model.parameters())
     scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=10)
     assert isinstance(optimizer, torch.optim.Optimizer)
     assert scheduler.get_last_lr()[0] > 0
     with torch.no_grad():
-        logits = model(data.train_x[:2])
+        logits = task.forward(model, pipeline.example(2))
     assert logits.shape == (2, data.num_classes)
 
 

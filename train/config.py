@@ -117,3 +117,53 @@ class TrainerConfig:
         if problems:
             raise ConfigError(problems)
         return config
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """How a `Datasets` pair is read (torch.utils.data.DataLoader's settings; in-memory
+    `Splits` are gathered directly and ignore them). The `loader:` section of the config."""
+
+    num_workers: int = 0  # worker processes; 0 reads in the training process
+    pin_memory: bool | None = None  # None: pinned when training on CUDA
+    persistent_workers: bool = True  # keep the validation loader's workers between epochs
+    prefetch_factor: int | None = None  # batches each worker reads ahead (None: 2)
+    collate_fn: Any = None  # a callable (None: torch's default_collate)
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        _check_int(problems, "loader.num_workers", self.num_workers, 0)
+        if self.prefetch_factor is not None:
+            _check_int(problems, "loader.prefetch_factor", self.prefetch_factor, 1)
+        if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
+            problems.append(
+                f"loader.pin_memory must be true, false or null, got {self.pin_memory!r}; "
+                "override with loader.pin_memory=null (pinned on CUDA)"
+            )
+        if not isinstance(self.persistent_workers, bool):
+            problems.append(
+                f"loader.persistent_workers must be true or false, got "
+                f"{self.persistent_workers!r}; override with loader.persistent_workers=true"
+            )
+        if self.collate_fn is not None and not callable(self.collate_fn):
+            problems.append(
+                f"loader.collate_fn must be a callable, got {self.collate_fn!r}; give "
+                "{_target_: my_module.collate, _partial_: true} or null"
+            )
+        if problems:
+            raise ConfigError(problems)
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> LoaderConfig:
+        known = {f.name for f in fields(cls)}
+        problems = [
+            f"loader.{key} is not a loader setting; known: {', '.join(sorted(known))}"
+            for key in sorted(set(values) - known)
+        ]
+        try:
+            config = cls(**{k: v for k, v in values.items() if k in known})
+        except ConfigError as error:
+            problems += error.problems
+        if problems:
+            raise ConfigError(problems)
+        return config

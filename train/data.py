@@ -1,8 +1,15 @@
-"""Dataset builders: each returns a `Splits` of tensors with a fixed-seed train/val split.
+"""What a data config builds: in-memory `Splits`, or `Datasets` read through a DataLoader.
 
-Images are kept as tensors on the host; the loop copies each micro-batch to the device, as a
-DataLoader with pinned memory would, so the copy is part of the measured step time and the
-dataset itself does not count against the device-memory budget.
+`Splits` are four tensors with a fixed-seed train/val split, the fast path of the bundled
+sets (digits, synthetic, CIFAR-10): the loop gathers each micro-batch by index on the host.
+`Datasets` are any two map-style torch Datasets (torchvision's ImageFolder, a user's own,
+samples that are tuples or dicts of any shape), read through a DataLoader configured by
+`loader.*` (train/batches.py). Either way batches stay on the host and the loop copies one
+micro-batch at a time to the device, so the copy is part of the measured step time and the
+dataset does not count against the device-memory budget.
+
+Both carry `info`: what the model builder may ask for by name (`num_classes`,
+`in_channels`, `vocab_size`, ...); a builder receives the names its signature takes.
 """
 
 from __future__ import annotations
@@ -11,9 +18,11 @@ import pickle
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 OFFLINE_HINT = "offline alternatives: data=digits (scikit-learn's bundled digits) or data=synthetic"
 
@@ -29,6 +38,36 @@ class Splits:
     @property
     def in_channels(self) -> int:
         return self.train_x.shape[1]
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return {"num_classes": self.num_classes, "in_channels": self.in_channels}
+
+
+class Datasets:
+    """A training and a validation map-style Dataset, read through a DataLoader. `info` is
+    passed to the model builder where its signature asks for it; `num_classes` is taken
+    from the training set's `classes` (as torchvision's datasets have) when not given.
+
+    In a data config:
+        _target_: train.data.Datasets
+        train: {_target_: torchvision.datasets.ImageFolder, root: ..., transform: ...}
+        val: {_target_: torchvision.datasets.ImageFolder, root: ..., transform: ...}
+    """
+
+    def __init__(self, train: Dataset, val: Dataset, **info: Any):
+        for name, dataset in (("train", train), ("val", val)):
+            if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+                raise TypeError(
+                    f"data.{name} must be a map-style torch Dataset (with __getitem__ and "
+                    f"__len__), got {type(dataset).__name__}"
+                )
+            if len(dataset) == 0:
+                raise ValueError(f"data.{name} ({type(dataset).__name__}) is empty")
+        self.train, self.val = train, val
+        if "num_classes" not in info and hasattr(train, "classes"):
+            info["num_classes"] = len(train.classes)
+        self.info = info
 
 
 def split(x: torch.Tensor, y: torch.Tensor, val_fraction: float, seed: int, num_classes: int):

@@ -1,24 +1,26 @@
 """The training loop: accumulation, mixed precision, timing, memory measurement, hooks.
 
-One optimizer step = up to `accum_steps` micro-batches of `batch_size` samples. The loss is
-summed over samples and divided by the samples in the whole step, so a ragged last step
-gives exactly the full-batch gradient. No host sync in the hot loop: losses accumulate on
-the device and are read at logging intervals, where the clock is also read.
+One optimizer step = up to `accum_steps` micro-batches of `batch_size` samples. The task's
+loss is summed over its units (samples, or tokens for a language model) and divided by the
+units of the whole step, so a ragged last step, or sequences with unequal numbers of tokens,
+give exactly the full-batch gradient. No host sync in the hot loop: losses accumulate on the
+device and are read at logging intervals, where the clock is also read.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from train.config import TrainerConfig
-from train.data import Splits
+from train.batches import Pipeline, steps_plan, to_device
+from train.config import LoaderConfig, TrainerConfig
+from train.data import Datasets, Splits
 from train.memory import (
     MemoryMeter,
     OutOfMemory,
@@ -27,8 +29,10 @@ from train.memory import (
     release_memory,
 )
 from train.precision import Precision
+from train.tasks import Classification, Task, batch_size_of
 
 Metrics = dict[str, float]
+__all__ = ["steps_plan"]  # re-exported: planning belongs with the batches it plans
 
 
 class Diverged(Exception):
@@ -62,27 +66,49 @@ class RunResult:
     step_ms: float
     peak_bytes: int
     reserved_bytes: int | None
-    val_acc: float
-    val_loss: float
     train_loss: float
+    val: Metrics = field(default_factory=dict)  # the last validation's val/* figures
     evals: list[Metrics] = field(default_factory=list)
     # What the throughput clock saw: the optimizer steps and samples it timed (warm-up and
     # memory-measured steps excluded), and its seconds (validation excluded).
     timed_steps: int = 0
     timed_samples: int = 0
     timed_seconds: float = 0.0
+    unit: str = "samples"  # the task's loss unit (tokens for a language model)
+    timed_units: int = 0
+    data_wait_s: float = 0.0  # of timed_seconds, waiting for the input pipeline
+
+    @property
+    def val_acc(self) -> float:
+        return self.val.get("val/acc", math.nan)
+
+    @property
+    def val_loss(self) -> float:
+        return self.val.get("val/loss", math.nan)
 
     def metrics(self) -> Metrics:
-        """The run's final figures under their metric names (NaN ones left out)."""
+        """The run's final figures under their metric names (NaN ones left out), validation
+        apart (it is logged as it happens)."""
         values = {
             "throughput/samples_per_sec": self.throughput_samples_per_sec,
             "time/step_ms": self.step_ms,
+            "time/data_wait_share": (
+                self.data_wait_s / self.timed_seconds if self.timed_seconds else math.nan
+            ),
             "memory/peak_bytes": float(self.peak_bytes),
             "train/final_loss": self.train_loss,
         }
+        if self.unit != "samples":
+            values[f"throughput/{self.unit}_per_sec"] = (
+                self.timed_units / self.timed_seconds if self.timed_seconds else math.nan
+            )
         if self.reserved_bytes is not None:
             values["memory/reserved_bytes"] = float(self.reserved_bytes)
         return {k: v for k, v in values.items() if not math.isnan(v)}
+
+    def figures(self) -> Metrics:
+        """Everything a study may optimise or recommend by: metrics() and val/*."""
+        return {**self.metrics(), **{k: v for k, v in self.val.items() if not math.isnan(v)}}
 
 
 def optimizer_step(
@@ -90,29 +116,30 @@ def optimizer_step(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
     precision: Precision,
-    micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: Iterable[Any],
     grad_clip_norm: float | None = None,
-    num_samples: int | None = None,
+    num_units: int | None = None,
+    task: Task | None = None,
 ) -> torch.Tensor:
-    """One optimizer step over `micro_batches`; returns the step's mean loss (on device).
+    """One optimizer step over `micro_batches`; returns the step's mean loss per unit (on
+    device).
 
     `micro_batches` may be a generator (one micro-batch on the device at a time), in which
-    case `num_samples`, the samples of the whole step, must be given.
+    case `num_units`, the task's units in the whole step, must be given.
     """
-    if num_samples is None:
+    task = task or Classification()
+    if num_units is None:
         micro_batches = list(micro_batches)
-        num_samples = sum(len(y) for _, y in micro_batches)
+        num_units = sum(task.units(batch) for batch in micro_batches)
     step_loss = None
-    for x, y in micro_batches:
+    for batch in micro_batches:
         if step_loss is None:
-            step_loss = torch.zeros((), device=y.device)
+            step_loss = torch.zeros((), device=_device_of(batch))
         with precision.autocast():
-            logits = model(x)
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()  # the loss in fp32: softmax over low-precision logits is lossy
-        # Sum, then divide by the samples of the whole step: micro-batches of unequal size
-        # contribute in proportion to their samples, as in one big batch.
-        loss = F.cross_entropy(logits, y, reduction="sum") / num_samples
+            output = task.forward(model, batch)
+        # A sum over the micro-batch's units, divided by the units of the whole step:
+        # micro-batches of unequal size contribute in proportion, as in one big batch.
+        loss = task.loss(output, batch) / max(num_units, 1)
         scaler.scale(loss).backward()
         step_loss += loss.detach()
     if grad_clip_norm is not None:
@@ -124,13 +151,9 @@ def optimizer_step(
     return step_loss
 
 
-def _micro_batches(
-    data: Splits, idx: torch.Tensor, batch_size: int, device: torch.device
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The step's samples `idx`, gathered from the host tensors one micro-batch at a time, so
-    only one micro-batch of inputs is on the device, whatever trainer.accum_steps is."""
-    for chunk in idx.split(batch_size):
-        yield data.train_x[chunk].to(device), data.train_y[chunk].to(device)
+def _device_of(batch: Any) -> torch.device:
+    leaves = torch.utils._pytree.tree_leaves(batch)
+    return next(t.device for t in leaves if isinstance(t, torch.Tensor))
 
 
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -174,7 +197,12 @@ PROBE_SAMPLES = 8
 
 
 def probe_seconds_per_sample(
-    model: nn.Module, data: Splits, cfg: TrainerConfig, precision: Precision, device: torch.device
+    model: nn.Module,
+    data: Pipeline | Splits | Datasets,
+    cfg: TrainerConfig,
+    precision: Precision,
+    device: torch.device,
+    task: Task | None = None,
 ) -> float:
     """Seconds per sample of a forward/backward pass of a few samples; parameters and buffers
     are left as found.
@@ -185,17 +213,19 @@ def probe_seconds_per_sample(
     than the real micro-batch, so this overestimates the run's time: good enough to tell a
     configuration that is 50x too slow from one that is not, in a few seconds at most.
     """
+    task = task or Classification()
+    pipeline = data if isinstance(data, Pipeline) else Pipeline(data)
     saved = [b.clone() for b in model.buffers()]  # BatchNorm statistics must not see the probe
-    n = min(cfg.batch_size, PROBE_SAMPLES)
-    x = data.train_x[:n].to(device)
-    y = data.train_y[:n].to(device)
+    batch = to_device(pipeline.example(min(cfg.batch_size, PROBE_SAMPLES)), device)
+    n = batch_size_of(batch)
     clock = _Clock(device)
     for _ in range(2):
         clock.seconds = 0.0
         clock.start()
-        with precision.matmul_mode(), precision.autocast():
-            logits = model(x)
-        F.cross_entropy(logits.float(), y).backward()
+        with precision.matmul_mode():
+            with precision.autocast():
+                output = task.forward(model, batch)
+            task.loss(output, batch).backward()
         clock.stop()
         model.zero_grad(set_to_none=True)
     with torch.no_grad():
@@ -208,15 +238,6 @@ def samples_planned(num_train: int, cfg: TrainerConfig) -> int:
     steps_per_epoch, num_steps = steps_plan(num_train, cfg)
     full_epochs, rest_steps = divmod(num_steps, steps_per_epoch)
     return full_epochs * num_train + min(rest_steps * cfg.effective_batch_size, num_train)
-
-
-def steps_plan(num_train: int, cfg: TrainerConfig) -> tuple[int, int]:
-    """(steps per epoch, total steps) for the configured epoch/step budget."""
-    steps_per_epoch = math.ceil(num_train / cfg.effective_batch_size)
-    total = math.inf if cfg.max_epochs is None else cfg.max_epochs * steps_per_epoch
-    if cfg.max_steps is not None:
-        total = min(total, cfg.max_steps)
-    return steps_per_epoch, int(total)
 
 
 def step_micro_batch_sizes(num_train: int, cfg: TrainerConfig, step: int) -> list[int]:
@@ -240,101 +261,127 @@ def memory_steps(num_train: int, cfg: TrainerConfig, num_steps: int) -> list[int
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, data: Splits, batch_size: int, precision: Precision, device: torch.device
+    model: nn.Module,
+    data: Pipeline | Splits | Datasets,
+    batch_size: int,
+    precision: Precision,
+    device: torch.device,
+    task: Task | None = None,
 ) -> Metrics:
-    """Accuracy and mean loss on the validation split (one host sync at the end)."""
+    """The task's validation metrics, `val/loss` (mean per unit) and the derived ones, over
+    the validation split; one host sync per metric at the end."""
+    task = task or Classification()
+    pipeline = data if isinstance(data, Pipeline) else Pipeline(data)
+    metrics = {name: metric.to(device) for name, metric in task.metrics().items()}
     model.eval()
-    correct = torch.zeros((), dtype=torch.int64, device=device)
     loss_sum = torch.zeros((), device=device)
-    for start in range(0, len(data.val_y), batch_size):
-        x = data.val_x[start : start + batch_size].to(device, non_blocking=True)
-        y = data.val_y[start : start + batch_size].to(device, non_blocking=True)
+    units = 0
+    for host_batch in pipeline.val_batches(batch_size):
+        units += task.units(host_batch)
+        batch = to_device(host_batch, device)
         with precision.autocast():
-            logits = model(x)
-        loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
-        correct += (logits.argmax(dim=1) == y).sum()
+            output = task.forward(model, batch)
+        loss_sum += task.loss(output, batch)
+        task.update(metrics, output, batch)
     model.train()
-    num = len(data.val_y)
-    return {"val/acc": correct.item() / num, "val/loss": loss_sum.item() / num}
+    values = {"loss": loss_sum.item() / max(units, 1)}
+    values.update({name: float(metric.compute()) for name, metric in metrics.items()})
+    for metric in metrics.values():
+        # torchmetrics wraps update and compute in closures over the metric, a reference
+        # cycle: without them its device tensors go now, not at the next garbage collection.
+        for wrapped in ("update", "compute"):
+            vars(metric).pop(wrapped, None)
+    values.update(task.derive(values))
+    return {f"val/{name}": value for name, value in values.items()}
 
 
 def fit(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    data: Splits,
+    data: Pipeline | Splits | Datasets,
     cfg: TrainerConfig,
     device: torch.device,
     meter: MemoryMeter,
     hooks: Hooks | None = None,
+    task: Task | None = None,
 ) -> RunResult:
     """Train under the memory budget. Raises OutOfMemory, Diverged, or what a hook raises.
 
     A device OOM is turned into OutOfMemory only after its exception (whose traceback pins
     the failed step's activations) has been dropped and memory released.
     """
+    pipeline = data if isinstance(data, Pipeline) else Pipeline(data, LoaderConfig(), device)
     meter.start()
     oom_message = None
     try:
-        return _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks or Hooks())
+        return _fit(
+            model, optimizer, scheduler, pipeline, cfg, device, meter, hooks or Hooks(),
+            task or Classification(),
+        )
     except Exception as error:
         if not is_oom_error(error):
             raise
         oom_message = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+    finally:
+        pipeline.close()
     release_memory(device)
     raise OutOfMemory(oom_message, meter.stats().peak_bytes, meter.budget_bytes)
 
 
-def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunResult:  # noqa: ANN001
+def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task) -> RunResult:  # noqa: ANN001
     precision = Precision(cfg.precision, device.type)
     scaler = precision.grad_scaler()
-    steps_per_epoch, num_steps = steps_plan(len(data.train_y), cfg)
-    measured_steps = memory_steps(len(data.train_y), cfg, num_steps) if meter.needs_tracker else []
+    num_train = pipeline.num_train
+    steps_per_epoch, num_steps = steps_plan(num_train, cfg)
+    measured_steps = memory_steps(num_train, cfg, num_steps) if meter.needs_tracker else []
     memory_checked_step = max(measured_steps, default=0)  # past it, the run fits its budget
     timed_from = max([cfg.warmup_steps, *(s + 1 for s in measured_steps)])
     first_timed_step = min(timed_from, num_steps - 1)
     if hooks.on_probe:
-        seconds = probe_seconds_per_sample(model, data, cfg, precision, device)
-        hooks.on_probe(seconds, samples_planned(len(data.train_y), cfg))
-    gen = torch.Generator().manual_seed(cfg.seed)
+        seconds = probe_seconds_per_sample(model, pipeline, cfg, precision, device, task)
+        hooks.on_probe(seconds, samples_planned(num_train, cfg))
     clock = _Clock(device)
     started = time.perf_counter()
     loss_sum = torch.zeros((), device=device)
-    interval_steps, last_loss, timed_samples, num_samples = 0, math.nan, 0, 0
+    interval_steps, last_loss, num_samples = 0, math.nan, 0
+    timed_samples, timed_units, data_wait = 0, 0, 0.0
     evals: list[Metrics] = []
     model.train()
+    steps = pipeline.train_steps(cfg, num_steps)
     with precision.matmul_mode():
         for step in range(num_steps):
             epoch, index_in_epoch = divmod(step, steps_per_epoch)
-            if index_in_epoch == 0:
-                order = torch.randperm(len(data.train_y), generator=gen)
             if step == first_timed_step:
                 clock.start()
-            start = index_in_epoch * cfg.effective_batch_size
-            idx = order[start : start + cfg.effective_batch_size]
+            host_batches, samples, waited = next(steps)
+            units = sum(task.units(batch) for batch in host_batches)
             if step in measured_steps:
                 tracker = TensorMemoryTracker()
                 tracker.register(state_tensors(model, optimizer))
                 with tracker:  # the micro-batches count too: on a GPU they live on the device
-                    micro = _micro_batches(data, idx, cfg.batch_size, device)
+                    micro = (to_device(b, device, copy=True) for b in host_batches)
                     step_loss = optimizer_step(
-                        model, optimizer, scaler, precision, micro, cfg.grad_clip_norm, len(idx)
+                        model, optimizer, scaler, precision, micro, cfg.grad_clip_norm, units, task
                     )
                 meter.record_tracked_peak(tracker)
             else:
-                micro = _micro_batches(data, idx, cfg.batch_size, device)
+                micro = (to_device(b, device) for b in host_batches)
                 step_loss = optimizer_step(
-                    model, optimizer, scaler, precision, micro, cfg.grad_clip_norm, len(idx)
+                    model, optimizer, scaler, precision, micro, cfg.grad_clip_norm, units, task
                 )
+            del host_batches, micro
             if hooks.on_memory and step == memory_checked_step:
                 hooks.on_memory(meter.stats().peak_bytes)
             step_lr = scheduler.get_last_lr()[0]  # the rate this step used
             scheduler.step()
             loss_sum += step_loss
             interval_steps += 1
-            num_samples += len(idx)
+            num_samples += samples
             if step >= first_timed_step:
-                timed_samples += len(idx)
+                timed_samples += samples
+                timed_units += units
+                data_wait += waited
             if hooks.on_step:
                 hooks.on_step(step + 1, num_steps, time.perf_counter() - started)
             last_step = step + 1 == num_steps
@@ -352,12 +399,17 @@ def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunRes
                     }
                     if step >= first_timed_step and clock.read() > 0:
                         metrics["throughput/samples_per_sec"] = timed_samples / clock.seconds
+                        if task.unit != "samples":
+                            metrics[f"throughput/{task.unit}_per_sec"] = (
+                                timed_units / clock.seconds
+                            )
+                        metrics["time/data_wait_share"] = data_wait / clock.seconds
                     hooks.on_log(step + 1, metrics)
             end_of_epoch = index_in_epoch + 1 == steps_per_epoch
             due = cfg.val_every_steps and (step + 1) % cfg.val_every_steps == 0
             if (due if cfg.val_every_steps else end_of_epoch) or last_step:
                 clock.stop()
-                metrics = evaluate(model, data, cfg.batch_size, precision, device)
+                metrics = evaluate(model, pipeline, cfg.batch_size, precision, device, task)
                 metrics.update(
                     step=step + 1,
                     epoch=epoch + (index_in_epoch + 1) / steps_per_epoch,
@@ -378,11 +430,13 @@ def _fit(model, optimizer, scheduler, data, cfg, device, meter, hooks) -> RunRes
         step_ms=1000 * clock.seconds / timed_steps if timed_steps else math.nan,
         peak_bytes=memory.peak_bytes,
         reserved_bytes=memory.reserved_bytes,
-        val_acc=evals[-1]["val/acc"],
-        val_loss=evals[-1]["val/loss"],
         train_loss=last_loss,
+        val={k: v for k, v in evals[-1].items() if k.startswith("val/")},
         evals=evals,
         timed_steps=timed_steps,
         timed_samples=timed_samples,
         timed_seconds=clock.seconds,
+        unit=task.unit,
+        timed_units=timed_units,
+        data_wait_s=data_wait,
     )

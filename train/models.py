@@ -1,11 +1,17 @@
-"""Model builders. Each takes `num_classes` and `in_channels` (given from the dataset) plus
-its own keyword arguments from `conf/model/*.yaml`; a user's model plugs in the same way."""
+"""Model builders. Each takes its own keyword arguments from `conf/model/*.yaml`, plus what it
+asks for by name of the data's `info` (`num_classes`, `in_channels`, `vocab_size`: see
+train/data.py); a user's model plugs in the same way."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torchvision import models
+
+if TYPE_CHECKING:
+    from train.tasks import Task
 
 
 def _cifar_stem(net: models.ResNet, in_channels: int) -> models.ResNet:
@@ -54,8 +60,9 @@ def param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def materialize(model: nn.Module, example: torch.Tensor) -> None:
-    """Run one forward pass so lazy modules get their shapes before the optimizer is built."""
+def materialize(model: nn.Module, task: Task, example: Any) -> None:
+    """Run one forward pass of an example batch so lazy modules get their shapes before the
+    optimizer is built."""
     if any(isinstance(m, nn.modules.lazy.LazyModuleMixin) for m in model.modules()):
         with torch.no_grad():
-            model(example)
+            task.forward(model, example)

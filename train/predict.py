@@ -20,15 +20,18 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 
 from train.config import TrainerConfig
 from train.loop import optimizer_step, state_tensors, step_micro_batch_sizes
 from train.memory import TensorMemoryTracker
 from train.precision import Precision
+from train.tasks import Classification, Task, batch_size_of
 
 
 class PredictionUnsupported(Exception):
@@ -86,14 +89,20 @@ class MemoryPredictor:
         self,
         model: nn.Module,
         make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-        example: tuple[torch.Tensor, torch.Tensor],
+        example: Any,
         device: torch.device,
+        task: Task | None = None,
     ):
-        """`model` is consumed (its tensors become fake); `example` is one real (x, y) pair
-        whose shapes past the batch dimension and dtypes the micro-batches copy."""
+        """`model` is consumed (its tensors become fake); `example` is one real batch of any
+        structure (a tuple, a dict of tensors, nested): the fake micro-batches copy its
+        structure, and its tensors' shapes past the batch dimension and dtypes (a tensor
+        whose first dimension is not the batch's is copied whole). Variable dimensions should
+        be at their largest in it (train.batches.Pipeline.shape_example)."""
         self.device = device
         self.mode = FakeTensorMode()
-        self._x, self._y = example
+        self.task = task or Classification()
+        self._example = example
+        self._example_n = batch_size_of(example)
         self._cache: dict[tuple, Prediction] = {}
         self._lines: dict[tuple, _Line] = {}  # per micro-batch pattern and precision
         self._step_bytes: int | None = None  # optimizer.step's own peak above its start
@@ -157,6 +166,7 @@ class MemoryPredictor:
                     self._micro_batches(sizes),
                     trainer.grad_clip_norm,
                     trainer.effective_batch_size,
+                    self.task,
                 )
         assert tracker.events is not None
         assert _live_peak(tracker.events) == tracker.peak_bytes
@@ -193,11 +203,17 @@ class MemoryPredictor:
         finally:
             self.optimizer.__dict__.pop("step", None)
 
-    def _micro_batches(self, sizes: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _micro_batches(self, sizes: list[int]) -> Iterator[Any]:
         for n in sizes:
-            x = torch.empty((n, *self._x.shape[1:]), dtype=self._x.dtype, device=self.device)
-            y = torch.empty((n, *self._y.shape[1:]), dtype=self._y.dtype, device=self.device)
-            yield x, y
+
+            def fake(t: Any, n: int = n) -> Any:
+                if not isinstance(t, torch.Tensor):
+                    return t
+                batched = t.dim() > 0 and t.shape[0] == self._example_n
+                shape = (n, *t.shape[1:]) if batched else t.shape
+                return torch.empty(shape, dtype=t.dtype, device=self.device)
+
+            yield tree_map(fake, self._example)
 
 
 Events = list[tuple[int, int]]  # (storage number, bytes) allocated, (number, -1) freed

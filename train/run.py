@@ -8,22 +8,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from train.config import ConfigError, TrainerConfig
-from train.data import Splits
+from train.batches import Pipeline
+from train.config import ConfigError, LoaderConfig, TrainerConfig
+from train.data import Datasets, Splits
 from train.loop import Hooks, RunResult, fit, steps_plan
 from train.lr import scaled_lr
 from train.memory import MemoryMeter, device_total_bytes, format_bytes, parse_budget
 from train.models import materialize, param_bytes
 from train.precision import unsupported_reason
 from train.predict import MemoryPredictor, Prediction, PredictionUnsupported
+from train.tasks import Classification, Task
 
 # The config keys of a run's batch geometry and precision, and the names of what follows
 # from them, as RunSpec.params gives them (a trial's user attrs and MLflow params).
@@ -112,14 +115,14 @@ def plan(cfg: DictConfig, budget: Any) -> RunSpec:
 
 
 @functools.lru_cache(maxsize=2)
-def _data(data_yaml: str) -> Splits:
+def _data(data_yaml: str) -> Splits | Datasets:
     # Trials of one study share their dataset: building CIFAR-10 takes seconds.
     return instantiate(OmegaConf.create(data_yaml))
 
 
-def build_data(cfg: DictConfig) -> Splits:
+def build_data(cfg: DictConfig) -> Splits | Datasets:
     try:
-        return _data(OmegaConf.to_yaml(cfg.data, resolve=True))
+        data = _data(OmegaConf.to_yaml(cfg.data, resolve=True))
     except InstantiationException as error:
         cause = error.__cause__
         if isinstance(cause, FileNotFoundError):  # data absent: the user's to fix
@@ -129,11 +132,82 @@ def build_data(cfg: DictConfig) -> Splits:
                 [f"data ({cfg.data.get('_target_')}) cannot be built: {cause}"]
             ) from None
         raise
+    if not isinstance(data, Splits | Datasets):
+        raise ConfigError(
+            [
+                f"data ({cfg.data.get('_target_')}) built a {type(data).__name__}; a data config "
+                "builds train.data.Datasets (two torch Datasets: _target_: train.data.Datasets "
+                "with train: and val:) or train.data.Splits (in-memory tensors)"
+            ]
+        )
+    return data
 
 
-def build_model(cfg: DictConfig, data: Splits) -> torch.nn.Module:
-    model = instantiate(cfg.model, num_classes=data.num_classes, in_channels=data.in_channels)
-    materialize(model, data.train_x[:2])
+def build_loader(cfg: DictConfig) -> LoaderConfig:
+    """loader.* as a LoaderConfig, its collate function instantiated."""
+    values = OmegaConf.to_container(cfg.get("loader") or {}, resolve=True)
+    collate = values.get("collate_fn")
+    if isinstance(collate, dict):
+        try:
+            values["collate_fn"] = instantiate(cfg.loader.collate_fn)
+        except Exception as error:  # noqa: BLE001 - any import or argument error of the user's
+            raise ConfigError(
+                [f"loader.collate_fn ({collate.get('_target_')}) cannot be built: {error}"]
+            ) from None
+    elif isinstance(collate, str):
+        values["collate_fn"] = _resolve(collate, "loader.collate_fn")
+    return LoaderConfig.from_mapping(values)
+
+
+def _resolve(path: str, key: str) -> Any:
+    try:
+        return get_object(path)
+    except Exception as error:  # noqa: BLE001
+        raise ConfigError([f"{key}={path!r} cannot be imported: {error}"]) from None
+
+
+def build_task(cfg: DictConfig) -> Task:
+    """The task of `cfg.task` (classification when the config has none)."""
+    node = cfg.get("task")
+    if node is None:
+        return Classification()
+    try:
+        task = instantiate(node)
+    except InstantiationException as error:
+        raise ConfigError(
+            [f"task ({node.get('_target_')}) cannot be built: {error.__cause__ or error}"]
+        ) from None
+    if not isinstance(task, Task):
+        raise ConfigError(
+            [
+                f"task ({node.get('_target_')}) built a {type(task).__name__}; a task is a "
+                "train.tasks.Task (subclass it and override loss, units or metrics)"
+            ]
+        )
+    return task
+
+
+def build_pipeline(cfg: DictConfig, device: torch.device) -> Pipeline:
+    return Pipeline(build_data(cfg), build_loader(cfg), device)
+
+
+def _builder_kwargs(node: DictConfig, info: dict[str, Any]) -> dict[str, Any]:
+    """What of the data's `info` the model builder takes by name and the config does not set
+    (a builder with **kwargs takes all of it)."""
+    target = node.get("_target_")
+    if not target:
+        return {}
+    try:
+        params = inspect.signature(get_object(target)).parameters
+    except (ValueError, TypeError, ImportError, AttributeError):
+        return {}
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return {k: v for k, v in info.items() if (takes_all or k in params) and k not in node}
+
+
+def build_model(cfg: DictConfig, pipeline: Pipeline, task: Task) -> torch.nn.Module:
+    model = instantiate(cfg.model, **_builder_kwargs(cfg.model, pipeline.data.info))
+    materialize(model, task, pipeline.example(2))
     return model
 
 
@@ -143,29 +217,31 @@ _PREDICTORS: dict[str, MemoryPredictor | PredictionUnsupported] = {}
 
 
 def memory_predictor(cfg: DictConfig, spec: RunSpec) -> MemoryPredictor:
-    """The memory predictor for this run's model, optimizer and data on its device; raises
-    PredictionUnsupported when the model cannot run on fake tensors."""
+    """The memory predictor for this run's model, optimizer, data, loader and task on its
+    device; raises PredictionUnsupported when the model cannot run on fake tensors."""
     optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
     optimizer.pop("lr", None)  # the rate does not change the memory
     parts = {
-        "model": OmegaConf.to_container(cfg.model, resolve=True),
-        "optimizer": optimizer,
-        "data": OmegaConf.to_container(cfg.data, resolve=True),
-        "device": str(spec.device),
+        name: OmegaConf.to_container(cfg[name], resolve=True)
+        for name in ("model", "data", "task", "loader")
+        if cfg.get(name) is not None
     }
+    parts.update(optimizer=optimizer, device=str(spec.device))
     key = OmegaConf.to_yaml(OmegaConf.create(parts))
     if key not in _PREDICTORS:
         if len(_PREDICTORS) >= 4:
             _PREDICTORS.clear()
-        data = build_data(cfg)
+        pipeline = build_pipeline(cfg, spec.device)
+        task = build_task(cfg)
         torch.manual_seed(spec.trainer.seed)
-        model = build_model(cfg, data)
+        model = build_model(cfg, pipeline, task)
         try:
             _PREDICTORS[key] = MemoryPredictor(
                 model,
                 lambda params: instantiate(cfg.optimizer, lr=spec.lr)(params),
-                (data.train_x[:1], data.train_y[:1]),
+                pipeline.shape_example(),
                 spec.device,
+                task,
             )
         except PredictionUnsupported as error:
             _PREDICTORS[key] = error
@@ -175,9 +251,15 @@ def memory_predictor(cfg: DictConfig, spec: RunSpec) -> MemoryPredictor:
     return predictor
 
 
+def num_train(cfg: DictConfig) -> int:
+    """Training samples of the run's data."""
+    data = build_data(cfg)
+    return len(data.train_y) if isinstance(data, Splits) else len(data.train)
+
+
 def predict(cfg: DictConfig, spec: RunSpec) -> Prediction:
     """Predicted peak memory of this run's training step (PredictionUnsupported: measure)."""
-    return memory_predictor(cfg, spec).predict(spec.trainer, len(build_data(cfg).train_y))
+    return memory_predictor(cfg, spec).predict(spec.trainer, num_train(cfg))
 
 
 def check_builds(cfg: DictConfig, spec: RunSpec) -> str | None:
@@ -186,9 +268,9 @@ def check_builds(cfg: DictConfig, spec: RunSpec) -> str | None:
     cannot be predicted, which is returned as a note). Errors in the user's builder arguments
     become ConfigErrors naming the group."""
     torch.manual_seed(spec.trainer.seed)
-    data = build_data(cfg)
+    pipeline = build_pipeline(cfg, spec.device)
     try:
-        model = build_model(cfg, data)
+        model = build_model(cfg, pipeline, build_task(cfg))
     except InstantiationException as error:
         if isinstance(error.__cause__, TypeError | ValueError):
             raise ConfigError(
@@ -205,7 +287,7 @@ def check_builds(cfg: DictConfig, spec: RunSpec) -> str | None:
         needed, note = predictor.state_bytes, None
         what = "the parameters, gradients and optimizer state alone (predicted)"
     if spec.budget_bytes < needed:
-        smallest = _smallest_step(predictor, spec, len(data.train_y)) if note is None else None
+        smallest = _smallest_step(predictor, spec, pipeline.num_train) if note is None else None
         step = (
             f"; the smallest step ({smallest[0]}) needs {format_bytes(smallest[1])}"
             if smallest
@@ -241,12 +323,13 @@ def _smallest_step(
 
 
 def run(cfg: DictConfig, spec: RunSpec, hooks: Hooks | None = None) -> RunResult:
-    """Build data, model, optimizer and schedule on the device and train."""
+    """Build data, task, model, optimizer and schedule on the device and train."""
     torch.manual_seed(spec.trainer.seed)
-    data = build_data(cfg)
-    model = build_model(cfg, data).to(spec.device)
+    pipeline = build_pipeline(cfg, spec.device)
+    task = build_task(cfg)
+    model = build_model(cfg, pipeline, task).to(spec.device)
     optimizer = instantiate(cfg.optimizer, lr=spec.lr)(model.parameters())
-    _, num_steps = steps_plan(len(data.train_y), spec.trainer)
+    _, num_steps = steps_plan(pipeline.num_train, spec.trainer)
     scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=num_steps)
     meter = MemoryMeter(spec.device, spec.budget_bytes)
-    return fit(model, optimizer, scheduler, data, spec.trainer, spec.device, meter, hooks)
+    return fit(model, optimizer, scheduler, pipeline, spec.trainer, spec.device, meter, hooks, task)

@@ -22,7 +22,16 @@ from train.predict import (
     expandable_segments,
     largest_fitting_batch,
 )
-from train.run import build_data, build_model, memory_predictor, plan, predict, run
+from train.run import (
+    build_data,
+    build_model,
+    build_pipeline,
+    build_task,
+    memory_predictor,
+    plan,
+    predict,
+    run,
+)
 
 CPU = torch.device("cpu")
 KiB, MiB = 2**10, 2**20
@@ -143,7 +152,7 @@ def test_sizes_read_off_the_line_match_computed_ones_and_the_measurement(hydra_c
     assert lined._lines[(1, "fp32", None)].verified  # white-box: the line is in use
     # Built as train.run.memory_predictor builds it, with no line yet: every size computed.
     computed = MemoryPredictor(
-        build_model(cfg, data),
+        build_model(cfg, build_pipeline(cfg, CPU), build_task(cfg)),
         lambda params: instantiate(cfg.optimizer, lr=spec.lr)(params),
         (data.train_x[:1], data.train_y[:1]),
         CPU,

@@ -1,0 +1,174 @@
+"""The input pipeline: each optimizer step's micro-batches, from in-memory tensors or through a
+`torch.utils.data.DataLoader`, in one order.
+
+Both paths draw the same sample indices (`StepSampler`: a seeded permutation per epoch, cut
+into steps of the effective batch and those into micro-batches), so a dataset gives the same
+run whichever way it is read. In-memory `Splits` are gathered by index on the host (the fast
+path of the bundled sets; `loader.*` does not apply). `Datasets` are read by a DataLoader with
+`loader.*`'s workers, pinned memory and collate function, one iterator for the whole run.
+Batches stay on the host until the loop moves one micro-batch at a time to the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+from torch.utils.data import DataLoader, Sampler, default_collate
+
+from train.config import LoaderConfig, TrainerConfig
+from train.data import Datasets, Splits
+from train.tasks import batch_size_of
+
+# Variable-length dimensions are predicted at their longest among this many training samples.
+SHAPE_SAMPLES = 256
+
+
+def steps_plan(num_train: int, cfg: TrainerConfig) -> tuple[int, int]:
+    """(steps per epoch, total steps) for the configured epoch/step budget."""
+    steps_per_epoch = -(-num_train // cfg.effective_batch_size)
+    total = float("inf") if cfg.max_epochs is None else cfg.max_epochs * steps_per_epoch
+    if cfg.max_steps is not None:
+        total = min(total, cfg.max_steps)
+    return steps_per_epoch, int(total)
+
+
+class StepSampler(Sampler[list[int]]):
+    """Micro-batch index lists for `num_steps` optimizer steps: each epoch a permutation of
+    the training set drawn from a generator seeded with trainer.seed, cut into steps of
+    effective_batch_size samples (the last one of an epoch may be short) and each step into
+    micro-batches of batch_size (its last one may be short)."""
+
+    def __init__(self, num_train: int, cfg: TrainerConfig, num_steps: int):
+        self.num_train, self.cfg, self.num_steps = num_train, cfg, num_steps
+
+    def steps(self) -> Iterator[list[torch.Tensor]]:
+        cfg = self.cfg
+        steps_per_epoch, _ = steps_plan(self.num_train, cfg)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        order = torch.empty(0, dtype=torch.int64)
+        for step in range(self.num_steps):
+            index_in_epoch = step % steps_per_epoch
+            if index_in_epoch == 0:
+                order = torch.randperm(self.num_train, generator=gen)
+            start = index_in_epoch * cfg.effective_batch_size
+            yield list(order[start : start + cfg.effective_batch_size].split(cfg.batch_size))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for micro in self.steps():
+            for chunk in micro:
+                yield chunk.tolist()
+
+    def __len__(self) -> int:
+        return sum(len(micro) for micro in self.steps())
+
+
+def to_device(batch: Any, device: torch.device, copy: bool = False) -> Any:
+    """Every tensor of a batch (tuple, list, dict, nested) on `device`; non-blocking from
+    pinned memory. `copy`: a new tensor even where it is already there (on CPU, the memory
+    tracker then sees the micro-batch allocated as a GPU would)."""
+    non_blocking = device.type == "cuda"
+
+    def move(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(device, non_blocking=non_blocking, copy=copy)
+        return value
+
+    return tree_map(move, batch)
+
+
+class Pipeline:
+    """A run's training and validation batches on the host, and the seconds spent waiting for
+    them."""
+
+    def __init__(
+        self, data: Splits | Datasets, loader: LoaderConfig | None = None, device: str = "cpu"
+    ):
+        self.data = data
+        self.loader = loader or LoaderConfig()
+        self.device = torch.device(device)
+        self._val_loader: DataLoader | None = None
+
+    @property
+    def in_memory(self) -> bool:
+        return isinstance(self.data, Splits)
+
+    @property
+    def num_train(self) -> int:
+        return len(self.data.train_y) if self.in_memory else len(self.data.train)
+
+    def _dataloader(self, dataset: Any, **kwargs: Any) -> DataLoader:
+        cfg = self.loader
+        workers = cfg.num_workers
+        pin = cfg.pin_memory if cfg.pin_memory is not None else self.device.type == "cuda"
+        return DataLoader(
+            dataset,
+            num_workers=workers,
+            collate_fn=cfg.collate_fn or default_collate,
+            pin_memory=pin,
+            persistent_workers=cfg.persistent_workers and workers > 0,
+            prefetch_factor=cfg.prefetch_factor if workers > 0 else None,
+            **kwargs,
+        )
+
+    def train_steps(
+        self, cfg: TrainerConfig, num_steps: int
+    ) -> Iterator[tuple[list[Any], int, float]]:
+        """Per optimizer step: its host micro-batches, its samples, and the seconds the loop
+        waited for them (reading, decoding and collating not hidden by workers)."""
+        sampler = StepSampler(self.num_train, cfg, num_steps)
+        if self.in_memory:
+            x, y = self.data.train_x, self.data.train_y
+            for micro in sampler.steps():
+                started = time.perf_counter()
+                batches = [(x[idx], y[idx]) for idx in micro]
+                yield batches, sum(len(idx) for idx in micro), time.perf_counter() - started
+            return
+        gen = torch.Generator().manual_seed(cfg.seed)  # seeds the workers' RNGs
+        loader = self._dataloader(self.data.train, batch_sampler=sampler, generator=gen)
+        batches = iter(loader)
+        try:
+            for micro in sampler.steps():
+                started = time.perf_counter()
+                step = [next(batches) for _ in micro]
+                yield step, sum(len(idx) for idx in micro), time.perf_counter() - started
+        finally:
+            del batches  # shuts its workers down
+
+    def val_batches(self, batch_size: int) -> Iterator[Any]:
+        if self.in_memory:
+            x, y = self.data.val_x, self.data.val_y
+            for start in range(0, len(y), batch_size):
+                yield x[start : start + batch_size], y[start : start + batch_size]
+            return
+        if self._val_loader is None or self._val_loader.batch_size != batch_size:
+            # One loader per run: persistent workers then serve every validation.
+            self._val_loader = self._dataloader(self.data.val, batch_size=batch_size)
+        yield from self._val_loader
+
+    def example(self, n: int) -> Any:
+        """The first `n` training samples as one batch (host)."""
+        if self.in_memory:
+            return self.data.train_x[:n], self.data.train_y[:n]
+        dataset = self.data.train
+        collate = self.loader.collate_fn or default_collate
+        return collate([dataset[i] for i in range(min(n, len(dataset)))])
+
+    def shape_example(self) -> Any:
+        """A batch of 2 training samples whose every dimension past the batch is at its
+        largest among the first SHAPE_SAMPLES samples (collated together, so a collate
+        function that pads pads to the longest): the structure memory is predicted from."""
+        if self.in_memory:
+            return self.example(2)
+        batch = self.example(SHAPE_SAMPLES)
+        n = batch_size_of(batch)
+        return tree_map(
+            lambda t: t[:2] if isinstance(t, torch.Tensor) and t.dim() and len(t) == n else t,
+            batch,
+        )
+
+    def close(self) -> None:
+        self._val_loader = None
