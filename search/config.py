@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from search.redact import redact
 from train.config import ConfigError
+from train.tasks import Classification, Task
 
-# Metrics a trial can be optimised for, each with the only direction that makes sense.
-OBJECTIVE_METRICS = {
-    "val/acc": "maximize",
-    "val/loss": "minimize",
+# What every run measures, whatever its task, with the only direction that makes sense.
+RUN_METRICS = {
     "throughput/samples_per_sec": "maximize",
     "memory/peak_bytes": "minimize",
+    "time/data_wait_share": "minimize",
 }
+
+
+def known_metrics(task: Task) -> dict[str, str]:
+    """Metric name -> direction of everything a trial of `task` reports: its validation
+    metrics (val/loss and the task's own), its throughput in its unit, and RUN_METRICS."""
+    found = dict(task.directions())
+    if task.unit != "samples":
+        found[f"throughput/{task.unit}_per_sec"] = "maximize"
+    return {**found, **RUN_METRICS}
+
+
+# The metrics of the default task (classification).
+OBJECTIVE_METRICS = known_metrics(Classification())
 
 # searched: batch size and accumulation are searched as given. derived: the effective batch is
 # searched and each trial uses the largest micro-batch that is predicted to fit the budget.
@@ -24,21 +38,26 @@ ACCUMULATION_MODES = ("searched", "derived")
 @dataclass(frozen=True)
 class RecommendRule:
     """search.recommend: among the completed trials whose `metric` is within `tolerance`
-    (relative) of its best, the one best in `prefer`."""
+    (relative) of its best, the one best in `prefer`. `known`: metric name -> direction of
+    what the study's trials report (known_metrics of its task)."""
 
     metric: str = "val/acc"
     tolerance: float = 0.01
     prefer: str = "throughput/samples_per_sec"
+    known: Mapping[str, str] = field(
+        default_factory=lambda: dict(OBJECTIVE_METRICS), compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         problems = []
         for key in ("metric", "prefer"):
             name = getattr(self, key)
-            if name not in OBJECTIVE_METRICS:
+            if name not in self.known:
+                default = RecommendRule.__dataclass_fields__[key].default
+                example = default if default in self.known else next(iter(self.known))
                 problems.append(
-                    f"search.recommend.{key}: unknown metric {name!r}; use one of "
-                    f"{', '.join(OBJECTIVE_METRICS)}, e.g. search.recommend.{key}="
-                    f"{RecommendRule.__dataclass_fields__[key].default}"
+                    f"search.recommend.{key}: unknown metric {name!r}; this task reports "
+                    f"{', '.join(self.known)}; e.g. search.recommend.{key}={example}"
                 )
         tol = self.tolerance
         if isinstance(tol, bool) or not isinstance(tol, int | float) or tol < 0:
@@ -48,6 +67,10 @@ class RecommendRule:
             )
         if problems:
             raise ConfigError(problems)
+
+    def better(self, name: str, a: float, b: float) -> bool:
+        """Whether `a` is a better value of metric `name` than `b`."""
+        return a > b if self.known[name] == "maximize" else a < b
 
     def describe(self) -> str:
         if self.metric == self.prefer or not self.tolerance:
@@ -73,6 +96,8 @@ class SearchConfig:
     recommend: RecommendRule = field(
         default_factory=lambda: RecommendRule()
     )  # which trial the study recommends
+    # Metric name -> direction of what the trials report (known_metrics of the task).
+    known_metrics: Mapping[str, str] = field(default_factory=lambda: dict(OBJECTIVE_METRICS))
 
     @property
     def metrics(self) -> list[str]:
@@ -80,7 +105,7 @@ class SearchConfig:
 
     @property
     def directions(self) -> list[str]:
-        return [OBJECTIVE_METRICS[metric] for metric in self.objectives]
+        return [self.known_metrics[metric] for metric in self.objectives]
 
     def __post_init__(self) -> None:
         problems = []
@@ -101,11 +126,13 @@ class SearchConfig:
         if not self.objectives:
             problems.append("search.objectives is empty; e.g. search.objectives=[val/acc]")
         for metric in self.objectives:
-            if metric not in OBJECTIVE_METRICS:
+            if metric not in self.known_metrics:
                 problems.append(
-                    f"search.objectives: unknown metric {metric!r}; use one of "
-                    f"{', '.join(OBJECTIVE_METRICS)}, e.g. search.objectives=[val/acc]"
+                    f"search.objectives: unknown metric {metric!r}; this task reports "
+                    f"{', '.join(self.known_metrics)}, e.g. "
+                    f"search.objectives=[{next(iter(self.known_metrics))}]"
                 )
+
         budget = self.trial_time_budget_s
         if budget is not None and (isinstance(budget, bool) or not budget > 0):
             problems.append(

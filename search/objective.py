@@ -45,7 +45,8 @@ PROBE_MARGIN = 4.0
 STEP_MARGIN = 1.5
 
 
-CURVE_METRICS = ("throughput/samples_per_sec",)  # logged per interval while a trial trains
+# Logged per interval while a trial trains (the unit's throughput too, e.g. tokens_per_sec).
+CURVE_METRICS = ("throughput/samples_per_sec", "time/data_wait_share")
 
 
 class Prune(Exception):
@@ -122,19 +123,11 @@ def _memory_violation(
     return min((peak - budget_bytes) / budget_bytes, 0.0)  # it ran: it fitted
 
 
-def metric_values(result: RunResult) -> dict[str, float]:
-    """A completed run's figures by the metric names an objective may use."""
-    return {
-        "val/acc": result.val_acc,
-        "val/loss": result.val_loss,
-        "throughput/samples_per_sec": result.throughput_samples_per_sec,
-        "memory/peak_bytes": float(result.peak_bytes),
-    }
-
-
 def objective_values(result: RunResult, metrics: list[str]) -> list[float]:
-    by_name = metric_values(result)
-    return [by_name[m] for m in metrics]
+    """A completed run's values of the objectives (NaN where the run has none: Optuna then
+    fails the trial, with the reason)."""
+    by_name = result.figures()
+    return [by_name.get(m, float("nan")) for m in metrics]
 
 
 class Objective:
@@ -361,9 +354,9 @@ class Objective:
                 {
                     record.THROUGHPUT: result.throughput_samples_per_sec,
                     "step_ms": result.step_ms,
-                    record.VAL_ACC: result.val_acc,
+                    record.VAL_ACC: result.val.get("val/acc"),
                     record.PEAK: result.peak_bytes,
-                    record.METRICS: metric_values(result),
+                    record.METRICS: result.figures(),
                 }
             )
             metrics.update(result.metrics())
@@ -398,7 +391,11 @@ class Objective:
         # The trial's end figures at step 0: MLflow's chart view draws a metric whose last
         # step is 0 as one bar per run (a comparison), not as a one-point line. Figures
         # with a curve (throughput, logged per interval) end at the last step instead.
-        curves = {k: v for k, v in metrics.items() if k in CURVE_METRICS and v == v}
+        curves = {
+            k: v
+            for k, v in metrics.items()
+            if (k in CURVE_METRICS or k.startswith("throughput/")) and v == v
+        }
         log.metrics({k: v for k, v in metrics.items() if k not in curves and v == v}, step=0)
         if curves:
             log.metrics(curves, step=result.num_steps if result else 0)

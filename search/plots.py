@@ -30,7 +30,6 @@ from matplotlib.figure import Figure  # without pyplot: no backend, no global fi
 from optuna.trial import FrozenTrial, TrialState
 
 from search import record
-from search.config import OBJECTIVE_METRICS
 from search.recommend import metric_value
 from search.study import SURPLUS_ATTR
 from train.run import ACCUM_KEY, BATCH_KEY, EFFECTIVE_PARAM, LR_PARAM, PRECISION_KEY
@@ -239,7 +238,7 @@ def front(
         ax.set_ylabel(y_name)
     else:
         fig, ax = _figure(f"Optimisation history: {metrics[0]}")
-        maximize = OBJECTIVE_METRICS[metrics[0]] == "maximize"
+        maximize = study.directions[0] == optuna.study.StudyDirection.MAXIMIZE
         values = [t.values[0] for t in complete]
         ax.plot([t.number for t in complete], values, "o", color="tab:blue", label="trial")
         best, running = [], None

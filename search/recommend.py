@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
 from search import record
-from search.config import OBJECTIVE_METRICS, RecommendRule
+from search.config import RecommendRule
 from train.overrides import BEST_KEY
 
 
@@ -36,13 +36,10 @@ def metric_value(trial: FrozenTrial, name: str, objectives: Sequence[str] = ()) 
     return None if value is None or value != value else float(value)
 
 
-def _better(name: str, a: float, b: float) -> bool:
-    return a > b if OBJECTIVE_METRICS[name] == "maximize" else a < b
-
-
-def within(name: str, value: float, best: float, tolerance: float) -> bool:
-    slack = abs(best) * tolerance
-    if OBJECTIVE_METRICS[name] == "maximize":
+def within(rule: RecommendRule, value: float, best: float) -> bool:
+    """Whether `value` of the rule's metric is within its tolerance of `best`."""
+    slack = abs(best) * rule.tolerance
+    if rule.known[rule.metric] == "maximize":
         return value >= best - slack
     return value <= best + slack
 
@@ -85,19 +82,17 @@ def recommend(
         return None
     top = scored[0]
     for candidate in scored[1:]:
-        if _better(rule.metric, candidate[1], top[1]):
+        if rule.better(rule.metric, candidate[1], top[1]):
             top = candidate
     best = top[1]
-    candidates = [
-        s for s in scored if s[2] is not None and within(rule.metric, s[1], best, rule.tolerance)
-    ]
+    candidates = [s for s in scored if s[2] is not None and within(rule, s[1], best)]
     if not candidates:
         return Recommendation(top[0], rule, best, 0, top[1], None)
     chosen = candidates[0]
     for candidate in candidates[1:]:
         t, m, p = candidate
-        if _better(rule.prefer, p, chosen[2]) or (
-            p == chosen[2] and _better(rule.metric, m, chosen[1])
+        if rule.better(rule.prefer, p, chosen[2]) or (
+            p == chosen[2] and rule.better(rule.metric, m, chosen[1])
         ):
             chosen = candidate
     return Recommendation(chosen[0], rule, best, len(candidates), chosen[1], chosen[2])
@@ -109,7 +104,7 @@ def best_document(
     """best.yaml: which trial, why, its figures, and the overrides that train it."""
     figures = {
         name: metric_value(rec.trial, name, objectives)
-        for name in OBJECTIVE_METRICS
+        for name in rec.rule.known
         if metric_value(rec.trial, name, objectives) is not None
     }
     body: dict[str, Any] = {

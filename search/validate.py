@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from hydra.core.global_hydra import GlobalHydra
@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import CategoricalDistribution
 from optuna.storages import BaseStorage
 
-from search.config import RecommendRule, SearchConfig
+from search.config import OBJECTIVE_METRICS, RecommendRule, SearchConfig, known_metrics
 from search.space import SearchSpace, parse_space
 from search.storage import open_storage
 from train.config import ConfigError
@@ -29,6 +29,7 @@ from train.run import (
     EFFECTIVE_KEY,
     PRECISION_KEY,
     RunSpec,
+    build_task,
     check_builds,
     plan,
     resolve_device,
@@ -48,10 +49,11 @@ class Checked:
 
 def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
     search = cfg.search
+    known = known_metrics(build_task(cfg))
+    rule, rule_problems = recommend_rule(search.get("recommend"), known)
     objectives = search.objectives
     if isinstance(objectives, str):
         objectives = [objectives]
-    rule, rule_problems = recommend_rule(search.get("recommend"))
     try:
         settings = SearchConfig(
             study_name=study_name,
@@ -68,6 +70,7 @@ def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
             workers=search.workers,
             outage_wait_s=cfg.mlflow.outage_wait_s,
             recommend=rule,
+            known_metrics=known,
         )
     except ConfigError as error:
         raise ConfigError(error.problems + rule_problems) from None
@@ -76,17 +79,19 @@ def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
     return settings
 
 
-def recommend_rule(node: DictConfig | None) -> tuple[RecommendRule, list[str]]:
+def recommend_rule(
+    node: DictConfig | None, known: Mapping[str, str] = OBJECTIVE_METRICS
+) -> tuple[RecommendRule, list[str]]:
     """search.recommend as a rule, or the default rule and what is wrong with the node."""
     values = OmegaConf.to_container(node, resolve=True) if node is not None else {}
-    known = set(RecommendRule.__dataclass_fields__)
-    unknown = sorted(set(values) - known)
+    fields = set(RecommendRule.__dataclass_fields__) - {"known"}
+    unknown = sorted(set(values) - fields)
     if unknown:
         return RecommendRule(), [
-            f"search.recommend: unknown keys {unknown}; it takes {', '.join(sorted(known))}"
+            f"search.recommend: unknown keys {unknown}; it takes {', '.join(sorted(fields))}"
         ]
     try:
-        return RecommendRule(**values), []
+        return RecommendRule(**values, known=known), []
     except ConfigError as error:
         return RecommendRule(), error.problems
 

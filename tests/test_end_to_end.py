@@ -110,7 +110,7 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
     rerun = next(line for line in out.splitlines() if line.startswith("Train it again: "))
     args = shlex.split(rerun.removeprefix("Train it again: "))[3:]  # after python -m train
     done = run_module("train", args, tmp_path)
-    assert "val acc" in done.stdout
+    assert "val/acc " in done.stdout
     train_runs = client.search_runs([client.get_experiment_by_name("train").experiment_id])
     assert len(train_runs) == 1
     assert train_runs[0].data.tags["batchfit.state"] == "COMPLETE"

@@ -69,10 +69,8 @@ def main(cfg: DictConfig) -> None:
 
     def on_eval(step: int, metrics: dict) -> None:
         log.metrics({k: v for k, v in metrics.items() if "/" in k}, step, flush=True)
-        console.print(
-            f"step {step} epoch {metrics['epoch']:.2f}: val acc {metrics['val/acc']:.4f} "
-            f"val loss {metrics['val/loss']:.4f}"
-        )
+        values = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val/"))
+        console.print(f"step {step} epoch {metrics['epoch']:.2f}: {values}")
 
     hooks = Hooks(on_log=lambda step, metrics: log.metrics(metrics, step), on_eval=on_eval)
     failure = None
@@ -101,9 +99,22 @@ def main(cfg: DictConfig) -> None:
     log.metrics({**result.metrics(), **extra}, step=result.num_steps)
     log.tags({STATE_TAG: "COMPLETE"})
     log.finish()
+    figures = result.figures()
+    speeds = [
+        f"{v:.0f} {k.split('/')[1].removesuffix('_per_sec')}/s"
+        for k, v in figures.items()
+        if k.startswith("throughput/")
+    ]
     console.print(
-        f"val acc {result.val_acc:.4f} | {result.throughput_samples_per_sec:.0f} samples/s | "
-        f"{result.step_ms:.0f} ms/step | peak {format_bytes(result.peak_bytes)}",
+        " | ".join(
+            [
+                *(f"{k} {v:.4f}" for k, v in result.val.items()),
+                *speeds,
+                f"{result.step_ms:.0f} ms/step",
+                f"waiting for data {figures.get('time/data_wait_share', 0):.0%}",
+                f"peak {format_bytes(result.peak_bytes)}",
+            ]
+        ),
         soft_wrap=True,
     )
 

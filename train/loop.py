@@ -284,8 +284,8 @@ def evaluate(
         loss_sum += task.loss(output, batch)
         task.update(metrics, output, batch)
     model.train()
-    values = {"loss": loss_sum.item() / max(units, 1)}
-    values.update({name: float(metric.compute()) for name, metric in metrics.items()})
+    values = {name: float(metric.compute()) for name, metric in metrics.items()}
+    values["loss"] = loss_sum.item() / max(units, 1)
     for metric in metrics.values():
         # torchmetrics wraps update and compute in closures over the metric, a reference
         # cycle: without them its device tensors go now, not at the next garbage collection.
@@ -316,7 +316,14 @@ def fit(
     oom_message = None
     try:
         return _fit(
-            model, optimizer, scheduler, pipeline, cfg, device, meter, hooks or Hooks(),
+            model,
+            optimizer,
+            scheduler,
+            pipeline,
+            cfg,
+            device,
+            meter,
+            hooks or Hooks(),
             task or Classification(),
         )
     except Exception as error:
@@ -400,9 +407,7 @@ def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task)
                     if step >= first_timed_step and clock.read() > 0:
                         metrics["throughput/samples_per_sec"] = timed_samples / clock.seconds
                         if task.unit != "samples":
-                            metrics[f"throughput/{task.unit}_per_sec"] = (
-                                timed_units / clock.seconds
-                            )
+                            metrics[f"throughput/{task.unit}_per_sec"] = timed_units / clock.seconds
                         metrics["time/data_wait_share"] = data_wait / clock.seconds
                     hooks.on_log(step + 1, metrics)
             end_of_epoch = index_in_epoch + 1 == steps_per_epoch

@@ -128,7 +128,7 @@ class Task:
 
     def directions(self) -> dict[str, str]:
         """`val/<name>` -> maximize | minimize for everything validation reports."""
-        found = {"val/loss": MINIMIZE}
+        found = {}
         for name, metric in self.metrics().items():
             if metric.higher_is_better is None:
                 raise ValueError(
@@ -136,6 +136,7 @@ class Task:
                     " set it on the metric class so a study knows which way is better"
                 )
             found[f"val/{name}"] = MAXIMIZE if metric.higher_is_better else MINIMIZE
+        found["val/loss"] = MINIMIZE
         found.update({f"val/{name}": d for name, d in self.derived.items()})
         return found
 

@@ -80,7 +80,7 @@ CASES = {
     ),
     "unknown objective": (
         ["search.objectives=[val/accuracy]"],
-        r"search.objectives: unknown metric 'val/accuracy'; use one of val/acc",
+        r"search.objectives: unknown metric 'val/accuracy'; this task reports val/acc, val/loss",
     ),
 }
 
