@@ -50,8 +50,8 @@ from train.run import (
     EFFECTIVE_KEY,
     PRECISION_KEY,
     RunSpec,
-    build_data,
     memory_predictor,
+    train_samples,
 )
 
 
@@ -164,7 +164,7 @@ def fit_report(
         accums,
     )
     predictor = memory_predictor(cfg, spec)
-    num_train = len(build_data(cfg).train_y)
+    num_train = train_samples(cfg)
     for precision in precisions:
         for row in report.batch_sizes:
             for accum in accums:

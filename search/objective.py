@@ -34,7 +34,7 @@ from train.config import ConfigError
 from train.loop import Diverged, Hooks, RunResult
 from train.memory import OutOfMemory, format_bytes, release_memory
 from train.predict import Prediction, PredictionUnsupported, fits_budget, largest_fitting_batch
-from train.run import RunSpec, build_data, memory_predictor, plan, predict, run
+from train.run import RunSpec, memory_predictor, plan, predict, run, train_samples
 
 # The probe overestimates per-sample time (8 samples run less efficiently than a real
 # micro-batch), so it only stops a trial projected far past its budget. Calibrated on
@@ -207,7 +207,7 @@ class Objective:
         spec = plan(cfg, self.settings.memory_budget)
         try:
             predictor = memory_predictor(cfg, spec)
-            num_train = len(build_data(cfg).train_y)
+            num_train = train_samples(cfg)
             found = largest_fitting_batch(
                 predictor, spec.trainer, num_train, spec.limit_bytes, self.settings.preflight_margin
             )
@@ -352,7 +352,10 @@ class Objective:
         if result is not None:
             attrs.update(
                 {
-                    record.THROUGHPUT: result.throughput_samples_per_sec,
+                    record.THROUGHPUT: result.figures().get(
+                        f"throughput/{result.unit}_per_sec", result.throughput_samples_per_sec
+                    ),
+                    record.UNIT: result.unit,
                     "step_ms": result.step_ms,
                     record.VAL_ACC: result.val.get("val/acc"),
                     record.PEAK: result.peak_bytes,

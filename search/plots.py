@@ -53,7 +53,8 @@ class Point:
     accum_steps: int | None
     effective_batch_size: int | None
     lr: float | None  # the rate trained with (scaled to the effective batch)
-    throughput: float | None
+    throughput: float | None  # in `unit`/s
+    unit: str
     val_acc: float | None
     peak_bytes: float | None
     predicted_bytes: float | None
@@ -84,6 +85,7 @@ def points(trials: Sequence[FrozenTrial]) -> list[Point]:
                 effective_batch_size=a.get(EFFECTIVE_PARAM),
                 lr=a.get(LR_PARAM),
                 throughput=a.get(record.THROUGHPUT) if complete else None,
+                unit=a.get(record.UNIT, "samples"),
                 val_acc=a.get(record.VAL_ACC) if complete else None,
                 peak_bytes=a.get(record.PEAK),
                 predicted_bytes=a.get(record.PREDICTED),
@@ -142,7 +144,7 @@ def throughput_vs_batch(pts: Sequence[Point]) -> Figure:
         _no_data(ax, "no trial yet")
     _log2_batch_axis(ax, [p.batch_size for p in pts])
     ax.set_ylim(bottom=0, top=top * 1.1)
-    ax.set_ylabel("throughput (samples/s)")
+    ax.set_ylabel(f"throughput ({next((p.unit for p in pts if p.throughput), 'samples')}/s)")
     if pts:
         ax.legend(fontsize=8, loc="best")
     return fig

@@ -54,7 +54,7 @@ def trial_line(trial: FrozenTrial) -> str:
     params = " ".join(f"{_short(k)}={_fmt(v)}" for k, v in trial.params.items())
     parts = [f"#{trial.number:<3} {state_label(trial):<18} {params}"]
     if record.THROUGHPUT in attrs:
-        parts.append(f"{attrs[record.THROUGHPUT]:.0f} samples/s")
+        parts.append(f"{attrs[record.THROUGHPUT]:.0f} {attrs.get(record.UNIT, 'samples')}/s")
     if record.PEAK in attrs:
         parts.append(f"peak {format_bytes(attrs[record.PEAK])}")
     if record.PREDICTED in attrs:
@@ -309,6 +309,12 @@ TRIAL_COLUMNS = (
 )  # fmt: skip
 
 
+def trial_columns(trials: Sequence[FrozenTrial]) -> tuple[str, ...]:
+    """TRIAL_COLUMNS, the throughput in the unit the trials counted (tokens for an LM)."""
+    unit = next((t.user_attrs[record.UNIT] for t in trials if record.UNIT in t.user_attrs), None)
+    return tuple(f"{unit}/s" if c == "samples/s" and unit else c for c in TRIAL_COLUMNS)
+
+
 def trial_row(t: FrozenTrial) -> list[str]:
     a = t.user_attrs
     throughput = a.get(record.THROUGHPUT) if t.state == TrialState.COMPLETE else None
@@ -335,7 +341,7 @@ def summary_markdown(
         parts += [
             "## Recommended configuration",
             f"{rec.describe()}. Rule: {rec.rule.describe()} (`search.recommend`).",
-            _md_table(TRIAL_COLUMNS, [trial_row(rec.trial)]),
+            _md_table(trial_columns(trials), [trial_row(rec.trial)]),
             "Train it again (or `python -m train +best=best.yaml` with this run's `best.yaml`):",
             f"```\n{redact(rerun_command(overrides))}\n```",
         ]
@@ -344,7 +350,7 @@ def summary_markdown(
         title = "Pareto front" if len(metrics) > 1 else "Best trials"
         parts += [
             f"## {title} ({', '.join(metrics)})",
-            _md_table(TRIAL_COLUMNS, map(trial_row, best)),
+            _md_table(trial_columns(trials), map(trial_row, best)),
         ]
     boundary = oom_boundary(trials)
     if boundary:

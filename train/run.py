@@ -251,7 +251,7 @@ def memory_predictor(cfg: DictConfig, spec: RunSpec) -> MemoryPredictor:
     return predictor
 
 
-def num_train(cfg: DictConfig) -> int:
+def train_samples(cfg: DictConfig) -> int:
     """Training samples of the run's data."""
     data = build_data(cfg)
     return len(data.train_y) if isinstance(data, Splits) else len(data.train)
@@ -259,7 +259,7 @@ def num_train(cfg: DictConfig) -> int:
 
 def predict(cfg: DictConfig, spec: RunSpec) -> Prediction:
     """Predicted peak memory of this run's training step (PredictionUnsupported: measure)."""
-    return memory_predictor(cfg, spec).predict(spec.trainer, num_train(cfg))
+    return memory_predictor(cfg, spec).predict(spec.trainer, train_samples(cfg))
 
 
 def check_builds(cfg: DictConfig, spec: RunSpec) -> str | None:

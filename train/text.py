@@ -1,0 +1,161 @@
+"""A byte-level language-modelling corpus that every machine has offline: the source of the
+Python standard library, and a small GPT-style decoder to train on it.
+
+The corpus is the standard library's top-level modules (`*.py` directly in the stdlib
+directory, names not starting with "_"), in sorted order, concatenated until `max_bytes`.
+It is deterministic for a given Python version (another version ships other source, so its
+figures are not comparable); `corpus_sha256` in the data's info says which text a run saw.
+The last `val_fraction` of the bytes is held out for validation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sysconfig
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from train.data import Datasets
+
+VOCAB_SIZE = 256  # bytes
+
+
+def stdlib_source(max_bytes: int) -> bytes:
+    """The first `max_bytes` of the standard library's top-level modules' source."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for path in sorted(root.glob("*.py")):
+        if path.name.startswith("_"):
+            continue
+        text = path.read_bytes()
+        parts.append(text)
+        size += len(text)
+        if size >= max_bytes:
+            break
+    corpus = b"".join(parts)[:max_bytes]
+    if len(corpus) < max_bytes:
+        raise ValueError(
+            f"data.max_bytes={max_bytes} but the standard library at {root} has only "
+            f"{len(corpus)} bytes of top-level source; lower data.max_bytes"
+        )
+    return corpus
+
+
+class ByteChunks(Dataset):
+    """Non-overlapping windows of `seq_len` bytes: sample i is the dict
+    {input_ids: bytes[i*T : i*T+T], labels: bytes[i*T+1 : i*T+T+1]} (int64, shape (T,))."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int):
+        self.data, self.seq_len = data, seq_len
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        start = i * self.seq_len
+        window = self.data[start : start + self.seq_len + 1].long()
+        return {"input_ids": window[:-1], "labels": window[1:]}
+
+
+def python_stdlib(seq_len: int = 128, max_bytes: int = 400_000, val_fraction: float = 0.1):
+    """The stdlib corpus as train and validation `ByteChunks`, with `vocab_size` (256) and
+    `block_size` (seq_len) for the model builder."""
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"data.seq_len must be an integer >= 1, got {seq_len!r}")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction!r}")
+    corpus = stdlib_source(max_bytes)
+    data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
+    num_val = int(len(data) * val_fraction)
+    train, val = ByteChunks(data[:-num_val], seq_len), ByteChunks(data[-num_val:], seq_len)
+    if len(val) == 0:
+        raise ValueError(
+            f"data.seq_len={seq_len} is longer than the {num_val} validation bytes; "
+            "raise data.max_bytes or data.val_fraction"
+        )
+    return Datasets(
+        train,
+        val,
+        vocab_size=VOCAB_SIZE,
+        block_size=seq_len,
+        corpus_sha256=hashlib.sha256(corpus).hexdigest(),
+    )
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and an MLP, each residual."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float):
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        # (B, T, C) -> (B, heads, T, C / heads)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A nanoGPT-style decoder: token and learned position embeddings, `n_layer` blocks, a
+    final LayerNorm and a head tied to the token embedding. input_ids (B, T) -> logits
+    (B, T, vocab_size)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"model.n_embd={n_embd} is not a multiple of model.n_head={n_head}")
+        self.block_size = block_size
+        self.tok = nn.Embedding(vocab_size, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok.weight  # tied, as in GPT-2
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))  # GPT-2's residual scaling
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        t = input_ids.shape[1]
+        if t > self.block_size:
+            raise ValueError(
+                f"a sequence of {t} tokens is longer than block_size={self.block_size}"
+            )
+        x = self.tok(input_ids) + self.pos(torch.arange(t, device=input_ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
