@@ -61,13 +61,19 @@ def main(cfg: DictConfig) -> float | None:
             output_dir=Path(hydra_cfg.runtime.output_dir),
         )
     except ConfigError as error:
-        errors.print(f"[bold red]Configuration error[/bold red]\n{escape(redact(str(error)))}")
+        errors.print(
+            f"[bold red]Configuration error[/bold red]\n{escape(redact(str(error)))}",
+            soft_wrap=True,  # one problem per line, whole, in logs too
+        )
         sys.exit(2)
     try:
         return driver.run()
     except ConfigError as error:  # a trial met a config problem the checks could not see
         driver.parent.log.finish("FAILED")
-        errors.print(f"[bold red]Configuration error[/bold red]\n{escape(redact(str(error)))}")
+        errors.print(
+            f"[bold red]Configuration error[/bold red]\n{escape(redact(str(error)))}",
+            soft_wrap=True,  # one problem per line, whole, in logs too
+        )
         sys.exit(2)
     except TrackingIncomplete as error:
         errors.print(f"[bold red]MLflow records incomplete[/bold red]\n{escape(str(error))}")

@@ -61,6 +61,24 @@ def default_study_name(choices: dict[str, str]) -> str:
     return f"{experiment}-{choices.get('data', 'data')}"
 
 
+# Config sections added after studies may have begun, at their defaults (conf/config.yaml,
+# conf/task/classification.yaml): a study that has them so still resumes.
+_ADDED_SECTIONS = {
+    "loader": {
+        "num_workers": 0,
+        "pin_memory": None,
+        "persistent_workers": True,
+        "prefetch_factor": None,
+        "collate_fn": None,
+    },
+    "task": {
+        "_target_": "train.tasks.Classification",
+        "target_key": "labels",
+        "label_smoothing": 0.0,
+    },
+}
+
+
 def fixed_config(cfg: DictConfig, searched: Sequence[str]) -> str:
     """The config a study's trials share (searched keys and resumable settings removed)."""
     fixed = OmegaConf.to_container(cfg, resolve=True)
@@ -72,6 +90,9 @@ def fixed_config(cfg: DictConfig, searched: Sequence[str]) -> str:
         fixed["search"].pop("accumulation")
     if fixed.get("trainer", {}).get("effective_batch_size", 0) is None:
         fixed["trainer"].pop("effective_batch_size")
+    for key, default in _ADDED_SECTIONS.items():
+        if fixed.get(key) == default:
+            fixed.pop(key)
     for key in _RESUMABLE_KEYS:
         fixed["search"].pop(key, None)
     for key in searched:

@@ -46,7 +46,9 @@ def main(cfg: DictConfig) -> None:
         spec = plan(cfg, cfg.search.memory_budget)
         note = check_builds(cfg, spec)
     except ConfigError as error:
-        errors.print(f"[bold red]Configuration error[/bold red]\n{escape(str(error))}")
+        errors.print(
+            f"[bold red]Configuration error[/bold red]\n{escape(str(error))}", soft_wrap=True
+        )
         sys.exit(2)
     prediction = None
     try:
@@ -81,7 +83,9 @@ def main(cfg: DictConfig) -> None:
         failure = ("oom" if isinstance(error, OutOfMemory) else "diverged", str(error))
     except ConfigError as error:
         log.finish("FAILED")
-        errors.print(f"[bold red]Configuration error[/bold red]\n{escape(str(error))}")
+        errors.print(
+            f"[bold red]Configuration error[/bold red]\n{escape(str(error))}", soft_wrap=True
+        )
         sys.exit(2)
     except BaseException:
         log.finish("FAILED")

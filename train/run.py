@@ -121,6 +121,14 @@ def _data(data_yaml: str) -> Splits | Datasets:
 
 
 def build_data(cfg: DictConfig) -> Splits | Datasets:
+    missing = sorted(f"data.{key}" for key in _missing_keys(cfg.data))
+    if missing:
+        raise ConfigError(
+            [
+                f"{key} is not set (???); set it on the command line, e.g. {key}=/path/to/it"
+                for key in missing
+            ]
+        )
     try:
         data = _data(OmegaConf.to_yaml(cfg.data, resolve=True))
     except InstantiationException as error:
@@ -141,6 +149,19 @@ def build_data(cfg: DictConfig) -> Splits | Datasets:
             ]
         )
     return data
+
+
+def _missing_keys(node: Any, prefix: str = "") -> list[str]:
+    """Keys of a config node that are still mandatory (???), dotted, nested ones included."""
+    found = []
+    items = node.items_ex(resolve=False) if isinstance(node, DictConfig) else []
+    for key, _ in items:
+        path = f"{prefix}{key}"
+        if OmegaConf.is_missing(node, key):
+            found.append(path)
+        elif isinstance(node.get(key), DictConfig):
+            found += _missing_keys(node.get(key), f"{path}.")
+    return found
 
 
 def build_loader(cfg: DictConfig) -> LoaderConfig:
