@@ -90,6 +90,7 @@ class Pipeline:
         self.data = data
         self.loader = loader or LoaderConfig()
         self.device = torch.device(device)
+        self.seed = 0
         self._val_loader: DataLoader | None = None
 
     @property
@@ -101,6 +102,9 @@ class Pipeline:
         return len(self.data.train_y) if self.in_memory else len(self.data.train)
 
     def _dataloader(self, dataset: Any, **kwargs: Any) -> DataLoader:
+        """A DataLoader of `loader.*`, with a generator of its own: starting an iteration
+        draws the workers' base seed from it, never from the global RNG that dropout and
+        augmentation use (reading data must not change the run)."""
         cfg = self.loader
         workers = cfg.num_workers
         pin = cfg.pin_memory if cfg.pin_memory is not None else self.device.type == "cuda"
@@ -111,6 +115,7 @@ class Pipeline:
             pin_memory=pin,
             persistent_workers=cfg.persistent_workers and workers > 0,
             prefetch_factor=cfg.prefetch_factor if workers > 0 else None,
+            generator=torch.Generator().manual_seed(self.seed),
             **kwargs,
         )
 
@@ -127,8 +132,8 @@ class Pipeline:
                 batches = [(x[idx], y[idx]) for idx in micro]
                 yield batches, sum(len(idx) for idx in micro), time.perf_counter() - started
             return
-        gen = torch.Generator().manual_seed(cfg.seed)  # seeds the workers' RNGs
-        loader = self._dataloader(self.data.train, batch_sampler=sampler, generator=gen)
+        self.seed = cfg.seed  # of the workers' RNGs, for validation too
+        loader = self._dataloader(self.data.train, batch_sampler=sampler)
         batches = iter(loader)
         try:
             for micro in sampler.steps():

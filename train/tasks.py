@@ -195,12 +195,19 @@ class Regression(Task):
     def __init__(self, target_key: str = "labels"):
         self.target_key = target_key
 
+    @staticmethod
+    def _column(values: torch.Tensor) -> torch.Tensor:
+        # (N, 1) -> (N,): an output or target column must not broadcast against the other
+        return values.squeeze(-1) if values.dim() > 1 and values.shape[-1] == 1 else values
+
     def predictions(self, output: Any) -> torch.Tensor:
-        preds = logits_of(output).float()
-        return preds.squeeze(-1) if preds.dim() > 1 and preds.shape[-1] == 1 else preds
+        return self._column(logits_of(output).float())
+
+    def target(self, batch: Any) -> torch.Tensor:
+        return self._column(super().target(batch).float())
 
     def loss(self, output: Any, batch: Any) -> torch.Tensor:
-        target = self.target(batch).float()
+        target = self.target(batch)
         return F.mse_loss(self.predictions(output), target, reduction="sum") / max(
             1, target[0].numel()
         )
