@@ -235,17 +235,13 @@ def batchfit_run(
     client = driver.tracker.client
     run_id = attrs["mlflow_run_id"]
     metrics = client.get_run(run_id).data.metrics
-    (last,) = client.get_metric_history(run_id, "train/final_loss")
-    num_steps = last.step
-    spec = plan(cfg, None)
-    timed_steps = num_steps - first_timed_step(num_steps, spec.trainer.warmup_steps, spec.device)
-    # throughput x step time = samples per timed step, from batchfit's own two numbers
-    samples_per_step = attrs["throughput"] * attrs["step_ms"] / 1000
+    # The run's last step: where its curves (train/loss, logged per interval) end.
+    num_steps = max(m.step for m in client.get_metric_history(run_id, "train/loss"))
     return Measured(
         throughput=attrs["throughput"],
         num_steps=num_steps,
-        timed_steps=timed_steps,
-        timed_samples=round(samples_per_step * timed_steps),
+        timed_steps=attrs["timed_steps"],
+        timed_samples=attrs["timed_samples"],
         val_acc=attrs["val_acc"],
         final_loss=metrics["train/final_loss"],
         wall_s=time.perf_counter() - wall,

@@ -25,8 +25,8 @@ from rich.markup import escape  # messages carry [...]: not markup
 
 from search.compose import task_overrides
 from search.driver import StudyDriver, TrackingIncomplete
-from search.redact import redact, redact_logging
-from search.tracking import http_defaults, quiet_logging
+from tracking.redact import redact, redact_logging
+from tracking.runs import http_defaults, quiet_logging
 from train.config import ConfigError
 
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from search.redact import redact
+from tracking.redact import redact
 from train.config import ConfigError
 from train.tasks import Classification, Task
 

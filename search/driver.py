@@ -16,10 +16,7 @@ from rich.console import Console
 
 from search import fit, report
 from search.objective import Objective, TrialFailed
-from search.outbox import is_transient
-from search.overhead import CallClock, Lap, storage_methods
-from search.redact import redact
-from search.results import Results
+from search.results import Results, StudyRun
 from search.sampler import FeasibilityFilter
 from search.study import (
     SURPLUS_ATTR,
@@ -31,8 +28,11 @@ from search.study import (
     open_study,
     should_start_trial,
 )
-from search.tracking import RunLog, StudyRun, Tracker, ui_link
 from search.validate import Checked, validate
+from tracking.outbox import is_transient
+from tracking.overhead import CallClock, Lap, storage_methods
+from tracking.redact import redact
+from tracking.runs import RunLog, Tracker, ui_link
 from train.overrides import override_key
 from train.predict import PredictionUnsupported
 

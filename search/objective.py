@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from search import record, report
 from search.config import SearchConfig
 from search.space import SearchSpace
-from search.tracking import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG, RunLog, Tracker
+from tracking.runs import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG, RunLog, Tracker
 from train.config import ConfigError
 from train.loop import Diverged, Hooks, RunResult
 from train.memory import OutOfMemory, format_bytes, release_memory
@@ -357,6 +357,9 @@ class Objective:
                     ),
                     record.UNIT: result.unit,
                     "step_ms": result.step_ms,
+                    # what the throughput clock timed (warm-up and memory-measured steps out)
+                    "timed_steps": result.timed_steps,
+                    "timed_samples": result.timed_samples,
                     record.VAL_ACC: result.val.get("val/acc"),
                     record.PEAK: result.peak_bytes,
                     record.METRICS: result.figures(),

@@ -27,9 +27,9 @@ from rich.table import Table
 
 from search import record
 from search.recommend import Recommendation
-from search.redact import redact
 from search.space import override_value
 from search.study import counts_as_finished
+from tracking.redact import redact
 from train.memory import format_bytes
 from train.overrides import BEST_KEY, override_key
 from train.run import ACCUM_KEY, BATCH_KEY, EFFECTIVE_PARAM, LR_PARAM, PRECISION_KEY

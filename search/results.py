@@ -12,15 +12,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial
+from optuna.study import StudyDirection
+from optuna.trial import FrozenTrial, TrialState
 
 from search import plots, report
 from search.config import RecommendRule
 from search.recommend import Recommendation, best_document, recommend
-from search.redact import redact
-from search.tracking import RunLog
+from tracking.redact import redact
+from tracking.runs import RunLog
 from train.overrides import BEST_FILE
 
 PUBLISH_EVERY_S = 15.0
@@ -88,3 +90,32 @@ class Results:
         )
         self._published_at = time.monotonic()
         return rec
+
+
+class StudyRun:
+    """The study's parent run: counts per state and the best value of each objective."""
+
+    def __init__(self, log: RunLog, metrics: list[str]):
+        self.log = log
+        self.metrics = metrics
+
+    def update(self, study: Any) -> None:
+        """Optuna callback: refresh counts and best values after each finished trial. Each
+        best/<metric> is the best of that objective so far over all completed trials (one
+        trial need not hold them all), so its chart only ever improves."""
+        trials = study.get_trials(deepcopy=False)
+        counts: dict[str, float] = {
+            "trials/" + label.lower().replace(" (", "_").rstrip(")"): n
+            for label, n in report.counts_by_state(trials).items()
+        }
+        counts["trials/finished"] = sum(counts.values())
+        complete = [t for t in trials if t.state == TrialState.COMPLETE and t.values]
+        for i, (metric, direction) in enumerate(zip(self.metrics, study.directions, strict=True)):
+            values = [t.values[i] for t in complete]
+            if values:
+                pick = max if direction == StudyDirection.MAXIMIZE else min
+                counts[f"best/{metric}"] = pick(values)
+        self.log.metrics(counts, step=len(trials), flush=True)
+
+    def __call__(self, study: Any, trial: Any) -> None:
+        self.update(study)

@@ -30,7 +30,7 @@ from optuna.storages._heartbeat import BaseHeartbeat
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 
-from search.redact import redact
+from tracking.redact import redact
 from train.config import ConfigError
 
 JOURNAL_PREFIX = "journal:"

@@ -59,7 +59,7 @@ def test_gpt_study_reports_tokens_perplexity_and_exact_prediction(tmp_path: Path
     big = [t for t in finished if t.params["trainer.batch_size"] * t.params["data.seq_len"] > 8192]
     for t in big:
         assert t.state == TrialState.PRUNED and t.user_attrs["reason"] == "oom_predicted"
-    assert "tokens/s" in out and "val/perplexity" in out
+    assert "tokens/s" in out and "the best throughput/tokens_per_sec" in out
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     experiment = client.get_experiment_by_name(study.study_name)

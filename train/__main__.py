@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
 
-from search.redact import redact_logging
-from search.tracking import ROLE_TAG, STATE_TAG, Tracker, http_defaults, quiet_logging
+from tracking.redact import redact_logging
+from tracking.runs import ROLE_TAG, STATE_TAG, Tracker, http_defaults, quiet_logging
 from train.config import ConfigError
 from train.loop import Diverged, Hooks
 from train.memory import OutOfMemory, format_bytes
@@ -30,7 +30,7 @@ from train.overrides import BEST_KEY, load_overrides, merge_overrides, override_
 from train.predict import PredictionUnsupported
 from train.run import check_builds, plan, predict, run
 
-# The entry point is the composition root: it wires MLflow (search.tracking) to the training
+# The entry point is the composition root: it wires MLflow (tracking.runs) to the training
 # loop's hooks. The train/ library modules themselves know nothing of MLflow.
 
 

@@ -78,7 +78,8 @@ class ArgmaxAccuracy(Metric):
         self.total += keep.sum()
 
     def compute(self) -> torch.Tensor:
-        return self.correct.float() / self.total.clamp_min(1)
+        # in float64: exactly correct / total, as a Python division of the counts gives it
+        return self.correct.double() / self.total.clamp_min(1)
 
 
 class Task:

@@ -23,7 +23,7 @@ from search.plots import MIN_IMPORTANCE_TRIALS
 from search.recommend import recommend
 from search.report import EPOCH_LINES_AFTER_S, StudyProgress, run_name, summary_markdown
 from search.results import PUBLISH_EVERY_S, RECOMMENDED_TAG, Results
-from search.tracking import NOTE_TAG, Tracker
+from tracking.runs import NOTE_TAG, Tracker
 from train.overrides import load_overrides
 
 METRICS = ["val/acc", "throughput/samples_per_sec"]

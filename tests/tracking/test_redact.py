@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from search.redact import RedactingFilter, redact, redact_file, redact_tree
+from tracking.redact import RedactingFilter, redact, redact_file, redact_tree
 
 
 @pytest.mark.parametrize(

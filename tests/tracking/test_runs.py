@@ -11,9 +11,9 @@ from pathlib import Path
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from search.outbox import Outbox
-from search.tracking import RunLog, Tracker, http_defaults
 from tests.sweeps import free_port
+from tracking.outbox import Outbox
+from tracking.runs import RunLog, Tracker, http_defaults
 
 
 def test_outbox_queues_writes_to_an_unreachable_server_in_order(monkeypatch) -> None:

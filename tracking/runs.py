@@ -27,12 +27,9 @@ from typing import Any
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-from optuna.study import StudyDirection
-from optuna.trial import TrialState
 
-from search.outbox import RETRY_MIN_S, Outbox, is_transient
-from search.redact import redact
-from search.report import counts_by_state
+from tracking.outbox import RETRY_MIN_S, Outbox, is_transient
+from tracking.redact import redact
 from train.config import ConfigError
 
 PARENT_TAG = "mlflow.parentRunId"
@@ -391,32 +388,3 @@ class Tracker:
     def close(self, timeout_s: float) -> bool:
         """Wait for queued writes; False if some are still unwritten after `timeout_s`."""
         return self.outbox.wait(timeout_s)
-
-
-class StudyRun:
-    """The study's parent run: counts per state and the best value of each objective."""
-
-    def __init__(self, log: RunLog, metrics: list[str]):
-        self.log = log
-        self.metrics = metrics
-
-    def update(self, study: Any) -> None:
-        """Optuna callback: refresh counts and best values after each finished trial. Each
-        best/<metric> is the best of that objective so far over all completed trials (one
-        trial need not hold them all), so its chart only ever improves."""
-        trials = study.get_trials(deepcopy=False)
-        counts: dict[str, float] = {
-            "trials/" + label.lower().replace(" (", "_").rstrip(")"): n
-            for label, n in counts_by_state(trials).items()
-        }
-        counts["trials/finished"] = sum(counts.values())
-        complete = [t for t in trials if t.state == TrialState.COMPLETE and t.values]
-        for i, (metric, direction) in enumerate(zip(self.metrics, study.directions, strict=True)):
-            values = [t.values[i] for t in complete]
-            if values:
-                pick = max if direction == StudyDirection.MAXIMIZE else min
-                counts[f"best/{metric}"] = pick(values)
-        self.log.metrics(counts, step=len(trials), flush=True)
-
-    def __call__(self, study: Any, trial: Any) -> None:
-        self.update(study)

@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 from mlflow.exceptions import MlflowException
 
-from search.overhead import CallClock
-from search.redact import redact
+from tracking.overhead import CallClock
+from tracking.redact import redact
 
 # Failures that pass: the write is tried again later. Anything else is a real error.
 _TRANSIENT = re.compile(
