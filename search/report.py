@@ -49,6 +49,11 @@ def _fmt(value: object) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
+# A trial line says when a configuration spends this share of its step time or more waiting
+# for its input pipeline (loader.num_workers is then worth searching).
+STARVED_SHARE = 0.2
+
+
 def trial_line(trial: FrozenTrial) -> str:
     attrs = trial.user_attrs
     params = " ".join(f"{_short(k)}={_fmt(v)}" for k, v in trial.params.items())
@@ -63,8 +68,11 @@ def trial_line(trial: FrozenTrial) -> str:
             f"predicted {format_bytes(attrs['predicted_bytes'])}"
             + (f" ({error:+.1%})" if error is not None else "")
         )
-    if record.VAL_ACC in attrs:
+    if attrs.get(record.VAL_ACC) is not None:
         parts.append(f"val acc {attrs[record.VAL_ACC]:.3f}")
+    wait = attrs.get(record.METRICS, {}).get("time/data_wait_share")
+    if wait is not None and wait >= STARVED_SHARE:
+        parts.append(f"waiting for data {wait:.0%} of the time")
     if "seconds" in attrs:
         parts.append(f"{attrs['seconds']:.1f} s")
     if trial.state != TrialState.COMPLETE and record.MESSAGE in attrs:
