@@ -11,17 +11,15 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from train.config import ConfigError, TrainerConfig
-from train.loop import memory_steps, step_micro_batch_sizes
-from train.predict import (
+from train.allocator import (
     CachingAllocatorModel,
-    MemoryPredictor,
-    PredictionUnsupported,
     cublas_workspace_bytes,
     cuda_reserved_bytes,
     expandable_segments,
-    largest_fitting_batch,
 )
+from train.config import ConfigError, TrainerConfig
+from train.loop import memory_steps, step_micro_batch_sizes
+from train.predict import MemoryPredictor, PredictionUnsupported, largest_fitting_batch
 from train.run import (
     build_data,
     build_model,
