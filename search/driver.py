@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from search import fit, report
-from search.objective import Objective, TrialFailed
+from search.objective import Objective
+from search.outcome import TrialFailed
 from search.results import Results, StudyRun
 from search.sampler import FeasibilityFilter
 from search.study import (

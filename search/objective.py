@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import optuna
@@ -28,10 +27,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from search import record, report
 from search.config import SearchConfig
+from search.outcome import Outcome, record_outcome
 from search.space import SearchSpace
 from tracking.runs import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG, RunLog, Tracker
 from train.config import ConfigError
-from train.loop import Diverged, Hooks, RunResult
+from train.loop import Diverged, Hooks
 from train.memory import OutOfMemory, format_bytes, release_memory
 from train.predict import Prediction, PredictionUnsupported, fits_budget, largest_fitting_batch
 from train.run import RunSpec, memory_predictor, plan, predict, run, train_samples
@@ -45,31 +45,12 @@ PROBE_MARGIN = 4.0
 STEP_MARGIN = 1.5
 
 
-# Logged per interval while a trial trains (the unit's throughput too, e.g. tokens_per_sec).
-CURVE_METRICS = ("throughput/samples_per_sec", "time/data_wait_share")
-
-
 class Prune(Exception):
     """Stop this trial as PRUNED for `reason`."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
-
-
-class TrialFailed(Exception):
-    """This trial failed; the study goes on (the only exception `optimize` catches)."""
-
-
-@dataclass
-class Outcome:
-    state: str  # COMPLETE, PRUNED or FAIL
-    reason: str | None = None
-    message: str = ""
-    result: RunResult | None = None
-    peak_bytes: int | None = None
-    error_traceback: str | None = None
-    prediction: Prediction | None = None
 
 
 class TimeBudget:
@@ -99,35 +80,6 @@ class TimeBudget:
                 f"{step} of {num_steps} steps took {elapsed_s:.0f} s, projecting "
                 f"{projected:.0f} s, over search.trial_time_budget_s={self.budget_s:g}",
             )
-
-
-def _memory_violation(
-    outcome: Outcome, peak_bytes: int | None, budget_bytes: int, margin: float
-) -> float | None:
-    """(peak - budget) / budget: > 0 for a trial that did not fit, <= 0 for one that did;
-    None when nothing is known of its memory. A predicted OOM counts its peak with the
-    margin that pruned it. A CUDA OOM stops the allocator before the peak, so an OOM's
-    violation is at least 1%."""
-    predicted = outcome.prediction.peak_bytes if outcome.prediction else None
-    if outcome.reason == "oom_predicted" and predicted is not None:
-        return max(predicted * (1 + margin) / budget_bytes - 1, 0.01)
-    if outcome.reason in ("oom", "oom_predicted"):
-        peak = max(outcome.peak_bytes or 0, predicted or 0)
-        return max((peak - budget_bytes) / budget_bytes, 0.01)
-    if outcome.result is not None:
-        peak = outcome.result.reserved_bytes or outcome.result.peak_bytes
-    else:
-        peak = peak_bytes if peak_bytes is not None else predicted
-    if peak is None:
-        return None
-    return min((peak - budget_bytes) / budget_bytes, 0.0)  # it ran: it fitted
-
-
-def objective_values(result: RunResult, metrics: list[str]) -> list[float]:
-    """A completed run's values of the objectives (NaN where the run has none: Optuna then
-    fails the trial, with the reason)."""
-    by_name = result.figures()
-    return [by_name.get(m, float("nan")) for m in metrics]
 
 
 class Objective:
@@ -270,7 +222,9 @@ class Objective:
             run_log.tags({STATE_TAG: "INTERRUPTED"})
             run_log.finish("KILLED")
             raise
-        return self._record(trial, outcome, run_log, spec, seconds)
+        return record_outcome(
+            trial, outcome, run_log, spec, seconds, self.settings, self.overhead()
+        )
 
     def _train(self, trial: optuna.Trial, cfg: DictConfig, spec: RunSpec, log: RunLog) -> Outcome:
         budget = TimeBudget(self.settings.trial_time_budget_s)
@@ -336,91 +290,3 @@ class Objective:
                         )
 
         return on_eval
-
-    def _record(
-        self, trial: optuna.Trial, outcome: Outcome, log: RunLog, spec: RunSpec, seconds: float
-    ) -> list[float]:
-        attrs: dict[str, Any] = {record.STATE: outcome.state, "seconds": round(seconds, 2)}
-        overhead = self.overhead()
-        metrics: dict[str, float] = {"time/trial_s": seconds, **overhead}
-        attrs.update({key.removeprefix("time/"): value for key, value in overhead.items()})
-        if "mlflow_run_id" not in trial.user_attrs and log.run_id is not None:
-            attrs["mlflow_run_id"] = log.run_id
-        if spec.budget_bytes is not None:
-            attrs[record.BUDGET] = metrics["memory/budget_bytes"] = spec.budget_bytes
-        result = outcome.result
-        if result is not None:
-            attrs.update(
-                {
-                    record.THROUGHPUT: result.figures().get(
-                        f"throughput/{result.unit}_per_sec", result.throughput_samples_per_sec
-                    ),
-                    record.UNIT: result.unit,
-                    "step_ms": result.step_ms,
-                    # what the throughput clock timed (warm-up and memory-measured steps out)
-                    "timed_steps": result.timed_steps,
-                    "timed_samples": result.timed_samples,
-                    record.VAL_ACC: result.val.get("val/acc"),
-                    record.PEAK: result.peak_bytes,
-                    record.METRICS: result.figures(),
-                }
-            )
-            metrics.update(result.metrics())
-        elif outcome.peak_bytes is not None:
-            attrs[record.PEAK] = metrics["memory/peak_bytes"] = outcome.peak_bytes
-        if outcome.prediction is not None:
-            predicted = outcome.prediction.peak_bytes
-            attrs[record.PREDICTED] = metrics["memory/predicted_bytes"] = predicted
-            metrics["time/prediction_s"] = outcome.prediction.seconds
-            if result is not None:
-                # The caching allocator's reserve is what runs out on CUDA; on CPU the peak.
-                measured = result.reserved_bytes or result.peak_bytes
-                error = (predicted - measured) / measured
-                attrs["prediction_error"] = metrics["memory/prediction_error"] = error
-        if self.settings.oom_constraint and spec.budget_bytes is not None:
-            violation = _memory_violation(
-                outcome,
-                attrs.get(record.PEAK, trial.user_attrs.get(record.PEAK)),
-                spec.budget_bytes,
-                self.settings.preflight_margin,
-            )
-            if violation is not None:
-                trial.set_constraint("memory", violation)
-                attrs["memory_violation"] = violation
-        if outcome.reason:
-            attrs[record.REASON] = outcome.reason
-            attrs[record.MESSAGE] = outcome.message[:1000]
-        if outcome.state == "FAIL":
-            attrs["error"] = outcome.message[:1000]
-        for key, value in attrs.items():
-            trial.set_user_attr(key, value)
-        # The trial's end figures at step 0: MLflow's chart view draws a metric whose last
-        # step is 0 as one bar per run (a comparison), not as a one-point line. Figures
-        # with a curve (throughput, logged per interval) end at the last step instead.
-        curves = {
-            k: v
-            for k, v in metrics.items()
-            if (k in CURVE_METRICS or k.startswith("throughput/")) and v == v
-        }
-        log.metrics({k: v for k, v in metrics.items() if k not in curves and v == v}, step=0)
-        if curves:
-            log.metrics(curves, step=result.num_steps if result else 0)
-        tags = {STATE_TAG: outcome.state}
-        if outcome.reason:
-            tags.update(
-                {
-                    "batchfit.prune_reason": outcome.reason,
-                    "batchfit.message": outcome.message[:5000],
-                }
-            )
-        log.tags(tags)
-        log.rename(report.run_name(trial.number, {**trial.user_attrs, **attrs}))
-        if outcome.error_traceback:
-            log.text(outcome.error_traceback, "error.txt")
-        log.finish("FAILED" if outcome.state == "FAIL" else "FINISHED")
-        if outcome.state == "PRUNED":
-            raise optuna.TrialPruned(f"{outcome.reason}: {outcome.message}")
-        if outcome.state == "FAIL":
-            raise TrialFailed(outcome.message)
-        assert result is not None
-        return objective_values(result, self.settings.metrics)
