@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
@@ -76,6 +76,9 @@ class FitReport:
     accum_steps: list[int | None]  # searched: every accumulation of the space; derived: [None]
     cells: dict[tuple[str, int, int | None], Cell] = field(default_factory=dict)
     seconds: float = 0.0
+    # Other searched keys, held at the config's value here (e.g. data.seq_len: memory also
+    # follows it; each trial is predicted with its own).
+    held: dict[str, object] = field(default_factory=dict)
 
     def largest(self, precision: str, accum: int | None = None) -> int | None:
         fitting = [b for b in self.batch_sizes if self.cells[precision, b, accum].fits]
@@ -163,6 +166,12 @@ def fit_report(
         sorted({int(b) for b in rows}),
         accums,
     )
+    geometry_keys = {BATCH_KEY, ACCUM_KEY, PRECISION_KEY, EFFECTIVE_KEY, "optimizer.lr"}
+    report.held = {
+        key: OmegaConf.select(cfg, key)
+        for key in space.distributions
+        if key not in geometry_keys and OmegaConf.select(cfg, key) is not None
+    }
     predictor = memory_predictor(cfg, spec)
     num_train = train_samples(cfg)
     for precision in precisions:
@@ -238,6 +247,9 @@ def render(report: FitReport) -> Table:
         else "predicted peak per batch size x accum_steps"
     )
     notes = [f"n/a: {reason}; trials skip it" for reason in report.unsupported.values()]
+    if report.held:
+        held = ", ".join(f"{key}={value}" for key, value in report.held.items())
+        notes.append(f"at {held}, as configured; trials predict their own values")
     table = Table(
         title=f"Fit report: {what}; budget {budget}, margin {report.margin:.0%}",
         caption="\n".join([f"predicted in {report.seconds:.1f} s, nothing trained", *notes]),

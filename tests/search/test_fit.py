@@ -170,3 +170,13 @@ def test_the_derived_report_shows_each_effective_batch_and_tf32(hydra_conf) -> N
     assert report.largest("fp32") == 4096
     text = _text(report)
     assert "accum_steps" not in text and f"n/a: {TF32_ON_CPU}" in " ".join(text.split())
+
+
+def test_other_searched_keys_are_named_at_the_value_the_report_holds(hydra_conf) -> None:
+    # The gpt experiment also searches data.seq_len, which the memory follows: the report is
+    # for the configured sequence length, and says so; the lr (no memory) is not named.
+    overrides = ["+experiment=gpt", "data.max_bytes=20000", "data.seq_len=64"]
+    report = _report(hydra_conf, overrides)
+    assert report.held == {"data.seq_len": 64}
+    assert "at data.seq_len=64, as configured" in _text(report)
+    assert _report(hydra_conf, ["+experiment=resnet", *SMALL]).held == {}
