@@ -34,7 +34,7 @@ from train.config import ConfigError
 from train.loop import Diverged, Hooks
 from train.memory import OutOfMemory, format_bytes, release_memory
 from train.predict import Prediction, PredictionUnsupported, fits_budget, largest_fitting_batch
-from train.run import RunSpec, memory_predictor, plan, predict, run, train_samples
+from train.run import RunSpec, data_params, memory_predictor, plan, predict, run, train_samples
 
 # The probe overestimates per-sample time (8 samples run less efficiently than a real
 # micro-batch), so it only stops a trial projected far past its budget. Calibrated on
@@ -200,7 +200,7 @@ class Objective:
         if run_log.run_id is not None:  # None while MLflow is unreachable: known later
             trial.set_user_attr("mlflow_run_id", run_log.run_id)
         try:
-            run_log.params({**values, **params})
+            run_log.params({**values, **params, **data_params(cfg)})
             run_log.text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
             if fits:
                 outcome = self._train(trial, cfg, spec, run_log)

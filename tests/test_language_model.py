@@ -70,6 +70,9 @@ def test_gpt_study_reports_tokens_perplexity_and_exact_prediction(tmp_path: Path
         for name in ("throughput/tokens_per_sec", "val/perplexity", "memory/prediction_error",
                      "time/data_wait_share"):  # fmt: skip
             assert name in run.data.metrics, name
+        # Which text the run saw: the corpus's hash and what the model was built for.
+        assert len(run.data.params["data_info.corpus_sha256"]) == 64
+        assert run.data.params["data_info.vocab_size"] == "256"
 
     # The printed rerun trains the recommended configuration again, to the same val loss.
     rec = study.trials[int(out.split("Recommended: trial ")[1].split(",")[0])]

@@ -28,7 +28,7 @@ from train.loop import Diverged, Hooks
 from train.memory import OutOfMemory, format_bytes
 from train.overrides import BEST_KEY, load_overrides, merge_overrides, override_key
 from train.predict import PredictionUnsupported
-from train.run import check_builds, plan, predict, run
+from train.run import check_builds, data_params, plan, predict, run
 
 # The entry point is the composition root: it wires MLflow (tracking.runs) to the training
 # loop's hooks. The train/ library modules themselves know nothing of MLflow.
@@ -59,7 +59,7 @@ def main(cfg: DictConfig) -> None:
         console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
     tracker = Tracker.from_config(cfg.mlflow, "train")
     log = tracker.start_run("train", tags={ROLE_TAG: "train"})
-    log.params(spec.params())
+    log.params({**spec.params(), **data_params(cfg)})
     log.text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
     console.print(
         f"Training on {spec.device}: batch {spec.trainer.batch_size} x {spec.trainer.accum_steps} "

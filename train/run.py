@@ -208,6 +208,12 @@ def build_task(cfg: DictConfig) -> Task:
     return task
 
 
+def data_params(cfg: DictConfig) -> dict[str, Any]:
+    """What the data says of itself (`info`: num_classes, vocab_size, corpus_sha256, ...) as
+    run params, `data_info.<name>`: which data a run saw, beside the config that built it."""
+    return {f"data_info.{key}": value for key, value in build_data(cfg).info.items()}
+
+
 def build_pipeline(cfg: DictConfig, device: torch.device) -> Pipeline:
     return Pipeline(build_data(cfg), build_loader(cfg), device)
 
