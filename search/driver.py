@@ -18,7 +18,7 @@ from search import fit, report
 from search.objective import Objective
 from search.outcome import TrialFailed
 from search.results import Results, StudyRun
-from search.sampler import FeasibilityFilter
+from search.sampler import FeasibilityFilter, grid_exhausted
 from search.study import (
     SURPLUS_ATTR,
     claims_slot,
@@ -106,8 +106,9 @@ def fixed_config(cfg: DictConfig, searched: Sequence[str]) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(fixed), sort_keys=True)
 
 
-def _sampler(cfg: DictConfig, oom_constraint: bool) -> optuna.samplers.BaseSampler:
-    sampler = instantiate(cfg.search.sampler)
+def _sampler(
+    sampler: optuna.samplers.BaseSampler, oom_constraint: bool
+) -> optuna.samplers.BaseSampler:
     # Memory-infeasible trials (constraint `memory` > 0) keep the sampler off their region.
     return FeasibilityFilter(sampler) if oom_constraint else sampler
 
@@ -203,7 +204,7 @@ class StudyDriver:
             name,
             checked.storage,
             settings.directions,
-            _sampler(cfg, settings.oom_constraint),
+            _sampler(checked.sampler, settings.oom_constraint),
             instantiate(cfg.search.pruner),
             fixed,
         )
@@ -294,6 +295,12 @@ class StudyDriver:
             optuna.storages.fail_stale_trials(self.study)
             self._end_killed_runs(console)
             start = should_start_trial(self.study, n_trials)
+            if start and grid_exhausted(self.study.sampler, self.study):
+                console.print(
+                    f"the grid is exhausted: every configuration of search.params was proposed "
+                    f"({num_finished(self.study)} finished trials, search.n_trials={n_trials})"
+                )
+                return
             if start is False or (start is None and not self.checked.settings.heartbeat_interval_s):
                 return  # without heartbeats a dead worker's trial is never seen: do not wait
             if start is None:

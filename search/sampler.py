@@ -14,14 +14,25 @@ samplers that only sample independently (RandomSampler, TPE without multivariate
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optuna
-from optuna.distributions import BaseDistribution, FloatDistribution
-from optuna.samplers import BaseSampler
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf
+from optuna.distributions import (
+    BaseDistribution,
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+)
+from optuna.samplers import BaseSampler, GridSampler, TPESampler
 from optuna.trial import FrozenTrial, TrialState
 
+from search.space import SearchSpace
+from train.config import ConfigError
 from train.run import ACCUM_KEY, BATCH_KEY
 
 CONSTRAINT = "memory"
@@ -110,3 +121,82 @@ class FeasibilityFilter(BaseSampler):
 
     def reseed_rng(self) -> None:
         self.base.reseed_rng()
+
+
+def grid_of(space: SearchSpace) -> dict[str, list[Any]]:
+    """search.params as GridSampler's search space: every value of every key. A continuous
+    interval has no finite grid: refused, with points to use instead."""
+    grid: dict[str, list[Any]] = {}
+    problems = []
+    for key, dist in space.distributions.items():
+        if isinstance(dist, CategoricalDistribution):
+            grid[key] = list(dist.choices)
+        elif isinstance(dist, IntDistribution) and not dist.log:
+            grid[key] = list(range(dist.low, dist.high + 1, dist.step))
+        elif isinstance(dist, IntDistribution | FloatDistribution) and dist.step is not None:
+            count = round((dist.high - dist.low) / dist.step) + 1
+            grid[key] = [dist.low + i * dist.step for i in range(count)]
+        else:
+            points = _points(dist.low, dist.high, dist.log)
+            problems.append(
+                f"search.params.{key} is continuous ({'log ' if dist.log else ''}interval "
+                f"{dist.low:g}..{dist.high:g}), which search/sampler=grid cannot enumerate; "
+                f"give it as points, e.g. {key}: choice({', '.join(points)}), or search it with "
+                "search/sampler=tpe or random"
+            )
+    if problems:
+        raise ConfigError(problems)
+    return grid
+
+
+def _points(low: float, high: float, log: bool, count: int = 4) -> list[str]:
+    if log and low > 0:
+        ratio = math.log(high / low)
+        values = [low * math.exp(ratio * i / (count - 1)) for i in range(count)]
+    else:
+        values = [low + (high - low) * i / (count - 1) for i in range(count)]
+    return [f"{v:.2g}" for v in values]
+
+
+def build_sampler(node: DictConfig, space: SearchSpace) -> tuple[BaseSampler, list[str]]:
+    """The sampler of search.sampler, and what was left out of its settings. GridSampler's
+    grid is derived from search.params. Settings that only TPE takes (an experiment's
+    n_startup_trials, multivariate) are dropped for another sampler, and said; any other
+    unknown setting is an error."""
+    values = OmegaConf.to_container(node, resolve=True)
+    target_path = values.pop("_target_", None)
+    try:
+        target = get_object(target_path)
+    except Exception as error:  # noqa: BLE001 - any import error of the user's path
+        raise ConfigError([f"search.sampler._target_={target_path!r}: {error}"]) from None
+    params = inspect.signature(target).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    tpe_only = set(inspect.signature(TPESampler).parameters)
+    dropped = sorted(k for k in values if k not in params and not takes_all and k in tpe_only)
+    unknown = sorted(k for k in values if k not in params and not takes_all and k not in tpe_only)
+    if unknown:
+        raise ConfigError(
+            [
+                f"search.sampler: {target.__name__} takes no {', '.join(unknown)}; it takes "
+                f"{', '.join(sorted(params))}"
+            ]
+        )
+    kwargs = {k: v for k, v in values.items() if k not in dropped}
+    if isinstance(target, type) and issubclass(target, GridSampler):
+        kwargs.setdefault("search_space", grid_of(space))
+    notes = []
+    if dropped:
+        notes.append(
+            f"search.sampler: {', '.join(dropped)} left out: settings of TPE, not of "
+            f"{target.__name__}"
+        )
+    if isinstance(target, type) and issubclass(target, GridSampler):
+        size = math.prod(len(v) for v in kwargs["search_space"].values())
+        notes.append(f"grid of {size} configurations from search.params")
+    return target(**kwargs), notes
+
+
+def grid_exhausted(sampler: BaseSampler, study: optuna.Study) -> bool:
+    """Whether a grid sampler (wrapped or not) has proposed every point of its grid."""
+    base = sampler.base if isinstance(sampler, FeasibilityFilter) else sampler
+    return isinstance(base, GridSampler) and base.is_exhausted(study)

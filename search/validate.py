@@ -16,9 +16,11 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import CategoricalDistribution
+from optuna.samplers import BaseSampler
 from optuna.storages import BaseStorage
 
 from search.config import OBJECTIVE_METRICS, RecommendRule, SearchConfig, known_metrics
+from search.sampler import build_sampler
 from search.space import SearchSpace, parse_space
 from search.storage import open_storage
 from train.config import ConfigError
@@ -45,6 +47,7 @@ class Checked:
     spec: RunSpec  # the base run (before sampling)
     storage: BaseStorage
     notes: list[str]
+    sampler: BaseSampler | None = None  # search.sampler, built (a grid from the space)
 
 
 def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
@@ -140,6 +143,12 @@ def validate(
             )
         elif note:
             notes.append(note)
+    sampler = None
+    if space is not None:
+        built = _collect(problems, lambda: build_sampler(cfg.search.sampler, space))
+        if built is not None:
+            sampler, sampler_notes = built
+            notes += sampler_notes
     if space is not None and not problems:
         _collect(problems, lambda: _compose_trial(compose, space))
     storage = None
@@ -149,7 +158,7 @@ def validate(
         )
     if problems:
         raise ConfigError(problems)
-    return Checked(settings, space, spec, storage, notes)
+    return Checked(settings, space, spec, storage, notes, sampler)
 
 
 def _compose_trial(compose: Callable[[list[str]], DictConfig], space: SearchSpace) -> None:
