@@ -15,6 +15,8 @@ RUN_METRICS = {
     "throughput/samples_per_sec": "maximize",
     "memory/peak_bytes": "minimize",
     "time/data_wait_share": "minimize",
+    "perf/mfu": "maximize",  # model FLOPs utilisation (train/flops.py)
+    "perf/achieved_flops": "maximize",
 }
 
 

@@ -31,7 +31,8 @@ from search.outcome import Outcome, record_outcome
 from search.space import SearchSpace
 from tracking.runs import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG, RunLog, Tracker
 from train.config import ConfigError
-from train.loop import Diverged, Hooks
+from train.flops import mfu_metrics, peak_flops
+from train.loop import Diverged, Hooks, RunResult
 from train.memory import OutOfMemory, format_bytes, release_memory
 from train.predict import Prediction, PredictionUnsupported, fits_budget, largest_fitting_batch
 from train.run import RunSpec, data_params, memory_predictor, plan, predict, run, train_samples
@@ -239,7 +240,7 @@ class Objective:
         try:
             with self.tracker.system_metrics(log.run_id):
                 result = run(cfg, spec, hooks)
-            outcome = Outcome("COMPLETE", result=result)
+            outcome = Outcome("COMPLETE", result=result, perf=self._perf(cfg, spec, result))
         except OutOfMemory as oom:
             outcome = Outcome("PRUNED", "oom", str(oom), peak_bytes=oom.peak_bytes)
         except Diverged as diverged:
@@ -258,6 +259,17 @@ class Objective:
         # Outside the except blocks: the exception and the frames it pinned are gone.
         release_memory(spec.device)
         return outcome
+
+    def _perf(self, cfg: DictConfig, spec: RunSpec, result: RunResult) -> dict[str, float]:
+        """perf/* of a completed run: FLOPs per sample counted on the predictor's fake model,
+        and MFU against the device's peak (train/flops.py); none for a model that does not
+        run on fake tensors."""
+        try:
+            flops = memory_predictor(cfg, spec).flops_per_sample(spec.trainer.batch_size)
+        except PredictionUnsupported:
+            return {}
+        peak = peak_flops(spec.device, spec.trainer.precision, spec.trainer.peak_flops)
+        return mfu_metrics(flops, result.throughput_samples_per_sec, peak)
 
     def _on_eval(self, trial: optuna.Trial, log: RunLog) -> Callable[[int, dict], None]:
         single = len(self.settings.objectives) == 1

@@ -4,7 +4,7 @@ its MLflow run's figures, tags, name and status (names of what is recorded: sear
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
@@ -33,6 +33,11 @@ class Outcome:
     peak_bytes: int | None = None
     error_traceback: str | None = None
     prediction: Prediction | None = None
+    perf: dict[str, float] = field(default_factory=dict)  # perf/* of a completed run
+
+    def figures(self) -> dict[str, float]:
+        """A completed run's figures by metric name, perf/* included."""
+        return {**self.result.figures(), **self.perf} if self.result else {}
 
 
 def memory_violation(
@@ -57,10 +62,10 @@ def memory_violation(
     return min((peak - budget_bytes) / budget_bytes, 0.0)  # it ran: it fitted
 
 
-def objective_values(result: RunResult, metrics: list[str]) -> list[float]:
+def objective_values(outcome: Outcome, metrics: list[str]) -> list[float]:
     """A completed run's values of the objectives (NaN where the run has none: Optuna then
     fails the trial, with the reason)."""
-    by_name = result.figures()
+    by_name = outcome.figures()
     return [by_name.get(m, float("nan")) for m in metrics]
 
 
@@ -97,10 +102,10 @@ def record_outcome(
                 "timed_samples": result.timed_samples,
                 record.VAL_ACC: result.val.get("val/acc"),
                 record.PEAK: result.peak_bytes,
-                record.METRICS: result.figures(),
+                record.METRICS: outcome.figures(),
             }
         )
-        metrics.update(result.metrics())
+        metrics.update({**result.metrics(), **outcome.perf})
     elif outcome.peak_bytes is not None:
         attrs[record.PEAK] = metrics["memory/peak_bytes"] = outcome.peak_bytes
     if outcome.prediction is not None:
@@ -158,4 +163,4 @@ def record_outcome(
     if outcome.state == "FAIL":
         raise TrialFailed(outcome.message)
     assert result is not None
-    return objective_values(result, settings.metrics)
+    return objective_values(outcome, settings.metrics)

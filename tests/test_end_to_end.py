@@ -135,6 +135,11 @@ def test_train_entry_point_with_the_issue_command(tmp_path: Path) -> None:
     # lr_scaling=linear with reference 128 in the resnet experiment: 0.05 x 128/128
     assert float(run.data.params["lr_scaled"]) == pytest.approx(0.05)
     assert run.data.metrics["memory/budget_bytes"] == 150 * 2**20
+    # MFU as a trial logs it: counted FLOPs x measured speed over the device's peak.
+    metrics = run.data.metrics
+    achieved = metrics["perf/flops_per_sample"] * metrics["throughput/samples_per_sec"]
+    assert metrics["perf/achieved_flops"] == pytest.approx(achieved)
+    assert metrics["perf/mfu"] == pytest.approx(achieved / metrics["perf/peak_flops"])
 
 
 def test_fit_report_entry_point(tmp_path: Path) -> None:

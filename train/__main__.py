@@ -24,11 +24,12 @@ from rich.markup import escape  # messages carry [...]: not markup
 from tracking.redact import redact_logging
 from tracking.runs import ROLE_TAG, STATE_TAG, Tracker, http_defaults, quiet_logging
 from train.config import ConfigError
+from train.flops import mfu_metrics, peak_flops
 from train.loop import Diverged, Hooks
 from train.memory import OutOfMemory, format_bytes
 from train.overrides import BEST_KEY, load_overrides, merge_overrides, override_key
 from train.predict import PredictionUnsupported
-from train.run import check_builds, data_params, plan, predict, run
+from train.run import check_builds, data_params, memory_predictor, plan, predict, run
 
 # The entry point is the composition root: it wires MLflow (tracking.runs) to the training
 # loop's hooks. The train/ library modules themselves know nothing of MLflow.
@@ -100,6 +101,12 @@ def main(cfg: DictConfig) -> None:
         measured = result.reserved_bytes or result.peak_bytes
         extra["memory/predicted_bytes"] = prediction.peak_bytes
         extra["memory/prediction_error"] = (prediction.peak_bytes - measured) / measured
+    try:  # MFU, from the FLOPs the predictor's fake model counts (train/flops.py)
+        flops = memory_predictor(cfg, spec).flops_per_sample(spec.trainer.batch_size)
+        peak = peak_flops(spec.device, spec.trainer.precision, spec.trainer.peak_flops)
+        extra.update(mfu_metrics(flops, result.throughput_samples_per_sec, peak))
+    except PredictionUnsupported:
+        pass
     log.metrics({**result.metrics(), **extra}, step=result.num_steps)
     log.tags({STATE_TAG: "COMPLETE"})
     log.finish()

@@ -50,6 +50,9 @@ class TrainerConfig:
     # Samples per optimizer step. None: batch_size x accum_steps, filled in here; given, it
     # must equal that product (search.accumulation=derived sets the two from it).
     effective_batch_size: int | None = None
+    # The device's peak FLOP/s for perf/mfu. None: the table of known GPUs, or on CPU a GEMM
+    # probe measured once per machine (train/flops.py).
+    peak_flops: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -91,6 +94,14 @@ class TrainerConfig:
             problems.append(
                 f"trainer.device must be one of {', '.join(DEVICES)}, got {self.device!r}; "
                 "override with trainer.device=auto"
+            )
+        peak = self.peak_flops
+        if peak is not None and (
+            isinstance(peak, bool) or not isinstance(peak, int | float) or not peak > 0
+        ):
+            problems.append(
+                f"trainer.peak_flops must be FLOP/s > 0 or null, got {peak!r}; e.g. "
+                "trainer.peak_flops=989e12 (an H100 in bf16), or null to look it up"
             )
         clip = self.grad_clip_norm
         if clip is not None and (

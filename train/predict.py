@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 
 from train.allocator import cuda_reserved_bytes
 from train.config import TrainerConfig
+from train.flops import count_flops
 from train.loop import optimizer_step, state_tensors, step_micro_batch_sizes
 from train.memory import TensorMemoryTracker
 from train.precision import Precision
@@ -106,6 +107,7 @@ class MemoryPredictor:
         self._cache: dict[tuple, Prediction] = {}
         self._lines: dict[tuple, _Line] = {}  # per micro-batch pattern and precision
         self._step_bytes: int | None = None  # optimizer.step's own peak above its start
+        self._flops: dict[int, float] = {}  # micro-batch size -> FLOPs per sample
         try:
             _fake_module(model, self.mode, device)
             with self.mode:
@@ -120,6 +122,24 @@ class MemoryPredictor:
                 self.optimizer.zero_grad(set_to_none=True)
         except Exception as error:  # noqa: BLE001 - whatever a user's model does on fake tensors
             raise PredictionUnsupported(_reason(error)) from error
+
+    def flops_per_sample(self, batch_size: int) -> float:
+        """Model FLOPs of one forward and backward pass, per sample, for a micro-batch of
+        `batch_size` (train/flops.py: counted on fake tensors by FlopCounterMode)."""
+        if batch_size not in self._flops:
+            try:
+                with self.mode:
+                    batch = next(self._micro_batches([batch_size]))
+                    flops = count_flops(
+                        lambda: self.task.loss(
+                            self.task.forward(self.model, batch), batch
+                        ).backward()
+                    )
+                    self.model.zero_grad(set_to_none=True)
+            except Exception as error:  # noqa: BLE001 - as in predict
+                raise PredictionUnsupported(_reason(error)) from error
+            self._flops[batch_size] = flops / batch_size
+        return self._flops[batch_size]
 
     def predict(self, trainer: TrainerConfig, num_train: int) -> Prediction:
         """Peak memory of a full-size step of a run with `trainer`'s geometry and precision."""
