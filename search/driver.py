@@ -80,6 +80,9 @@ _ADDED_SECTIONS = {
 }
 
 
+_ADDED_TRAINER_KEYS = {"peak_flops": None, "activation_checkpointing": "none"}
+
+
 def fixed_config(cfg: DictConfig, searched: Sequence[str]) -> str:
     """The config a study's trials share (searched keys and resumable settings removed)."""
     fixed = OmegaConf.to_container(cfg, resolve=True)
@@ -94,6 +97,9 @@ def fixed_config(cfg: DictConfig, searched: Sequence[str]) -> str:
     for key, default in _ADDED_SECTIONS.items():
         if fixed.get(key) == default:
             fixed.pop(key)
+    for key, default in _ADDED_TRAINER_KEYS.items():
+        if key in fixed.get("trainer", {}) and fixed["trainer"][key] == default:
+            fixed["trainer"].pop(key)
     for key in _RESUMABLE_KEYS:
         fixed["search"].pop(key, None)
     for key in searched:
@@ -117,15 +123,19 @@ def _log_fit_report(cfg: DictConfig, checked: Checked, parent: RunLog, console: 
     """Predict the space's (precision, batch size) grid, show it and log it to the parent run;
     the trials' own predictions then come from the same cache."""
     try:
-        report = fit.fit_report(cfg, checked.space, checked.spec, checked.settings)
+        reports = fit.fit_reports(cfg, checked.space, checked.spec, checked.settings)
     except PredictionUnsupported:
         return  # said by the first trial, which measures instead
-    table = fit.render(report)
-    console.print(table)
     recorder = Console(record=True, width=120, file=io.StringIO())
-    recorder.print(table)
+    rows: dict[str, list] = {}
+    for each in reports:
+        table = fit.render(each)
+        console.print(table)
+        recorder.print(table)
+        for column, values in each.rows().items():
+            rows.setdefault(column, []).extend(values)
     parent.text(recorder.export_text(), "fit_report.txt")
-    parent.table(report.rows(), "fit_report.json")
+    parent.table(rows, "fit_report.json")
 
 
 def _shown(path: Path) -> str:

@@ -18,6 +18,7 @@ with. A study logs the same table to its parent MLflow run (`fit_report.json`,
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 import time
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
@@ -47,6 +48,7 @@ from train.predict import (
 from train.run import (
     ACCUM_KEY,
     BATCH_KEY,
+    CHECKPOINTING_KEY,
     EFFECTIVE_KEY,
     PRECISION_KEY,
     RunSpec,
@@ -79,6 +81,8 @@ class FitReport:
     # Other searched keys, held at the config's value here (e.g. data.seq_len: memory also
     # follows it; each trial is predicted with its own).
     held: dict[str, object] = field(default_factory=dict)
+    checkpointing: str = "none"  # trainer.activation_checkpointing of every cell
+    searched: tuple[str, ...] = ()  # the keys of the space
 
     def largest(self, precision: str, accum: int | None = None) -> int | None:
         fitting = [b for b in self.batch_sizes if self.cells[precision, b, accum].fits]
@@ -103,10 +107,11 @@ class FitReport:
         """Column-wise, for mlflow's log_table: one row per (precision, row, accumulation)."""
         columns: dict[str, list] = {
             "precision": [], "batch_size": [], "accum_steps": [], "effective_batch_size": [],
-            "predicted_bytes": [], "fits": [], "reason": [],
+            "predicted_bytes": [], "fits": [], "reason": [], "activation_checkpointing": [],
         }  # fmt: skip
         for (precision, _, _), cell in self.cells.items():
             columns["precision"].append(precision)
+            columns["activation_checkpointing"].append(self.checkpointing)
             columns["batch_size"].append(cell.batch_size)
             columns["accum_steps"].append(cell.accum_steps)
             columns["effective_batch_size"].append(cell.effective_batch_size)
@@ -166,7 +171,11 @@ def fit_report(
         sorted({int(b) for b in rows}),
         accums,
     )
-    geometry_keys = {BATCH_KEY, ACCUM_KEY, PRECISION_KEY, EFFECTIVE_KEY, "optimizer.lr"}
+    geometry_keys = {
+        BATCH_KEY, ACCUM_KEY, PRECISION_KEY, EFFECTIVE_KEY, CHECKPOINTING_KEY, "optimizer.lr",
+    }  # fmt: skip
+    report.checkpointing = trainer.activation_checkpointing
+    report.searched = tuple(space.distributions)
     report.held = {
         key: OmegaConf.select(cfg, key)
         for key in space.distributions
@@ -190,6 +199,27 @@ def fit_report(
                 report.cells[precision, row, accum] = cell
     report.seconds = time.perf_counter() - started
     return report
+
+
+def fit_reports(
+    cfg: DictConfig, space: SearchSpace, spec: RunSpec, settings: SearchConfig
+) -> list[FitReport]:
+    """fit_report per trainer.activation_checkpointing the space searches (the configured
+    one when it is not searched): the lever's effect on what fits, side by side."""
+    modes = [
+        str(m)
+        for m in _space_values(space, CHECKPOINTING_KEY, spec.trainer.activation_checkpointing)
+    ]
+    reports = []
+    for mode in modes:
+        mode_cfg = copy.deepcopy(cfg)
+        with open_dict(mode_cfg):
+            mode_cfg.trainer.activation_checkpointing = mode
+        trainer = dataclasses.replace(spec.trainer, activation_checkpointing=mode)
+        reports.append(
+            fit_report(mode_cfg, space, dataclasses.replace(spec, trainer=trainer), settings)
+        )
+    return reports
 
 
 def _geometry(trainer: TrainerConfig, batch: int, accum: int, precision: str) -> TrainerConfig:
@@ -250,8 +280,13 @@ def render(report: FitReport) -> Table:
     if report.held:
         held = ", ".join(f"{key}={value}" for key, value in report.held.items())
         notes.append(f"at {held}, as configured; trials predict their own values")
+    lever = (
+        f"; activation_checkpointing={report.checkpointing}"
+        if report.checkpointing != "none" or CHECKPOINTING_KEY in report.searched
+        else ""
+    )
     table = Table(
-        title=f"Fit report: {what}; budget {budget}, margin {report.margin:.0%}",
+        title=f"Fit report: {what}; budget {budget}, margin {report.margin:.0%}{lever}",
         caption="\n".join([f"predicted in {report.seconds:.1f} s, nothing trained", *notes]),
     )
     table.add_column("effective batch" if report.derived else "batch size", justify="right")
@@ -305,7 +340,7 @@ def main(cfg: DictConfig) -> None:
 
     try:
         checked = validate(cfg, name, compose, open_store=False)
-        report = fit_report(cfg, checked.space, checked.spec, checked.settings)
+        reports = fit_reports(cfg, checked.space, checked.spec, checked.settings)
     except ConfigError as error:
         Console(stderr=True).print(
             f"[bold red]Configuration error[/bold red]\n{escape(str(error))}"
@@ -319,7 +354,8 @@ def main(cfg: DictConfig) -> None:
         sys.exit(3)
     for note in checked.notes:
         console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
-    console.print(render(report))
+    for report in reports:
+        console.print(render(report))
 
 
 if __name__ == "__main__":

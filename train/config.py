@@ -12,6 +12,7 @@ from typing import Any
 from train.precision import PRECISIONS
 
 LR_SCALING_RULES = ("none", "linear", "sqrt")
+CHECKPOINTING_MODES = ("none", "blocks")  # train/checkpointing.py
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -53,6 +54,9 @@ class TrainerConfig:
     # The device's peak FLOP/s for perf/mfu. None: the table of known GPUs, or on CPU a GEMM
     # probe measured once per machine (train/flops.py).
     peak_flops: float | None = None
+    # none | blocks: recompute each block's activations in the backward pass (less memory,
+    # about one more forward of compute; train/checkpointing.py).
+    activation_checkpointing: str = "none"
 
     def __post_init__(self) -> None:
         problems = []
@@ -94,6 +98,12 @@ class TrainerConfig:
             problems.append(
                 f"trainer.device must be one of {', '.join(DEVICES)}, got {self.device!r}; "
                 "override with trainer.device=auto"
+            )
+        if self.activation_checkpointing not in CHECKPOINTING_MODES:
+            problems.append(
+                f"trainer.activation_checkpointing must be one of "
+                f"{', '.join(CHECKPOINTING_MODES)}, got {self.activation_checkpointing!r}; "
+                "override with trainer.activation_checkpointing=blocks"
             )
         peak = self.peak_flops
         if peak is not None and (

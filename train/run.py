@@ -17,6 +17,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from train import checkpointing
 from train.batches import Pipeline
 from train.config import ConfigError, LoaderConfig, TrainerConfig
 from train.data import Datasets, Splits
@@ -33,6 +34,7 @@ from train.tasks import Classification, Task
 BATCH_KEY = "trainer.batch_size"
 ACCUM_KEY = "trainer.accum_steps"
 PRECISION_KEY = "trainer.precision"
+CHECKPOINTING_KEY = "trainer.activation_checkpointing"
 EFFECTIVE_KEY = "trainer.effective_batch_size"  # set with search.accumulation=derived
 EFFECTIVE_PARAM = "effective_batch_size"
 LR_PARAM = "lr_scaled"
@@ -54,6 +56,7 @@ class RunSpec:
             BATCH_KEY: self.trainer.batch_size,
             ACCUM_KEY: self.trainer.accum_steps,
             PRECISION_KEY: self.trainer.precision,
+            CHECKPOINTING_KEY: self.trainer.activation_checkpointing,
             "optimizer.lr": self.base_lr,
             EFFECTIVE_PARAM: self.trainer.effective_batch_size,
             LR_PARAM: self.lr,
@@ -235,6 +238,10 @@ def _builder_kwargs(node: DictConfig, info: dict[str, Any]) -> dict[str, Any]:
 def build_model(cfg: DictConfig, pipeline: Pipeline, task: Task) -> torch.nn.Module:
     model = instantiate(cfg.model, **_builder_kwargs(cfg.model, pipeline.data.info))
     materialize(model, task, pipeline.example(2))
+    try:
+        checkpointing.apply(model, cfg.trainer.get(CHECKPOINTING_KEY.split(".")[1], "none"))
+    except ValueError as error:
+        raise ConfigError([str(error)]) from None
     return model
 
 
@@ -253,7 +260,11 @@ def memory_predictor(cfg: DictConfig, spec: RunSpec) -> MemoryPredictor:
         for name in ("model", "data", "task", "loader")
         if cfg.get(name) is not None
     }
-    parts.update(optimizer=optimizer, device=str(spec.device))
+    parts.update(
+        optimizer=optimizer,
+        device=str(spec.device),
+        activation_checkpointing=spec.trainer.activation_checkpointing,
+    )
     key = OmegaConf.to_yaml(OmegaConf.create(parts))
     if key not in _PREDICTORS:
         if len(_PREDICTORS) >= 4:

@@ -106,7 +106,7 @@ def test_from_mapping_rejects_unknown_keys():
     with pytest.raises(
         ConfigError,
         match=r"trainer\.batchsize is not a trainer setting; known: accum_steps, "
-        r"batch_size, device",
+        r"activation_checkpointing, batch_size, device",
     ) as info:
         TrainerConfig.from_mapping({"batchsize": 8, "lr": 0.1})
     assert [p.split(" ")[0] for p in info.value.problems] == ["trainer.batchsize", "trainer.lr"]
