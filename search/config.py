@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,68 @@ def known_metrics(task: Task) -> dict[str, str]:
     if task.unit != "samples":
         found[f"throughput/{task.unit}_per_sec"] = "maximize"
     return {**found, **RUN_METRICS}
+
+
+TO_TARGET = "time/to_target_s"  # training seconds until validation first met search.target
+
+
+@dataclass(frozen=True)
+class Target:
+    """search.target, e.g. `val/acc>=0.95` or `val/loss<=1.2`: the validation figure a run
+    must reach. A trial stops training at the validation that first reaches it and reports
+    time/to_target_s; one that ends its budget short of it is pruned (missed_target)."""
+
+    metric: str
+    op: str  # >= or <=
+    value: float
+
+    @classmethod
+    def parse(cls, text: str, known: Mapping[str, str]) -> Target:
+        for op in (">=", "<="):
+            if op in str(text):
+                metric, _, value = str(text).partition(op)
+                metric = metric.strip()
+                break
+        else:
+            raise ConfigError(
+                [
+                    f"search.target={text!r} is not METRIC>=VALUE or METRIC<=VALUE; e.g. "
+                    "search.target='val/acc>=0.95'"
+                ]  # fmt: skip
+            )
+        problems = []
+        if not metric.startswith("val/") or metric not in known:
+            vals = [m for m in known if m.startswith("val/")]
+            problems.append(
+                f"search.target: {metric!r} is not a validation metric of this task; it "
+                f"reports {', '.join(vals)}"
+            )
+        elif (op == ">=") != (known[metric] == "maximize"):
+            better = ">=" if known[metric] == "maximize" else "<="
+            problems.append(
+                f"search.target={text!r}: {metric} is {known[metric]}d, so its target is "
+                f"reached from the other side; write {metric}{better}{value.strip()}"
+            )
+        try:
+            number = float(value)
+        except ValueError:
+            problems.append(f"search.target={text!r}: {value.strip()!r} is not a number")
+            number = math.nan
+        if problems:
+            raise ConfigError(problems)
+        return cls(metric, op, number)
+
+    def met(self, value: float | None) -> bool:
+        if value is None or value != value:
+            return False
+        return value >= self.value if self.op == ">=" else value <= self.value
+
+    def met_better(self, a: float, b: float) -> bool:
+        """Whether `a` is nearer the target side than `b`."""
+        return a > b if self.op == ">=" else a < b
+
+    def __str__(self) -> str:
+        return f"{self.metric}{self.op}{self.value:g}"
 
 
 # The metrics of the default task (classification).
@@ -100,6 +163,7 @@ class SearchConfig:
     )  # which trial the study recommends
     # Metric name -> direction of what the trials report (known_metrics of the task).
     known_metrics: Mapping[str, str] = field(default_factory=lambda: dict(OBJECTIVE_METRICS))
+    target: Target | None = None  # search.target
 
     @property
     def metrics(self) -> list[str]:
@@ -128,7 +192,12 @@ class SearchConfig:
         if not self.objectives:
             problems.append("search.objectives is empty; e.g. search.objectives=[val/acc]")
         for metric in self.objectives:
-            if metric not in self.known_metrics:
+            if metric == TO_TARGET and self.target is None:
+                problems.append(
+                    f"search.objectives: {TO_TARGET} needs search.target, the figure to reach; "
+                    "e.g. search.target='val/acc>=0.95'"
+                )
+            elif metric not in self.known_metrics:
                 problems.append(
                     f"search.objectives: unknown metric {metric!r}; this task reports "
                     f"{', '.join(self.known_metrics)}, e.g. "

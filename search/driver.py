@@ -92,6 +92,8 @@ def fixed_config(cfg: DictConfig, searched: Sequence[str]) -> str:
     # that such a study still resumes.
     if fixed["search"].get("accumulation") == "searched":
         fixed["search"].pop("accumulation")
+    if fixed["search"].get("target", 0) is None:
+        fixed["search"].pop("target")
     if fixed.get("trainer", {}).get("effective_batch_size", 0) is None:
         fixed["trainer"].pop("effective_batch_size")
     for key, default in _ADDED_SECTIONS.items():

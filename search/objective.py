@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import optuna
@@ -26,10 +27,11 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from search import record, report
-from search.config import SearchConfig
+from search.config import TO_TARGET, SearchConfig, Target
 from search.outcome import Outcome, record_outcome
 from search.space import SearchSpace
 from tracking.runs import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG, RunLog, Tracker
+from train.batches import steps_plan
 from train.config import ConfigError
 from train.flops import mfu_metrics, peak_flops
 from train.loop import Diverged, Hooks, RunResult
@@ -52,6 +54,46 @@ class Prune(Exception):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
+
+
+# With search.target and no trainer.val_every_steps, a trial validates this often an epoch, so
+# that the time to the target is known to a quarter of an epoch.
+TARGET_VALIDATIONS_PER_EPOCH = 4
+
+
+class TargetWatch:
+    """Ends a run at the first validation that reaches search.target (none: never) and
+    keeps the training seconds until then."""
+
+    def __init__(self, target: Target | None):
+        self.target = target
+        self.seconds: float | None = None  # time/train_s when it was reached
+        self.best: float | None = None
+
+    def reached(self, metrics: dict) -> bool:
+        if self.target is None:
+            return False
+        value = metrics.get(self.target.metric)
+        if value is not None and (self.best is None or self.target.met_better(value, self.best)):
+            self.best = value
+        if self.target.met(value):
+            self.seconds = metrics["time/train_s"]
+            return True
+        return False
+
+    @property
+    def missed(self) -> bool:
+        return self.target is not None and self.seconds is None
+
+    def figures(self) -> dict[str, float]:
+        return {TO_TARGET: self.seconds} if self.seconds is not None else {}
+
+    def missed_message(self, result: RunResult) -> str:
+        epochs = result.evals[-1]["epoch"] if result.evals else 0
+        return (
+            f"{self.target.metric} reached {self.best:.4g} at best in {epochs:g} epochs, short "
+            f"of search.target {self.target}"
+        )
 
 
 class TimeBudget:
@@ -229,18 +271,28 @@ class Objective:
 
     def _train(self, trial: optuna.Trial, cfg: DictConfig, spec: RunSpec, log: RunLog) -> Outcome:
         budget = TimeBudget(self.settings.trial_time_budget_s)
+        target = TargetWatch(self.settings.target)
+        if self.settings.target is not None and spec.trainer.val_every_steps is None:
+            steps_per_epoch, _ = steps_plan(train_samples(cfg), spec.trainer)
+            every = max(1, steps_per_epoch // TARGET_VALIDATIONS_PER_EPOCH)
+            spec = replace(spec, trainer=replace(spec.trainer, val_every_steps=every))
+        on_eval = self._on_eval(trial, log)
         hooks = Hooks(
             on_probe=budget.on_probe,
             on_step=budget.on_step,
             on_log=lambda step, metrics: log.metrics(metrics, step),
-            on_eval=self._on_eval(trial, log),
+            on_eval=lambda step, metrics: on_eval(step, metrics) or target.reached(metrics),
             on_memory=lambda peak: trial.set_user_attr(record.PEAK, peak),
         )
         outcome = None
         try:
             with self.tracker.system_metrics(log.run_id):
                 result = run(cfg, spec, hooks)
-            outcome = Outcome("COMPLETE", result=result, perf=self._perf(cfg, spec, result))
+            extra = {**self._perf(cfg, spec, result), **target.figures()}
+            outcome = Outcome("COMPLETE", result=result, extra=extra)
+            if target.missed:  # its figures are kept; it cannot be ranked by time to target
+                message = target.missed_message(result)
+                outcome = Outcome("PRUNED", "missed_target", message, result=result, extra=extra)
         except OutOfMemory as oom:
             outcome = Outcome("PRUNED", "oom", str(oom), peak_bytes=oom.peak_bytes)
         except Diverged as diverged:

@@ -33,11 +33,12 @@ class Outcome:
     peak_bytes: int | None = None
     error_traceback: str | None = None
     prediction: Prediction | None = None
-    perf: dict[str, float] = field(default_factory=dict)  # perf/* of a completed run
+    # A completed run's figures beyond its own: perf/* (MFU), time/to_target_s.
+    extra: dict[str, float] = field(default_factory=dict)
 
     def figures(self) -> dict[str, float]:
-        """A completed run's figures by metric name, perf/* included."""
-        return {**self.result.figures(), **self.perf} if self.result else {}
+        """A completed run's figures by metric name, the extra ones included."""
+        return {**self.result.figures(), **self.extra} if self.result else {}
 
 
 def memory_violation(
@@ -105,7 +106,7 @@ def record_outcome(
                 record.METRICS: outcome.figures(),
             }
         )
-        metrics.update({**result.metrics(), **outcome.perf})
+        metrics.update({**result.metrics(), **outcome.extra})
     elif outcome.peak_bytes is not None:
         attrs[record.PEAK] = metrics["memory/peak_bytes"] = outcome.peak_bytes
     if outcome.prediction is not None:

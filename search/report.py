@@ -70,6 +70,9 @@ def trial_line(trial: FrozenTrial) -> str:
         )
     if attrs.get(record.VAL_ACC) is not None:
         parts.append(f"val acc {attrs[record.VAL_ACC]:.3f}")
+    to_target = attrs.get(record.METRICS, {}).get("time/to_target_s")
+    if to_target is not None:
+        parts.append(f"target in {to_target:.1f} s")
     wait = attrs.get(record.METRICS, {}).get("time/data_wait_share")
     if wait is not None and wait >= STARVED_SHARE:
         parts.append(f"waiting for data {wait:.0%} of the time")

@@ -19,7 +19,14 @@ from optuna.distributions import CategoricalDistribution
 from optuna.samplers import BaseSampler
 from optuna.storages import BaseStorage
 
-from search.config import OBJECTIVE_METRICS, RecommendRule, SearchConfig, known_metrics
+from search.config import (
+    OBJECTIVE_METRICS,
+    TO_TARGET,
+    RecommendRule,
+    SearchConfig,
+    Target,
+    known_metrics,
+)
 from search.sampler import build_sampler
 from search.space import SearchSpace, parse_space
 from search.storage import open_storage
@@ -53,7 +60,15 @@ class Checked:
 def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
     search = cfg.search
     known = known_metrics(build_task(cfg))
+    target, target_problems = None, []
+    if search.get("target") is not None:
+        try:
+            target = Target.parse(search.target, known)
+        except ConfigError as error:
+            target_problems = error.problems
+        known = {**known, TO_TARGET: "minimize"}
     rule, rule_problems = recommend_rule(search.get("recommend"), known)
+    rule_problems += target_problems
     objectives = search.objectives
     if isinstance(objectives, str):
         objectives = [objectives]
@@ -74,6 +89,7 @@ def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
             outage_wait_s=cfg.mlflow.outage_wait_s,
             recommend=rule,
             known_metrics=known,
+            target=target,
         )
     except ConfigError as error:
         raise ConfigError(error.problems + rule_problems) from None

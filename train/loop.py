@@ -55,7 +55,8 @@ class Hooks:
     # (peak bytes so far) once the run is past its memory check: it fits the budget
     on_memory: Callable[[int], None] | None = None
     on_log: Callable[[int, Metrics], None] | None = None  # every trainer.log_every_steps
-    on_eval: Callable[[int, Metrics], None] | None = None  # after each validation
+    # After each validation; returning True ends the run there (e.g. its target is met).
+    on_eval: Callable[[int, Metrics], bool | None] | None = None
 
 
 @dataclass
@@ -194,6 +195,17 @@ class _Clock:
 
 
 PROBE_SAMPLES = 8
+
+
+def _train_seconds(timed_s: float, steps: int, first_timed: int, untimed_wall: float) -> float:
+    """Training seconds of the first `steps` steps, validation excluded, by the throughput
+    clock: the timed steps as timed, and the steps it leaves out (warm-up, memory-measured)
+    at the timed steps' mean (their own time is kernel selection and tracking, not
+    training); before any timed step, their wall time."""
+    timed = steps - first_timed
+    if timed <= 0:
+        return untimed_wall
+    return timed_s + first_timed * timed_s / timed
 
 
 def probe_seconds_per_sample(
@@ -354,6 +366,7 @@ def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task)
     interval_steps, last_loss, num_samples = 0, math.nan, 0
     timed_samples, timed_units, data_wait = 0, 0, 0.0
     evals: list[Metrics] = []
+    done_steps, untimed_wall = num_steps, 0.0
     model.train()
     steps = pipeline.train_steps(cfg, num_steps)
     with precision.matmul_mode():
@@ -420,13 +433,20 @@ def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task)
                     epoch=epoch + (index_in_epoch + 1) / steps_per_epoch,
                     num_epochs=num_steps / steps_per_epoch,
                 )
+                metrics["time/train_s"] = _train_seconds(
+                    clock.seconds, step + 1, first_timed_step, untimed_wall
+                )
                 evals.append(metrics)
-                if hooks.on_eval:
-                    hooks.on_eval(step + 1, metrics)
+                if hooks.on_eval and hooks.on_eval(step + 1, metrics):
+                    done_steps = step + 1
+                    break
                 if step >= first_timed_step and not last_step:
                     clock.start()
+            if step < first_timed_step:
+                untimed_wall = time.perf_counter() - started
     clock.stop()
-    timed_steps = num_steps - first_timed_step
+    num_steps = done_steps
+    timed_steps = max(num_steps - first_timed_step, 0)
     memory = meter.stats()
     return RunResult(
         num_steps=num_steps,

@@ -1,0 +1,108 @@
+"""Time to accuracy (`search.target`, `time/to_target_s`): the target parsed and checked
+against the task's metrics, a trial stopped at the validation that reaches it with the
+training seconds until then, and one that ends short of it pruned as missed_target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from optuna.trial import TrialState
+from rich.console import Console
+
+from search.config import OBJECTIVE_METRICS, SearchConfig, Target
+from search.driver import StudyDriver
+from train.config import ConfigError, TrainerConfig
+from train.data import Splits
+from train.loop import Hooks, _train_seconds, fit
+from train.lr import constant
+from train.memory import MemoryMeter
+
+CPU = torch.device("cpu")
+
+
+def test_a_target_is_parsed_and_checked_against_the_task() -> None:
+    target = Target.parse("val/acc >= 0.95", OBJECTIVE_METRICS)
+    assert (target.metric, target.op, target.value) == ("val/acc", ">=", 0.95)
+    assert target.met(0.95) and not target.met(0.9499) and not target.met(None)
+    assert Target.parse("val/loss<=0.3", OBJECTIVE_METRICS).met(0.29)
+    with pytest.raises(ConfigError, match="val/loss is minimized, .* write val/loss<=0.3"):
+        Target.parse("val/loss>=0.3", OBJECTIVE_METRICS)
+    with pytest.raises(ConfigError, match="'throughput/samples_per_sec' is not a validation"):
+        Target.parse("throughput/samples_per_sec>=100", OBJECTIVE_METRICS)
+    with pytest.raises(ConfigError, match="'high' is not a number"):
+        Target.parse("val/acc>=high", OBJECTIVE_METRICS)
+    with pytest.raises(ConfigError, match="is not METRIC>=VALUE or METRIC<=VALUE"):
+        Target.parse("val/acc=0.9", OBJECTIVE_METRICS)
+
+
+def test_time_to_target_as_an_objective_needs_a_target() -> None:
+    with pytest.raises(ConfigError, match="time/to_target_s needs search.target"):
+        SearchConfig("s", "sqlite://", 1, None, ("time/to_target_s",), None, None)
+
+
+def test_training_seconds_extrapolate_the_steps_the_clock_leaves_out() -> None:
+    # 10 steps, the first 2 untimed: 8 timed in 4 s, so 0.5 s a step, 5 s in all.
+    assert _train_seconds(4.0, 10, 2, untimed_wall=99.0) == 5.0
+    assert _train_seconds(0.0, 2, 2, untimed_wall=1.5) == 1.5  # no timed step yet
+
+
+def test_a_validation_hook_can_end_the_run() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 3, 1, 1, generator=gen), torch.randint(0, 2, (64,), generator=gen)
+    data = Splits(x, y, x, y, 2)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # CPU runs measure the memory of steps 0 and 1 off the clock: timed from step 2 on.
+    cfg = TrainerConfig(batch_size=8, max_epochs=3, val_every_steps=3, warmup_steps=0)
+    seen = []
+
+    def on_eval(step: int, metrics: dict) -> bool:
+        seen.append((step, metrics["time/train_s"]))
+        return step == 9
+
+    result = fit(
+        model, optimizer, constant(optimizer, 24), data, cfg, CPU, MemoryMeter(CPU, None),
+        Hooks(on_eval=on_eval),
+    )  # fmt: skip
+    assert [step for step, _ in seen] == [3, 6, 9]
+    assert result.num_steps == 9 and len(result.evals) == 3
+    assert 0 < seen[0][1] < seen[1][1] < seen[2][1]  # training seconds only grow
+    assert result.timed_steps == 9 - 2
+
+
+def test_a_study_stops_each_trial_at_the_target_and_prunes_those_that_miss(
+    hydra_conf, stores
+) -> None:
+    overrides = [
+        "model=small_cnn",
+        "model.width=8",
+        "data=digits",
+        "trainer.max_epochs=3",
+        "trainer.device=cpu",
+        "search.trial_time_budget_s=null",
+        "search.study_name=target",
+        "search.n_trials=4",
+        "search.target='val/acc>=0.85'",
+        "search.objectives=[time/to_target_s,val/acc]",
+        "mlflow.system_metrics=false",
+        # lr 0.001 cannot learn digits in 3 epochs; 0.3 gets there within the first epoch
+        "+search.params={optimizer.lr:'choice(0.001, 0.3)',trainer.batch_size:'choice(16, 32)'}",
+        *stores["overrides"],
+    ]
+    cfg = hydra_conf(overrides)
+    console = Console(record=True, width=200)
+    driver = StudyDriver.prepare(cfg, overrides, {"model": "small_cnn", "data": "digits"}, console)
+    driver.run()
+    trials = driver.study.get_trials()
+    assert {t.params["optimizer.lr"] for t in trials} == {0.001, 0.3}
+    for t in trials:
+        if t.params["optimizer.lr"] == 0.001:
+            assert t.state == TrialState.PRUNED and t.user_attrs["reason"] == "missed_target"
+            assert "short of search.target val/acc>=0.85" in t.user_attrs["message"]
+        else:
+            assert t.state == TrialState.COMPLETE
+            figures = t.user_attrs["metrics"]
+            assert figures["val/acc"] >= 0.85  # stopped at the validation that reached it
+            assert t.values[0] == figures["time/to_target_s"] > 0
+    text = console.export_text()
+    assert "target in" in text
