@@ -366,7 +366,7 @@ def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task)
     interval_steps, last_loss, num_samples = 0, math.nan, 0
     timed_samples, timed_units, data_wait = 0, 0, 0.0
     evals: list[Metrics] = []
-    done_steps, untimed_wall = num_steps, 0.0
+    done_steps, untimed_wall, train_s = num_steps, 0.0, 0.0
     model.train()
     steps = pipeline.train_steps(cfg, num_steps)
     with precision.matmul_mode():
@@ -402,6 +402,8 @@ def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task)
                 timed_samples += samples
                 timed_units += units
                 data_wait += waited
+            if step < first_timed_step:  # wall time of the steps the clock leaves out
+                untimed_wall = time.perf_counter() - started
             if hooks.on_step:
                 hooks.on_step(step + 1, num_steps, time.perf_counter() - started)
             last_step = step + 1 == num_steps
@@ -433,17 +435,18 @@ def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task)
                     epoch=epoch + (index_in_epoch + 1) / steps_per_epoch,
                     num_epochs=num_steps / steps_per_epoch,
                 )
-                metrics["time/train_s"] = _train_seconds(
-                    clock.seconds, step + 1, first_timed_step, untimed_wall
+                # Never less than at the previous validation: the estimate of the steps off
+                # the clock moves with the timed mean.
+                train_s = max(
+                    train_s, _train_seconds(clock.seconds, step + 1, first_timed_step, untimed_wall)
                 )
+                metrics["time/train_s"] = train_s
                 evals.append(metrics)
                 if hooks.on_eval and hooks.on_eval(step + 1, metrics):
                     done_steps = step + 1
                     break
                 if step >= first_timed_step and not last_step:
                     clock.start()
-            if step < first_timed_step:
-                untimed_wall = time.perf_counter() - started
     clock.stop()
     num_steps = done_steps
     timed_steps = max(num_steps - first_timed_step, 0)
