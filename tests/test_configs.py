@@ -10,6 +10,8 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
+from search.sampler import build_sampler
+from search.space import parse_space
 from search.validate import validate
 from train.config import ConfigError
 from train.data import Datasets, Splits, split
@@ -20,7 +22,8 @@ CPU = torch.device("cpu")
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 OPTIONS = sorted(
-    (group, path.stem)
+    # A nested group (search/sampler) is chosen by its path: search/sampler=grid.
+    (path.parent.relative_to(CONF).as_posix(), path.stem)
     for group in GROUPS
     if group not in ("experiment", "budget")  # composed below: they are deltas, not options
     for path in (CONF / group).rglob("*.yaml")
@@ -64,6 +67,12 @@ def test_every_option_composes_and_instantiates(hydra_conf, group: str, option: 
     assert task.directions()["val/loss"] == "minimize"
     if group == "task" and (group, option) not in PARTNERS:
         return  # regression: a task for data and a model of one's own (tests/train/)
+    if group == "search/sampler":
+        # The sampler it names, built as a study builds it (a grid from the space).
+        space = parse_space({"trainer.batch_size": "choice(8, 16)"})
+        sampler, _ = build_sampler(cfg.search.sampler, space)
+        assert type(sampler).__name__.lower().startswith(option)
+        return
     model = build_model(cfg, pipeline, task)
     optimizer = instantiate(cfg.optimizer, lr=spec.lr)(model.parameters())
     scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=10)

@@ -123,7 +123,9 @@ def test_a_slurm_job_cancelled_mid_trial(slurm: None, postgres_url: str, tmp_pat
     """scancel one of two workers while it trains. SLURM sends SIGTERM, which submitit
     ignores, then SIGKILL after KillWait (5 s here): the worker dies in whatever trial it is
     then running. The other worker sees the dead owner, fails that trial and runs it again."""
-    longer = [*STUDY, "trainer.max_epochs=6"]  # the kill must come before the study ends
+    # The kill (SIGKILL 5 s after scancel) must land in a trial, not between two or after
+    # the worker's last: trials of several seconds each, the study far longer than 5 s.
+    longer = [*STUDY, "trainer.max_epochs=20"]
     args = [*SLURM, "search.workers=2", "search.n_trials=10", f"search.storage={postgres_url}"]
     sweep = search_process([*args, *longer], tmp_path)
 
@@ -143,7 +145,7 @@ def test_a_slurm_job_cancelled_mid_trial(slurm: None, postgres_url: str, tmp_pat
     finish(sweep, expect_rc=None)
     assert sweep.returncode != 0  # Hydra reports the cancelled job; the study is complete
     study = load()
-    check_stores(study, MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db"), 10, num_epochs=6)
+    check_stores(study, MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db"), 10, num_epochs=20)
     (killed,) = [t for t in study.trials if t.state == TrialState.FAIL]
     assert killed.system_attrs[OWNER_ATTR]["slurm_job"] == job
     (retry,) = [t for t in study.trials if t.system_attrs.get("failed_trial") == killed.number]
