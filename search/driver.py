@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import shlex
 import time
@@ -34,6 +35,7 @@ from tracking.outbox import is_transient
 from tracking.overhead import CallClock, Lap, storage_methods
 from tracking.redact import redact
 from tracking.runs import RunLog, Tracker, ui_link
+from train.config import LoaderConfig
 from train.overrides import override_key
 from train.predict import PredictionUnsupported
 
@@ -65,13 +67,7 @@ def default_study_name(choices: dict[str, str]) -> str:
 # Config sections added after studies may have begun, at their defaults (conf/config.yaml,
 # conf/task/classification.yaml): a study that has them so still resumes.
 _ADDED_SECTIONS = {
-    "loader": {
-        "num_workers": 0,
-        "pin_memory": None,
-        "persistent_workers": True,
-        "prefetch_factor": None,
-        "collate_fn": None,
-    },
+    "loader": dataclasses.asdict(LoaderConfig()),
     "task": {
         "_target_": "train.tasks.Classification",
         "target_key": "labels",

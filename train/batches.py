@@ -93,6 +93,11 @@ class Pipeline:
         self.seed = 0
         self._val_loader: DataLoader | None = None
 
+    @classmethod
+    def of(cls, data: Pipeline | Splits | Datasets, device: str | torch.device = "cpu") -> Pipeline:
+        """`data` itself if it is a pipeline, else a pipeline of it with the default loader."""
+        return data if isinstance(data, Pipeline) else cls(data, LoaderConfig(), device)
+
     @property
     def in_memory(self) -> bool:
         return isinstance(self.data, Splits)

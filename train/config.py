@@ -31,6 +31,23 @@ def _check_int(problems: list[str], key: str, value: Any, minimum: int) -> None:
         )
 
 
+def _from_mapping(cls: type, section: str, values: dict[str, Any]) -> Any:
+    """`cls` from a config section's values; unknown keys and the checks' problems reported
+    together, each naming `section.<key>`."""
+    known = {f.name for f in fields(cls)}
+    problems = [
+        f"{section}.{key} is not a {section} setting; known: {', '.join(sorted(known))}"
+        for key in sorted(set(values) - known)
+    ]
+    try:
+        config = cls(**{k: v for k, v in values.items() if k in known})
+    except ConfigError as error:
+        problems += error.problems
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     """How one run trains: its batch geometry, precision and budget."""
@@ -126,18 +143,7 @@ class TrainerConfig:
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> TrainerConfig:
-        known = {f.name for f in fields(cls)}
-        problems = [
-            f"trainer.{key} is not a trainer setting; known: {', '.join(sorted(known))}"
-            for key in sorted(set(values) - known)
-        ]
-        try:
-            config = cls(**{k: v for k, v in values.items() if k in known})
-        except ConfigError as error:
-            problems += error.problems
-        if problems:
-            raise ConfigError(problems)
-        return config
+        return _from_mapping(cls, "trainer", values)
 
 
 @dataclass(frozen=True)
@@ -176,15 +182,4 @@ class LoaderConfig:
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> LoaderConfig:
-        known = {f.name for f in fields(cls)}
-        problems = [
-            f"loader.{key} is not a loader setting; known: {', '.join(sorted(known))}"
-            for key in sorted(set(values) - known)
-        ]
-        try:
-            config = cls(**{k: v for k, v in values.items() if k in known})
-        except ConfigError as error:
-            problems += error.problems
-        if problems:
-            raise ConfigError(problems)
-        return config
+        return _from_mapping(cls, "loader", values)

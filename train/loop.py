@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from train.batches import Pipeline, steps_plan, to_device
-from train.config import LoaderConfig, TrainerConfig
+from train.config import TrainerConfig
 from train.data import Datasets, Splits
 from train.memory import (
     MemoryMeter,
@@ -226,7 +226,7 @@ def probe_seconds_per_sample(
     configuration that is 50x too slow from one that is not, in a few seconds at most.
     """
     task = task or Classification()
-    pipeline = data if isinstance(data, Pipeline) else Pipeline(data)
+    pipeline = Pipeline.of(data)
     saved = [b.clone() for b in model.buffers()]  # BatchNorm statistics must not see the probe
     batch = to_device(pipeline.example(min(cfg.batch_size, PROBE_SAMPLES)), device)
     n = batch_size_of(batch)
@@ -283,7 +283,7 @@ def evaluate(
     """The task's validation metrics, `val/loss` (mean per unit) and the derived ones, over
     the validation split; one host sync per metric at the end."""
     task = task or Classification()
-    pipeline = data if isinstance(data, Pipeline) else Pipeline(data)
+    pipeline = Pipeline.of(data)
     metrics = {name: metric.to(device) for name, metric in task.metrics().items()}
     model.eval()
     loss_sum = torch.zeros((), device=device)
@@ -323,7 +323,7 @@ def fit(
     A device OOM is turned into OutOfMemory only after its exception (whose traceback pins
     the failed step's activations) has been dropped and memory released.
     """
-    pipeline = data if isinstance(data, Pipeline) else Pipeline(data, LoaderConfig(), device)
+    pipeline = Pipeline.of(data, device)
     meter.start()
     oom_message = None
     try:
