@@ -25,6 +25,8 @@ from search.study import (
     claims_slot,
     flatten,
     interrupted_numbers,
+    is_unbilled,
+    known_configurations,
     num_finished,
     num_running,
     open_study,
@@ -47,6 +49,9 @@ _RESUMABLE_KEYS = (
     "storage", "study_name", "preflight", "preflight_margin", "oom_constraint", "workers",
     "recommend",
 )  # fmt: skip
+# A worker whose proposals go this many in a row without training (predicted not to fit, or
+# already trained) ends the study: the feasible part of search.params is spent or too small.
+MAX_UNBILLED_IN_A_ROW = 50
 IDLE_POLL_S = 2.0  # an idle worker looks for dead workers' trials this often
 INTERRUPT_WAIT_S = 5.0  # on Ctrl-C, how long queued MLflow writes may still take
 
@@ -173,6 +178,7 @@ class StudyDriver:
             output_dir,
         )
         self._killed_seen: set[int] = set()
+        self._unbilled_in_a_row = 0  # this worker's proposals answered without training
         self._outage_said = False
         self._failures_said = 0
 
@@ -263,7 +269,8 @@ class StudyDriver:
                 progress.trial_finished(study, trial)
                 self._say_tracking_state(progress.console)
 
-            self._work(objective, [self.parent, self.results, show], progress.console)
+            callbacks = [self.parent, self.results, show, self._count_unbilled]
+            self._work(objective, callbacks, progress.console)
         self.parent.update(self.study)
         rec = self.results.publish(self.study)
         self.parent.log.finish("FINISHED")
@@ -303,11 +310,7 @@ class StudyDriver:
             optuna.storages.fail_stale_trials(self.study)
             self._end_killed_runs(console)
             start = should_start_trial(self.study, n_trials)
-            if start and grid_exhausted(self.study.sampler, self.study):
-                console.print(
-                    f"the grid is exhausted: every configuration of search.params was proposed "
-                    f"({num_finished(self.study)} finished trials, search.n_trials={n_trials})"
-                )
+            if start and self._space_spent(console):
                 return
             if start is False or (start is None and not self.checked.settings.heartbeat_interval_s):
                 return  # without heartbeats a dead worker's trial is never seen: do not wait
@@ -328,6 +331,38 @@ class StudyDriver:
                 catch=(TrialFailed, Surplus),
                 callbacks=callbacks,
             )
+
+    def _count_unbilled(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if SURPLUS_ATTR not in trial.user_attrs:
+            self._unbilled_in_a_row = self._unbilled_in_a_row + 1 if is_unbilled(trial) else 0
+
+    def _space_spent(self, console: Console) -> bool:
+        """Whether the study ends short of search.n_trials, and why: every configuration of a
+        finite space is known, or proposals keep landing where nothing new trains."""
+        n_trials = self.checked.settings.n_trials
+        done = f"{num_finished(self.study)} trials trained of search.n_trials={n_trials}"
+        if grid_exhausted(self.study.sampler, self.study):
+            console.print(
+                f"the grid is exhausted: every configuration of search.params was proposed ({done})"
+            )
+            return True
+        size = self.checked.space.size()
+        if size is not None and len(known_configurations(self.study)) >= size:
+            console.print(
+                f"every one of the {size} configurations of search.params has been tried or "
+                f"predicted not to fit ({done}); the study ends here"
+            )
+            return True
+        if self._unbilled_in_a_row >= MAX_UNBILLED_IN_A_ROW:
+            console.print(
+                f"[yellow]the last {self._unbilled_in_a_row} proposals were all predicted not "
+                f"to fit or trained before, so the study ends ({done}).[/yellow] Little of "
+                "search.params fits search.memory_budget: raise the budget, or keep "
+                "search.params to the batch sizes and precisions the fit report shows fitting",
+                soft_wrap=True,
+            )
+            return True
+        return False
 
     def _within_n_trials(self, objective: Objective) -> Callable[[optuna.Trial], list[float]]:
         n_trials = self.checked.settings.n_trials

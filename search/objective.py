@@ -25,11 +25,14 @@ from typing import Any
 import optuna
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from optuna.trial import FrozenTrial, TrialState
 
 from search import record, report
 from search.config import TO_TARGET, SearchConfig, Target
 from search.outcome import Outcome, record_outcome
+from search.sampler import CONSTRAINT
 from search.space import SearchSpace
+from search.study import REPEAT_ATTR, is_repeat
 from tracking.runs import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG, RunLog, Tracker
 from train.batches import steps_plan
 from train.config import ConfigError
@@ -46,6 +49,45 @@ from train.run import RunSpec, data_params, memory_predictor, plan, predict, run
 PROBE_MARGIN = 4.0
 # After a few real steps the projection is close; allow some slack for validation.
 STEP_MARGIN = 1.5
+
+
+# Outcomes that training the same configuration again would repeat: training is seeded, and
+# the memory check is exact on CPU. `slow` (timing noise), `pruner` (depends on the other
+# trials) and failures are trained again.
+REPEATABLE_REASONS = ("oom", "oom_predicted", "diverged", "missed_target")
+
+
+def trained_before(trial: optuna.Trial) -> FrozenTrial | None:
+    """The earlier trial of the same configuration (all sampled values equal) whose outcome a
+    new run would repeat, if any."""
+    for earlier in trial.study.get_trials(
+        deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)
+    ):
+        if earlier.number == trial.number or is_repeat(earlier) or earlier.params != trial.params:
+            continue
+        if earlier.state == TrialState.COMPLETE or (
+            earlier.user_attrs.get(record.REASON) in REPEATABLE_REASONS
+        ):
+            return earlier
+    return None
+
+
+def answer_from_record(trial: optuna.Trial, earlier: FrozenTrial) -> list[float]:
+    """End `trial` as `earlier` ended, without training it or opening an MLflow run: the
+    sampler sees the same values and memory constraint, search.n_trials does not count it."""
+    trial.set_user_attr(REPEAT_ATTR, earlier.number)
+    trial.set_user_attr(record.STATE, earlier.state.name)
+    if CONSTRAINT in earlier.constraints:
+        trial.set_constraint(CONSTRAINT, earlier.constraints[CONSTRAINT])
+    message = (
+        f"the configuration of trial {earlier.number} ({report.state_label(earlier)}): answered "
+        "from its record"
+    )
+    trial.set_user_attr(record.MESSAGE, message)
+    if earlier.state == TrialState.PRUNED:
+        trial.set_user_attr(record.REASON, earlier.user_attrs[record.REASON])
+        raise optuna.TrialPruned(message)
+    return list(earlier.values)
 
 
 class Prune(Exception):
@@ -227,6 +269,9 @@ class Objective:
     def __call__(self, trial: optuna.Trial) -> list[float]:
         started = time.perf_counter()
         params = self.space.suggest(trial)
+        earlier = trained_before(trial)
+        if earlier is not None:
+            return answer_from_record(trial, earlier)
         cfg, spec, prediction, fits = self._configure(params)
         values = spec.params()
         for key, value in values.items():

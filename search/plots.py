@@ -31,7 +31,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from search import record
 from search.recommend import metric_value
-from search.study import SURPLUS_ATTR
+from search.study import SURPLUS_ATTR, is_repeat
 from train.run import ACCUM_KEY, BATCH_KEY, EFFECTIVE_PARAM, LR_PARAM, PRECISION_KEY
 
 MIN_IMPORTANCE_TRIALS = 5  # fewer completed trials say nothing about importance
@@ -72,7 +72,7 @@ def points(trials: Sequence[FrozenTrial]) -> list[Point]:
         if t.state not in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
             continue
         if BATCH_KEY not in a or SURPLUS_ATTR in a:
-            continue  # never configured (a surplus trial, or one killed before its config)
+            continue  # never configured (a surplus trial, a repeat, or killed before its config)
         complete = t.state == TrialState.COMPLETE
         found.append(
             Point(
@@ -216,7 +216,11 @@ def front(
     study: optuna.Study, metrics: Sequence[str], pts: Sequence[Point], recommended: int | None
 ) -> Figure:
     """The Pareto front of the first two objectives, or the history of a single one."""
-    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    complete = [
+        t
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if not is_repeat(t)
+    ]
     oom = [p for p in pts if p.oom]
     if len(metrics) >= 2:
         fig, ax = _figure(f"Pareto front: {metrics[1]} against {metrics[0]}")

@@ -24,6 +24,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from search import record
 from search.config import RecommendRule
+from search.study import is_repeat
 from train.overrides import BEST_KEY
 
 
@@ -75,7 +76,7 @@ def recommend(
     scored = [
         (t, metric_value(t, rule.metric, objectives), metric_value(t, rule.prefer, objectives))
         for t in trials
-        if t.state == TrialState.COMPLETE
+        if t.state == TrialState.COMPLETE and not is_repeat(t)
     ]
     scored = [(t, m, p) for t, m, p in scored if m is not None]
     if not scored:

@@ -14,4 +14,5 @@ THROUGHPUT = "throughput"  # UNIT/s of a completed trial
 UNIT = "unit"  # what THROUGHPUT counts: the task's unit, samples or tokens
 VAL_ACC = "val_acc"
 METRICS = "metrics"  # a completed trial's figures by metric name
-OOM_REASONS = ("oom", "oom_predicted")
+PREDICTED_OOM = "oom_predicted"  # the reason of a trial whose step was predicted not to fit
+OOM_REASONS = ("oom", PREDICTED_OOM)

@@ -28,7 +28,7 @@ from rich.table import Table
 from search import record
 from search.recommend import Recommendation
 from search.space import override_value
-from search.study import counts_as_finished
+from search.study import counts_as_finished, counts_as_trained, is_repeat, is_unbilled
 from tracking.redact import redact
 from train.memory import format_bytes
 from train.overrides import BEST_KEY, override_key
@@ -36,6 +36,8 @@ from train.run import ACCUM_KEY, BATCH_KEY, EFFECTIVE_PARAM, LR_PARAM, PRECISION
 
 
 def state_label(trial: FrozenTrial) -> str:
+    if is_repeat(trial):
+        return "REPEAT"
     if trial.state == TrialState.PRUNED:
         return f"PRUNED ({trial.user_attrs.get(record.REASON, 'pruner')})"
     return trial.state.name
@@ -78,8 +80,10 @@ def trial_line(trial: FrozenTrial) -> str:
         parts.append(f"waiting for data {wait:.0%} of the time")
     if "seconds" in attrs:
         parts.append(f"{attrs['seconds']:.1f} s")
-    if trial.state != TrialState.COMPLETE and record.MESSAGE in attrs:
+    if (trial.state != TrialState.COMPLETE or is_repeat(trial)) and record.MESSAGE in attrs:
         parts.append(f"[dim]{escape(attrs[record.MESSAGE][:120])}[/dim]")
+    if is_unbilled(trial):
+        parts.append("[dim]not counted in search.n_trials[/dim]")
     return " | ".join(parts)
 
 
@@ -132,7 +136,7 @@ class StudyProgress:
         if self._epochs is not None:
             self._progress.remove_task(self._epochs)
             self._epochs = None
-        done = sum(1 for t in study.get_trials(deepcopy=False) if counts_as_finished(t))
+        done = sum(1 for t in study.get_trials(deepcopy=False) if counts_as_trained(t))
         best = best_trials(study, limit=1)
         if best:
             self.best = f"best {self.metric} {_fmt(best[0].values[0])} (#{best[0].number})"
@@ -178,9 +182,13 @@ def _clock(seconds: float) -> str:
 def best_trials(study: optuna.Study, limit: int = 5) -> list[FrozenTrial]:
     """The Pareto front (several objectives) or the top trials (one), best first."""
     if len(study.directions) > 1:
-        front = study.best_trials
+        front = [t for t in study.best_trials if not is_repeat(t)]
     else:
-        front = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        front = [
+            t
+            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if not is_repeat(t)
+        ]
     sign = 1 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else -1
     return sorted(front, key=lambda t: -sign * t.values[0])[:limit]
 
@@ -277,11 +285,18 @@ def counts_by_state(trials: Sequence[FrozenTrial]) -> dict[str, int]:
 
 
 def counts_line(trials: Sequence[FrozenTrial]) -> str:
-    """'12 finished trials: 7 COMPLETE, 5 PRUNED (oom_predicted)'."""
-    by_state = counts_by_state(trials)
-    return f"{sum(by_state.values())} finished trials: " + ", ".join(
-        f"{n} {label}" for label, n in sorted(by_state.items())
+    """'12 finished trials: 11 COMPLETE, 1 PRUNED (slow); not counted: 5 PRUNED
+    (oom_predicted), 1 REPEAT'."""
+    counted = counts_by_state([t for t in trials if not is_unbilled(t)])
+    line = f"{sum(counted.values())} finished trials: " + ", ".join(
+        f"{n} {label}" for label, n in sorted(counted.items())
     )
+    free = counts_by_state([t for t in trials if is_unbilled(t)])
+    if free:
+        line += "; not counted, answered without training: " + ", ".join(
+            f"{n} {label}" for label, n in sorted(free.items())
+        )
+    return line
 
 
 def mib(num_bytes: float | None) -> str:

@@ -21,6 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 from search import plots, report
 from search.config import RecommendRule
 from search.recommend import Recommendation, best_document, recommend
+from search.study import counts_as_finished, counts_as_trained, is_unbilled
 from tracking.redact import redact
 from tracking.runs import RunLog
 from train.overrides import BEST_FILE
@@ -108,7 +109,8 @@ class StudyRun:
             "trials/" + label.lower().replace(" (", "_").rstrip(")"): n
             for label, n in report.counts_by_state(trials).items()
         }
-        counts["trials/finished"] = sum(counts.values())
+        counts["trials/finished"] = sum(counts_as_trained(t) for t in trials)  # search.n_trials
+        counts["trials/unbilled"] = sum(counts_as_finished(t) and is_unbilled(t) for t in trials)
         complete = [t for t in trials if t.state == TrialState.COMPLETE and t.values]
         for i, (metric, direction) in enumerate(zip(self.metrics, study.directions, strict=True)):
             values = [t.values[i] for t in complete]

@@ -7,7 +7,8 @@ proposals do not change), and GPSampler and NSGA-II read only COMPLETE trials. P
 though, only grows with the batch: a configuration is sure not to fit if an infeasible trial
 had the same precision and other memory-relevant values with a batch size no larger and an
 accumulation pattern no lighter. `FeasibilityFilter` wraps any sampler and redraws such
-proposals, so the OOM boundary found by one trial holds for later ones. It acts on joint
+proposals, so the OOM boundary found by one trial holds for later ones; a proposal of a
+configuration already tried is redrawn too (a repeat teaches nothing). It acts on joint
 (relative) proposals: not during the base sampler's independent start-up trials, nor for
 samplers that only sample independently (RandomSampler, TPE without multivariate).
 """
@@ -32,6 +33,7 @@ from optuna.samplers import BaseSampler, GridSampler, TPESampler
 from optuna.trial import FrozenTrial, TrialState
 
 from search.space import SearchSpace
+from search.study import is_repeat
 from train.config import ConfigError
 from train.run import ACCUM_KEY, BATCH_KEY
 
@@ -64,13 +66,15 @@ def dominated(params: Mapping[str, Any], oom: Mapping[str, Any], floats: set[str
 
 
 class FeasibilityFilter(BaseSampler):
-    """Delegates to `base`; a joint proposal dominated by an infeasible trial is redrawn, up
-    to `max_redraws` times (then the last is kept: the search must go on)."""
+    """Delegates to `base`; a joint proposal dominated by an infeasible trial, or equal to a
+    configuration already tried, is redrawn, up to `max_redraws` times (then the last is kept:
+    the search must go on, and the trial answers it without training, search/objective.py)."""
 
     def __init__(self, base: BaseSampler, max_redraws: int = 30):
         self.base = base
         self.max_redraws = max_redraws
-        self.num_redrawn = 0  # proposals replaced, for benchmarks and tests
+        self.num_redrawn = 0  # infeasible proposals replaced, for benchmarks and tests
+        self.num_repeats_redrawn = 0  # proposals of a configuration already tried, replaced
 
     def infer_relative_search_space(
         self, study: optuna.Study, trial: FrozenTrial
@@ -83,18 +87,17 @@ class FeasibilityFilter(BaseSampler):
         params = self.base.sample_relative(study, trial, search_space)
         if not params:  # the base sampler's start-up phase: independent sampling
             return params
-        infeasible = [
-            t.params
-            for t in study.get_trials(
-                deepcopy=False, states=(TrialState.PRUNED, TrialState.COMPLETE)
-            )
-            if is_infeasible(t)
-        ]
+        finished = study.get_trials(deepcopy=False, states=(TrialState.PRUNED, TrialState.COMPLETE))
+        infeasible = [t.params for t in finished if is_infeasible(t)]
+        known = [t.params for t in finished if not is_repeat(t)]
         floats = {k for k, d in search_space.items() if isinstance(d, FloatDistribution)}
         for _ in range(self.max_redraws):
-            if not any(dominated(params, oom, floats) for oom in infeasible):
+            if any(dominated(params, oom, floats) for oom in infeasible):
+                self.num_redrawn += 1
+            elif any(params == earlier for earlier in known):
+                self.num_repeats_redrawn += 1
+            else:
                 break
-            self.num_redrawn += 1
             params = self.base.sample_relative(study, trial, search_space)
         return params
 

@@ -49,6 +49,20 @@ class SearchSpace:
                 )
         return params
 
+    def size(self) -> int | None:
+        """How many configurations the space holds; None when a key is continuous."""
+        count = 1
+        for dist in self.distributions.values():
+            if isinstance(dist, CategoricalDistribution):
+                count *= len(dist.choices)
+            elif isinstance(dist, IntDistribution):
+                count *= (dist.high - dist.low) // dist.step + 1
+            elif dist.step is not None:
+                count *= round((dist.high - dist.low) / dist.step) + 1
+            else:
+                return None
+        return count
+
     def overrides(self, params: Mapping[str, Any]) -> list[str]:
         """Hydra overrides for sampled values, fixed values included."""
         values = {**self.fixed, **{k: override_value(v) for k, v in params.items()}}

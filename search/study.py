@@ -3,6 +3,9 @@
 A study is resumable: the same command finds it by name in the same storage and runs until
 `search.n_trials` trials have finished, counted over all the workers that share it (the
 storage and the heartbeats that re-run a dead worker's trial are in search/storage.py).
+Proposals answered without training (predicted not to fit, or a configuration trained
+before: `is_unbilled`) are trials in Optuna, so the sampler learns from them, but do not
+count towards search.n_trials.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from omegaconf import OmegaConf
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
+from search import record
 from train.config import ConfigError
 
 CONFIG_ATTR = "batchfit.config"  # the study's fixed config, to refuse a resume that changes it
@@ -94,16 +98,45 @@ def counts_as_finished(trial: FrozenTrial) -> bool:
     return trial.state == TrialState.FAIL and "error" in trial.user_attrs
 
 
+REPEAT_ATTR = "repeat_of"  # user attr: the number of the trial whose record answered this one
+
+
+def is_repeat(trial: FrozenTrial) -> bool:
+    return REPEAT_ATTR in trial.user_attrs
+
+
+def is_unbilled(trial: FrozenTrial) -> bool:
+    """A proposal answered without training: predicted not to fit (the fit report knew it),
+    or a configuration already trained, answered from its record. Optuna has it, so the
+    sampler learns from it; search.n_trials does not count it."""
+    return is_repeat(trial) or trial.user_attrs.get(record.REASON) == record.PREDICTED_OOM
+
+
+def counts_as_trained(trial: FrozenTrial) -> bool:
+    """Finished, and not unbilled: one of the search.n_trials the user asked for."""
+    return counts_as_finished(trial) and not is_unbilled(trial)
+
+
+def known_configurations(study: optuna.Study) -> set[tuple]:
+    """The distinct configurations (sampled values) of the finished trials."""
+    return {
+        tuple(sorted(t.params.items()))
+        for t in study.get_trials(deepcopy=False)
+        if counts_as_finished(t) and not is_repeat(t)
+    }
+
+
 def num_finished(study: optuna.Study) -> int:
-    return sum(counts_as_finished(t) for t in study.get_trials(deepcopy=False))
+    """Trials that count towards search.n_trials."""
+    return sum(counts_as_trained(t) for t in study.get_trials(deepcopy=False))
 
 
 SURPLUS_ATTR = "surplus"  # user attr of a trial started past search.n_trials (see claims_slot)
 
 
 def _holds_slot(trial: FrozenTrial) -> bool:
-    """Finished with a result, running, or queued: it takes one of the n_trials."""
-    return counts_as_finished(trial) or trial.state in (TrialState.RUNNING, TrialState.WAITING)
+    """Finished with a result that counts, running, or queued: it takes one of the n_trials."""
+    return counts_as_trained(trial) or trial.state in (TrialState.RUNNING, TrialState.WAITING)
 
 
 def num_running(study: optuna.Study) -> int:
@@ -114,7 +147,7 @@ def should_start_trial(study: optuna.Study, n_trials: int) -> bool | None:
     """True: start a trial (a queued one first). None: the trials running elsewhere complete
     the study, so wait (one of them may die and be queued again). False: the study is done."""
     trials = study.get_trials(deepcopy=False)
-    finished = sum(counts_as_finished(t) for t in trials)
+    finished = sum(counts_as_trained(t) for t in trials)
     if finished >= n_trials:
         return False
     if any(t.state == TrialState.WAITING for t in trials):

@@ -41,11 +41,15 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
 
     study = optuna.load_study(study_name="e2e", storage=journal)
     trials = study.get_trials()
-    assert len(trials) == 6
-    assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
-    # Predicted before training (search.preflight): batch 256 needs ~2.6 MB, over 1 MiB.
+    # Predicted before training (search.preflight): batch 256 needs ~2.6 MB, over 1 MiB. Such
+    # proposals take no trial slot: all 6 of search.n_trials train.
     oom = [t for t in trials if t.user_attrs.get("reason") == "oom_predicted"]
     assert oom and all(t.params["trainer.batch_size"] == 256 for t in oom)
+    assert len(trials) == 6 + len(oom)
+    assert all(t.state == TrialState.COMPLETE for t in trials if t not in oom)
+    assert (
+        f"6 finished trials: 6 COMPLETE; not counted, answered without training: {len(oom)}" in out
+    )
     for t in oom:
         assert t.state == TrialState.PRUNED
         assert t.user_attrs["predicted_bytes"] > t.user_attrs["budget_bytes"] == 2**20
@@ -99,9 +103,11 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
     # The same command with a larger n_trials resumes: same study, same parent run.
     run_module("search", [*STUDY, "search.n_trials=8"], tmp_path)
     study = optuna.load_study(study_name="e2e", storage=journal)
-    assert [t.number for t in study.get_trials()] == list(range(8))
+    trials = study.get_trials()
+    assert [t.number for t in trials] == list(range(len(trials)))
+    assert sum(t.user_attrs.get("reason") != "oom_predicted" for t in trials) == 8
     runs = client.search_runs([experiment.experiment_id])
-    assert len(runs) == 1 + 8
+    assert len(runs) == 1 + len(trials)
     assert [r for r in runs if r.data.tags.get("batchfit.role") == "study"][0].info.run_id == (
         parent.info.run_id
     )

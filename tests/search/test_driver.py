@@ -49,7 +49,9 @@ def _mlflow_runs(stores: dict, experiment: str) -> list:
 def test_oom_trials_are_pruned_with_reason_and_memory_figures(hydra_conf, stores) -> None:
     # small_cnn(width=4) on digits peaks at ~0.66 MB at batch 64 and ~2.6 MB at 256
     # (measured by the CPU tracker), so a 1 MiB budget fits 16/64 and not 256/512.
-    # The preflight prediction is off: this is the measured OOM path.
+    # The preflight prediction is off: this is the measured OOM path. The space has 4
+    # configurations: each trains once, repeats are answered from the record, and the study
+    # ends when all 4 are known, short of its 6 trials.
     driver = _driver(
         hydra_conf,
         [
@@ -62,8 +64,14 @@ def test_oom_trials_are_pruned_with_reason_and_memory_figures(hydra_conf, stores
     )
     driver.run()
     study = driver.study
-    trials = study.get_trials()
-    assert len(trials) == 6
+    repeats = [t for t in study.get_trials() if "repeat_of" in t.user_attrs]
+    trials = [t for t in study.get_trials() if "repeat_of" not in t.user_attrs]
+    assert sorted(t.params["trainer.batch_size"] for t in trials) == [16, 64, 256, 512]
+    for repeat in repeats:  # same configuration, same outcome, nothing trained
+        earlier = study.trials[repeat.user_attrs["repeat_of"]]
+        assert earlier.params == repeat.params and earlier.state == repeat.state
+        assert earlier.values == repeat.values and earlier.constraints == repeat.constraints
+        assert "peak_bytes" not in repeat.user_attrs and "mlflow_run_id" not in repeat.user_attrs
     by_batch = {}
     for t in trials:
         batch = t.params["trainer.batch_size"]
@@ -86,9 +94,10 @@ def test_oom_trials_are_pruned_with_reason_and_memory_figures(hydra_conf, stores
     }  # fmt: skip
     parent = runs.pop("t")
     assert study.user_attrs[PARENT_ATTR] == parent.info.run_id
-    assert parent.data.metrics["trials/finished"] == 6
+    assert parent.data.metrics["trials/finished"] == 4
+    assert parent.data.metrics["trials/unbilled"] == len(repeats)
     assert parent.data.params["search.memory_budget"] == "1MiB"
-    assert len(runs) == 6
+    assert len(runs) == 4  # a repeat has no run of its own
     for t in trials:
         run = runs[f"trial-{t.number}"]
         assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
@@ -125,7 +134,8 @@ def test_twenty_oom_trials_in_a_row_leave_memory_at_baseline(hydra_conf, stores)
             "search.n_trials=20",
             "search.preflight=false",  # real (accounted) OOMs, not predicted ones
             "search.memory_budget=64KiB",
-            "+search.params={trainer.batch_size:'choice(256,512)'}",
+            # a continuous lr: 20 configurations, none a repeat of another
+            "+search.params={trainer.batch_size:'choice(256,512)',optimizer.lr:'interval(0.01,0.1)'}",
         ],
         name="oom20",
     )
@@ -158,7 +168,11 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(hydra_conf, stores) -
     # model.width=0 makes the model builder fail at build time (Conv2d with 0 channels).
     driver = _driver(
         hydra_conf,
-        [*stores["overrides"], "search.n_trials=4", "+search.params={model.width:'choice(0,4)'}"],
+        [
+            *stores["overrides"],
+            "search.n_trials=4",
+            "+search.params={model.width:'choice(0,4)',optimizer.lr:'interval(0.01,0.1)'}",
+        ],
         name="fail",
     )
     driver.run()
@@ -211,7 +225,10 @@ def test_diverged_and_slow_trials_are_pruned_with_their_reason(hydra_conf, store
 
 
 def test_resume_runs_to_n_trials_without_duplicates(hydra_conf, stores) -> None:
-    common = [*stores["overrides"], "+search.params={trainer.batch_size:'choice(16,32,64)'}"]
+    common = [
+        *stores["overrides"],
+        "+search.params={trainer.batch_size:'choice(16,32,64)',optimizer.lr:'interval(0.01,0.1)'}",
+    ]
     first = _driver(hydra_conf, [*common, "search.n_trials=2"], name="resume")
     first.run()
     second = _driver(hydra_conf, [*common, "search.n_trials=5"], name="resume")

@@ -15,9 +15,11 @@ from optuna.trial import TrialState
 from rich.console import Console
 from torch import nn
 
+from search import driver as driver_module
 from search.driver import StudyDriver
 from search.fit import fit_report
 from search.sampler import FeasibilityFilter
+from search.study import num_finished
 from search.validate import validate
 from train.config import ConfigError
 from train.memory import format_bytes
@@ -90,11 +92,17 @@ def test_trials_predicted_not_to_fit_are_pruned_before_training(hydra_conf, stor
         [*stores["overrides"], "search.n_trials=6", "search.memory_budget=1MiB", BATCHES],
     )
     driver.run()
-    trials = driver.study.get_trials()
-    assert len(trials) == 6
+    # 4 configurations, 2 predicted not to fit: each is tried once (a repeat proposal is
+    # answered from the record), the 2 that fit are the study's only billed trials, and the
+    # study ends when all 4 are known, short of search.n_trials=6.
+    trials = [t for t in driver.study.get_trials() if "repeat_of" not in t.user_attrs]
+    assert sorted(t.params["trainer.batch_size"] for t in trials) == [16, 64, 256, 512]
     predicted_oom = [t for t in trials if t.params["trainer.batch_size"] >= 256]
     trained = [t for t in trials if t.params["trainer.batch_size"] < 256]
-    assert predicted_oom and trained
+    assert num_finished(driver.study) == len(trained) == 2
+    shown = driver.console.export_text()
+    assert "every one of the 4 configurations of search.params has been tried" in shown
+    assert "2 trials trained of search.n_trials=6" in shown
     for t in predicted_oom:
         assert t.state == TrialState.PRUNED
         assert t.user_attrs["reason"] == "oom_predicted"
@@ -131,8 +139,9 @@ def test_trials_predicted_not_to_fit_are_pruned_before_training(hydra_conf, stor
     text = Path(client.download_artifacts(parent.info.run_id, "fit_report.txt")).read_text()
     assert "Fit report" in text and "largest that fits" in text
     assert "OOM" in text  # 256 and 512 are marked
+    assert parent.data.metrics["trials/finished"] == 2
+    assert parent.data.metrics["trials/pruned_oom_predicted"] == 2
     # The console shows the same table before the first trial.
-    shown = driver.console.export_text()
     assert shown.index("Fit report") < shown.index("#0 ")
 
 
@@ -337,3 +346,92 @@ def test_a_budget_below_the_training_state_stops_before_the_first_trial(hydra_co
     assert f"the smallest step (batch size 1 in fp32) needs {format_bytes(smallest)}" in problem
     assert "search.memory_budget=1MiB" in problem  # the suggested fix: 1.25 x, in whole MiB
     assert optuna.get_all_study_names(stores["optuna"]) == []
+
+
+LR = "optimizer.lr:'interval(0.01,0.1)'"  # a continuous key: no two proposals repeat
+
+
+def test_proposals_predicted_not_to_fit_take_no_trial_slot(hydra_conf, stores) -> None:
+    driver = _driver(
+        hydra_conf,
+        [
+            *stores["overrides"],
+            "search.n_trials=5",
+            "search.memory_budget=1MiB",
+            f"+search.params={{trainer.batch_size:'choice(16,64,256,512)',{LR}}}",
+        ],
+    )
+    driver.run()
+    trials = driver.study.get_trials()
+    unbilled = [t for t in trials if t.user_attrs.get("reason") == "oom_predicted"]
+    trained = [t for t in trials if t not in unbilled]
+    # All 5 of search.n_trials trained; the proposals predicted not to fit came on top, and
+    # still reached the sampler as infeasible.
+    assert len(trained) == 5 and all(t.state == TrialState.COMPLETE for t in trained)
+    assert unbilled, "the seed gives no proposal over the budget: the test shows nothing"
+    for t in unbilled:
+        assert t.params["trainer.batch_size"] >= 256 and t.constraints["memory"] > 0
+    parent = _runs(stores, "t")["t"]
+    assert parent.data.metrics["trials/finished"] == 5
+    assert parent.data.metrics["trials/unbilled"] == len(unbilled)
+    shown = driver.console.export_text()
+    assert (
+        f"5 finished trials: 5 COMPLETE; not counted, answered without training: {len(unbilled)}"
+        in shown
+    )
+    assert shown.count("not counted in search.n_trials") == len(unbilled)
+
+
+def test_a_space_where_nothing_fits_ends_with_a_message(hydra_conf, stores, monkeypatch) -> None:
+    monkeypatch.setattr(driver_module, "MAX_UNBILLED_IN_A_ROW", 6)
+    driver = _driver(
+        hydra_conf,
+        [
+            *stores["overrides"],
+            "search.n_trials=3",
+            "search.memory_budget=1MiB",
+            f"+search.params={{trainer.batch_size:'choice(256,512)',{LR}}}",
+        ],
+    )
+    driver.run()
+    trials = driver.study.get_trials()
+    assert len(trials) == 6 and num_finished(driver.study) == 0
+    assert all(t.user_attrs["reason"] == "oom_predicted" for t in trials)
+    shown = driver.console.export_text()
+    assert "the last 6 proposals were all predicted not to fit or trained before" in shown
+    assert "0 trials trained of search.n_trials=3" in shown
+
+
+SIZES = optuna.distributions.CategoricalDistribution([16, 32, 64, 256])
+B = "trainer.batch_size"
+
+
+class _Scripted(optuna.samplers.RandomSampler):
+    """A base sampler whose joint proposals come from a script."""
+
+    def __init__(self, script: list[dict]):
+        super().__init__(seed=0)
+        self.script = list(script)
+
+    def sample_relative(self, study, trial, search_space):  # noqa: ANN001, ANN201
+        return self.script.pop(0)
+
+
+def test_the_filter_redraws_known_configurations_and_infeasible_ones() -> None:
+    study = optuna.create_study()
+    dist = {B: SIZES}
+    study.add_trial(optuna.trial.create_trial(params={B: 16}, distributions=dist, value=1.0))
+    study.add_trial(
+        optuna.trial.create_trial(
+            params={B: 64},
+            distributions=dist,
+            state=TrialState.PRUNED,
+            system_attrs={"constraints:memory": 0.5},  # how Trial.set_constraint stores it
+        )
+    )
+    sampler = FeasibilityFilter(_Scripted([{B: 16}, {B: 256}, {B: 32}, {B: 16}]))
+    study.ask()
+    frozen = study.get_trials()[-1]
+    # 16 was trained (a repeat teaches nothing), 256 is larger than 64, which did not fit.
+    assert sampler.sample_relative(study, frozen, dist) == {B: 32}
+    assert (sampler.num_repeats_redrawn, sampler.num_redrawn) == (1, 1)

@@ -218,7 +218,10 @@ def test_summary_markdown() -> None:
     study = _study()
     rec = recommend(study.get_trials(), RecommendRule(), METRICS)
     text = summary_markdown(study, METRICS, rec, OVERRIDES)
-    assert "6 finished trials: 4 COMPLETE, 1 FAIL, 1 PRUNED (oom_predicted)." in text
+    assert (
+        "5 finished trials: 4 COMPLETE, 1 FAIL; not counted, answered without training: "
+        "1 PRUNED (oom_predicted)."
+    ) in text
     assert "trial 1, the best throughput/samples_per_sec (900) among the 2 trials" in text
     # peak 678996 B = 0.648 MiB -> 0.6; predicted round(678996 * 1.081) = 734,005 B -> 0.7
     row = "| 1 | 64 | 2 | 128 | bf16 | 0.02 | 0.945 | 900 | 0.6 | 0.7 |"
@@ -291,21 +294,23 @@ def test_progress_in_plain_lines(clock: list[float]) -> None:
     study = optuna.create_study(directions=["maximize", "maximize"])
     console = _plain()
     progress = StudyProgress(console, n_trials=4, done=0, metric="val/acc")
-    # finished at (s):  60      90      120 (pruned)  200
+    # finished at (s):  60      90      120 (oom_predicted: not counted)  200
     for trial, at in zip(
         [trials[0], trials[1], trials[4], trials[2]], [60, 90, 120, 200], strict=True
     ):
         study.add_trial(trial)
         clock[0] = 1000.0 + at
         progress.trial_finished(study, study.get_trials()[-1])
-    # left = elapsed / trials done here x trials to go: 60/1*3, 90/2*2, 120/3*1
+    # left = elapsed / trials done here x trials to go: 60/1*3, 90/2*2, 120/2*2, 200/3*1
     assert _progress_lines(console) == [
         "progress: 1/4 trials, 1:00 elapsed, ~3:00 left; best val/acc 0.93 (#0)",
         "progress: 2/4 trials, 1:30 elapsed, ~1:30 left; best val/acc 0.945 (#1)",
-        "progress: 3/4 trials, 2:00 elapsed, ~0:40 left; best val/acc 0.945 (#1)",
-        "progress: 4/4 trials, 3:20 elapsed; best val/acc 0.951 (#3)",
+        "progress: 2/4 trials, 2:00 elapsed, ~2:00 left; best val/acc 0.945 (#1)",
+        "progress: 3/4 trials, 3:20 elapsed, ~1:06 left; best val/acc 0.951 (#3)",
     ]
-    assert "#2   PRUNED (oom_predicted)" in console.file.getvalue()  # the trial's own line
+    # the trial's own line says it does not count
+    assert "#2   PRUNED (oom_predicted)" in console.file.getvalue()
+    assert "not counted in search.n_trials" in console.file.getvalue()
 
 
 def test_progress_of_a_resumed_study_counts_only_new_trials_for_time_left(
