@@ -21,8 +21,10 @@ The replay asks each sampler for trials and answers from the table:
   FeasibilityFilter, with proposals predicted not to fit and repeats answered without taking a
   trial slot, by search/objective.py's own functions), and GP;
 - two objectives, val/acc and throughput (max, max): random, grid, TPE, batchfit, NSGA-II.
-A configuration that does not fit is a pruned trial that takes a slot (batchfit: none, but
-its prediction's seconds count); one that misses the target or is too slow is a pruned trial.
+A configuration that does not fit is a pruned trial that takes a slot (batchfit: none when it
+was predicted, but the prediction's seconds count); with one objective, a configuration that
+misses the target or is too slow is a pruned trial; with two (no target), one that missed
+the target is a complete trial with its final accuracy, a slow one a pruned trial.
 GP models only COMPLETE trials, so it samples at random until 10 have reached the target.
 Printed per sampler: the median trial slots and table-seconds (the sum of the rows' wall
 seconds, what the search would have cost) until a trial within 5% of the best feasible time
@@ -266,10 +268,11 @@ def replay(
             if earlier is not None:
                 return answer_from_record(trial, earlier)  # not billed
         if not row.fits:
-            trial.set_user_attr(record.REASON, record.PREDICTED_OOM if batchfit else "oom")
+            free = batchfit and row.outcome == record.PREDICTED_OOM  # a real OOM takes a slot
+            trial.set_user_attr(record.REASON, record.PREDICTED_OOM if free else "oom")
             trial.set_constraint(CONSTRAINT, 1.0)
-            seconds += row.trial_s  # the prediction's time: it takes no slot in batchfit
-            if not batchfit:
+            seconds += row.trial_s  # a prediction's time counts, though it takes no slot
+            if not free:
                 slots += 1
                 infeasible += 1
             raise optuna.TrialPruned()

@@ -62,6 +62,7 @@ WORKLOAD = [
 ]
 DEFAULT = {"trainer.accum_steps": 1, "trainer.precision": "fp32"}  # the heuristics' settings
 PROBE_STEPS = 3  # Lightning's steps_per_trial
+MAX_BATCH = 1024  # digits has 1437 training samples
 
 
 @dataclass
@@ -100,7 +101,7 @@ def _fits(batch: int, budget: int) -> bool:
 def grow(budget: int, lr: float) -> Choice:
     """Lightning's BatchSizeFinder, mode power: double from 2 until out of memory."""
     started, batch, tried = time.perf_counter(), 2, []
-    while _fits(batch, budget):
+    while batch <= MAX_BATCH and _fits(batch, budget):  # Lightning stops at the dataset too
         tried.append(batch)
         batch *= 2
     tried.append(batch)
@@ -120,6 +121,8 @@ def halve(budget: int, lr: float, start: int) -> Choice:
     while not _fits(batch, budget):
         tried.append(batch)
         batch //= 2
+        if batch < 1:
+            raise SystemExit("not even a batch of 1 fits the budget")
     spent = time.perf_counter() - started
     return Choice(
         "largest that fits, halved (HF auto_find_batch_size)",
@@ -173,7 +176,9 @@ def batchfit(budget: int, trials: int, epochs: int, seed: int, tmp: str) -> Choi
     )
 
 
-def final(choice: Choice, budget: int, epochs: int, tmp: str, name: str) -> tuple[float, float]:
+def final(
+    choice: Choice, budget: int, epochs: int, seed: int, tmp: str, name: str
+) -> tuple[float, float]:
     """(time/to_target_s or inf, best val/acc) of one training run of the choice."""
     params = ",".join(f"{k}:'choice({v})'" for k, v in choice.config.items())
     study = _study(
@@ -181,6 +186,7 @@ def final(choice: Choice, budget: int, epochs: int, tmp: str, name: str) -> tupl
             f"search.memory_budget={budget}",
             f"trainer.max_epochs={epochs}",
             "search.n_trials=1",
+            f"seed={seed}",
             "search.trial_time_budget_s=null",
             # the heuristics' batch may fit with no room to spare: only a real OOM stops it
             "search.preflight=false",
@@ -236,7 +242,9 @@ def main() -> None:
         for r in range(args.rounds):
             order = choices if r % 2 == 0 else choices[::-1]
             for i, c in enumerate(order):
-                results[c.approach].append(final(c, budget, args.final_epochs, tmp, f"f{r}-{i}"))
+                results[c.approach].append(
+                    final(c, budget, args.final_epochs, args.seed, tmp, f"f{r}-{i}")
+                )
     table = Table(title=f"Time to {TARGET}: search cost and the chosen configuration's training")
     for column in ("approach", "configuration", "search s", "time to target s (median)",
                    "runs reaching it", "val/acc at stop", "vs batchfit"):  # fmt: skip

@@ -50,7 +50,7 @@ _RESUMABLE_KEYS = (
     "recommend",
 )  # fmt: skip
 # A worker whose proposals go this many in a row without training (predicted not to fit, or
-# already trained) ends the study: the feasible part of search.params is spent or too small.
+# already trained) stops: the feasible part of search.params is spent or too small.
 MAX_UNBILLED_IN_A_ROW = 50
 IDLE_POLL_S = 2.0  # an idle worker looks for dead workers' trials this often
 INTERRUPT_WAIT_S = 5.0  # on Ctrl-C, how long queued MLflow writes may still take
@@ -347,7 +347,8 @@ class StudyDriver:
             )
             return True
         size = self.checked.space.size()
-        if size is not None and len(known_configurations(self.study)) >= size:
+        known = known_configurations(self.study, self.checked.space.distributions)
+        if size is not None and len(known) >= size:
             console.print(
                 f"every one of the {size} configurations of search.params has been tried or "
                 f"predicted not to fit ({done}); the study ends here"
@@ -356,7 +357,7 @@ class StudyDriver:
         if self._unbilled_in_a_row >= MAX_UNBILLED_IN_A_ROW:
             console.print(
                 f"[yellow]the last {self._unbilled_in_a_row} proposals were all predicted not "
-                f"to fit or trained before, so the study ends ({done}).[/yellow] Little of "
+                f"to fit or trained before, so this worker stops ({done}).[/yellow] Little of "
                 "search.params fits search.memory_budget: raise the budget, or keep "
                 "search.params to the batch sizes and precisions the fit report shows fitting",
                 soft_wrap=True,

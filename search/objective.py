@@ -32,7 +32,7 @@ from search.config import TO_TARGET, SearchConfig, Target
 from search.outcome import Outcome, record_outcome
 from search.sampler import CONSTRAINT
 from search.space import SearchSpace
-from search.study import REPEAT_ATTR, is_repeat
+from search.study import REPEAT_ATTR, is_settled
 from tracking.runs import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG, RunLog, Tracker
 from train.batches import steps_plan
 from train.config import ConfigError
@@ -51,30 +51,22 @@ PROBE_MARGIN = 4.0
 STEP_MARGIN = 1.5
 
 
-# Outcomes that training the same configuration again would repeat: training is seeded, and
-# the memory check is exact on CPU. `slow` (timing noise), `pruner` (depends on the other
-# trials) and failures are trained again.
-REPEATABLE_REASONS = ("oom", "oom_predicted", "diverged", "missed_target")
-
-
 def trained_before(trial: optuna.Trial) -> FrozenTrial | None:
     """The earlier trial of the same configuration (all sampled values equal) whose outcome a
-    new run would repeat, if any."""
+    new run would repeat (search/study.py `is_settled`), if any."""
     for earlier in trial.study.get_trials(
         deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)
     ):
-        if earlier.number == trial.number or is_repeat(earlier) or earlier.params != trial.params:
-            continue
-        if earlier.state == TrialState.COMPLETE or (
-            earlier.user_attrs.get(record.REASON) in REPEATABLE_REASONS
-        ):
+        same = earlier.number != trial.number and earlier.params == trial.params
+        if same and is_settled(earlier):
             return earlier
     return None
 
 
 def answer_from_record(trial: optuna.Trial, earlier: FrozenTrial) -> list[float]:
     """End `trial` as `earlier` ended, without training it or opening an MLflow run: the
-    sampler sees the same values and memory constraint, search.n_trials does not count it."""
+    sampler sees the same state, values and memory constraint (not a pruned trial's
+    intermediate values), search.n_trials does not count it."""
     trial.set_user_attr(REPEAT_ATTR, earlier.number)
     trial.set_user_attr(record.STATE, earlier.state.name)
     if CONSTRAINT in earlier.constraints:

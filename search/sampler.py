@@ -33,7 +33,7 @@ from optuna.samplers import BaseSampler, GridSampler, TPESampler
 from optuna.trial import FrozenTrial, TrialState
 
 from search.space import SearchSpace
-from search.study import is_repeat
+from search.study import is_settled
 from train.config import ConfigError
 from train.run import ACCUM_KEY, BATCH_KEY
 
@@ -89,7 +89,10 @@ class FeasibilityFilter(BaseSampler):
             return params
         finished = study.get_trials(deepcopy=False, states=(TrialState.PRUNED, TrialState.COMPLETE))
         infeasible = [t.params for t in finished if is_infeasible(t)]
-        known = [t.params for t in finished if not is_repeat(t)]
+        # trained, or training in another worker now: a second run of it would repeat it
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        known = [t.params for t in finished if is_settled(t)]
+        known += [t.params for t in running if t.number != trial.number]
         floats = {k for k, d in search_space.items() if isinstance(d, FloatDistribution)}
         for _ in range(self.max_redraws):
             if any(dominated(params, oom, floats) for oom in infeasible):

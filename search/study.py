@@ -10,10 +10,12 @@ count towards search.n_trials.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import optuna
 from omegaconf import OmegaConf
+from optuna.distributions import BaseDistribution
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
@@ -117,13 +119,47 @@ def counts_as_trained(trial: FrozenTrial) -> bool:
     return counts_as_finished(trial) and not is_unbilled(trial)
 
 
-def known_configurations(study: optuna.Study) -> set[tuple]:
-    """The distinct configurations (sampled values) of the finished trials."""
-    return {
-        tuple(sorted(t.params.items()))
-        for t in study.get_trials(deepcopy=False)
-        if counts_as_finished(t) and not is_repeat(t)
-    }
+# Outcomes that training the same configuration again would repeat: training is seeded, and
+# on CPU the memory check is exact. A prediction is made again (the margin may have changed
+# on resume; it is cheap and takes no slot), and `slow` (timing noise), `pruner` (depends on
+# the other trials), failures and a CUDA OOM (fragmentation, other processes) train again.
+SETTLED_REASONS = ("diverged", "missed_target")
+
+
+def is_settled(trial: FrozenTrial) -> bool:
+    """A finished trial whose configuration, proposed again, is answered from its record."""
+    if is_repeat(trial):
+        return False
+    if trial.state == TrialState.COMPLETE:
+        return True
+    reason = trial.user_attrs.get(record.REASON)
+    if reason == "oom":
+        return trial.user_attrs.get("device") == "cpu"
+    return trial.state == TrialState.PRUNED and reason in SETTLED_REASONS
+
+
+def known_configurations(
+    study: optuna.Study, distributions: Mapping[str, BaseDistribution]
+) -> set[tuple]:
+    """The distinct configurations of the space (sampled values within `distributions`) that
+    a new trial would not train: settled, or predicted not to fit."""
+    known = set()
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+        if not (is_settled(t) or t.user_attrs.get(record.REASON) == record.PREDICTED_OOM):
+            continue
+        if set(t.params) != set(distributions) or not all(
+            _within(distributions[k], v) for k, v in t.params.items()
+        ):
+            continue  # from an earlier space of a resumed study
+        known.add(tuple(sorted(t.params.items())))
+    return known
+
+
+def _within(dist: BaseDistribution, value: Any) -> bool:
+    try:
+        return dist._contains(dist.to_internal_repr(value))
+    except (ValueError, TypeError):
+        return False
 
 
 def num_finished(study: optuna.Study) -> int:

@@ -1,0 +1,90 @@
+"""Which finished trials answer a repeat of their configuration, and which configurations of
+a space count as known (the study ends when all are)."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+from optuna.distributions import CategoricalDistribution, IntDistribution
+from optuna.trial import TrialState, create_trial
+
+from search.sampler import FeasibilityFilter
+from search.study import is_settled, known_configurations
+
+B = "trainer.batch_size"
+SIZES = {B: CategoricalDistribution([16, 32, 64, 256])}
+
+
+def _pruned(reason: str, device: str = "cpu", batch: int = 16) -> optuna.trial.FrozenTrial:
+    return create_trial(
+        params={B: batch},
+        distributions=SIZES,
+        state=TrialState.PRUNED,
+        user_attrs={"reason": reason, "device": device},
+    )
+
+
+@pytest.mark.parametrize(
+    ("reason", "device", "settled"),
+    [
+        ("diverged", "cpu", True),  # seeded: diverges again
+        ("missed_target", "cpu", True),
+        ("oom", "cpu", True),  # the CPU budget check is exact
+        ("oom", "cuda", False),  # fragmentation or another process: may fit next time
+        ("oom_predicted", "cpu", False),  # predicted again: the margin may have changed
+        ("slow", "cpu", False),  # timing noise
+        ("pruner", "cpu", False),  # depends on the other trials
+    ],
+)
+def test_which_outcomes_a_repeat_is_answered_with(reason, device, settled) -> None:
+    assert is_settled(_pruned(reason, device)) is settled
+
+
+def test_complete_trials_settle_and_repeats_do_not() -> None:
+    done = create_trial(params={B: 16}, distributions=SIZES, value=1.0)
+    assert is_settled(done)
+    repeat = create_trial(
+        params={B: 16}, distributions=SIZES, value=1.0, user_attrs={"repeat_of": 0}
+    )
+    assert not is_settled(repeat)
+
+
+def test_known_configurations_are_those_of_the_current_space() -> None:
+    old = {"n": IntDistribution(1, 7)}
+    study = optuna.create_study()
+    for n in (1, 4, 7):
+        study.add_trial(create_trial(params={"n": n}, distributions=old, value=float(n)))
+    study.add_trial(
+        create_trial(
+            params={"n": 5}, distributions=old, state=TrialState.PRUNED,
+            user_attrs={"reason": "slow"},
+        )
+    )  # fmt: skip
+    # Resumed with range(4, 10): 1 is out of it, 5 would train again, 4 and 7 are known.
+    assert known_configurations(study, {"n": IntDistribution(4, 10)}) == {(("n", 4),), (("n", 7),)}
+    assert (
+        known_configurations(study, {"n": IntDistribution(4, 10), "m": IntDistribution(1, 2)})
+        == set()
+    )
+
+
+class _Scripted(optuna.samplers.RandomSampler):
+    def __init__(self, script: list[dict]):
+        super().__init__(seed=0)
+        self.script = list(script)
+
+    def sample_relative(self, study, trial, search_space):  # noqa: ANN001, ANN201
+        return self.script.pop(0)
+
+
+def test_the_filter_redraws_a_configuration_another_worker_is_training() -> None:
+    study = optuna.create_study()
+    study.add_trial(create_trial(params={B: 16}, distributions=SIZES, value=1.0))
+    study.enqueue_trial({B: 32})
+    other = study.ask()  # another worker's trial of batch 32, still running
+    assert other.suggest_categorical(B, SIZES[B].choices) == 32
+    sampler = FeasibilityFilter(_Scripted([{B: 32}, {B: 64}]))
+    study.ask()
+    mine = study.get_trials()[-1]
+    assert sampler.sample_relative(study, mine, SIZES) == {B: 64}
+    assert sampler.num_repeats_redrawn == 1
