@@ -56,14 +56,15 @@ BASE = [
 OOM_REASONS = ("oom", "oom_predicted")
 
 
-def _compose(overrides: list[str]):  # noqa: ANN202
+def compose(overrides: list[str]):  # noqa: ANN201
     return hydra.compose(config_name="config", overrides=overrides)
 
 
-def calibrated_budget() -> int:
-    """The median predicted peak over the space's batch size x precision grid."""
-    cfg = _compose(BASE)
-    checked = validate(cfg, "calibration", _compose, open_store=False)
+def median_predicted_peak(base: list[str]) -> int:
+    """The median predicted peak over the fit report's cells (batch size x accumulation x
+    precision) of the space `base` composes: a budget about half of them do not fit."""
+    cfg = compose(base)
+    checked = validate(cfg, "calibration", compose, open_store=False)
     report = fit_report(cfg, checked.space, checked.spec, checked.settings)
     peaks = [c.peak_bytes for c in report.cells.values() if c.peak_bytes is not None]
     return int(statistics.median(peaks))
@@ -86,7 +87,7 @@ def oom_shares(
             f"mlflow.tracking_uri=sqlite:///{tmp}/mlflow.db",
             f"mlflow.artifact_root={tmp}/artifacts",
         ]
-        cfg = _compose(overrides)
+        cfg = compose(overrides)
         console = Console(file=io.StringIO(), width=160)
         driver = StudyDriver.prepare(cfg, overrides, {"experiment": "resnet"}, console)
         driver.run()
@@ -108,7 +109,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     console = Console(width=120)
     with hydra.initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        budget = calibrated_budget()
+        budget = median_predicted_peak(BASE)
         console.print(f"budget {budget / 2**20:.1f} MiB (median predicted peak of the grid)")
         table = Table(title="OOM share of the second half of the proposals; slots that trained")
         for column in (

@@ -59,12 +59,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.sampler import compose, median_predicted_peak  # noqa: E402
 from search import record  # noqa: E402
 from search.driver import MAX_UNBILLED_IN_A_ROW, StudyDriver  # noqa: E402
-from search.fit import fit_report  # noqa: E402
 from search.objective import answer_from_record, trained_before  # noqa: E402
 from search.sampler import CONSTRAINT, FeasibilityFilter  # noqa: E402
-from search.validate import validate  # noqa: E402
 
 TABLE = Path(__file__).with_name("search_efficiency.csv")
 TARGET = "val/acc>=0.95"
@@ -118,19 +117,6 @@ class Row:
         return self.outcome not in record.OOM_REASONS
 
 
-def _compose(overrides: list[str]):  # noqa: ANN202
-    return hydra.compose(config_name="config", overrides=overrides)
-
-
-def calibrated_budget() -> int:
-    """The median predicted peak over the space's batch size x accumulation x precision."""
-    cfg = _compose(BASE)
-    checked = validate(cfg, "calibration", _compose, open_store=False)
-    report = fit_report(cfg, checked.space, checked.spec, checked.settings)
-    peaks = [c.peak_bytes for c in report.cells.values() if c.peak_bytes is not None]
-    return int(statistics.median(peaks))
-
-
 def build(path: Path, console: Console) -> None:
     """Every configuration once, as a grid study through the normal trial path."""
     size = math.prod(len(v) for v in SPACE.values())
@@ -138,7 +124,7 @@ def build(path: Path, console: Console) -> None:
         hydra.initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"),
         tempfile.TemporaryDirectory() as tmp,
     ):
-        budget = calibrated_budget()
+        budget = median_predicted_peak(BASE)
         console.print(f"budget {budget / 2**20:.2f} MiB (median predicted peak); {size} trials")
         overrides = [
             *BASE,
@@ -150,7 +136,7 @@ def build(path: Path, console: Console) -> None:
             f"mlflow.artifact_root={tmp}/artifacts",
         ]
         driver = StudyDriver.prepare(
-            _compose(overrides), overrides, {"experiment": "resnet"}, console
+            compose(overrides), overrides, {"experiment": "resnet"}, console
         )
         driver.run()
         rows = {}

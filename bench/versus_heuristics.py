@@ -45,7 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.search_efficiency import SPACE, TARGET, calibrated_budget  # noqa: E402
+from bench.sampler import compose, median_predicted_peak  # noqa: E402
+from bench.search_efficiency import BASE, SPACE, TARGET  # noqa: E402
 from search import record  # noqa: E402
 from search.driver import StudyDriver  # noqa: E402
 from search.study import counts_as_trained  # noqa: E402
@@ -73,13 +74,9 @@ class Choice:
     how: str  # what the search did, in words
 
 
-def _compose(overrides: list[str]):  # noqa: ANN202
-    return hydra.compose(config_name="config", overrides=overrides)
-
-
 def _fits(batch: int, budget: int) -> bool:
     """A few real optimizer steps at `batch` under the budget: False on out-of-memory."""
-    cfg = _compose(
+    cfg = compose(
         [
             *WORKLOAD,
             f"trainer.batch_size={batch}",
@@ -144,7 +141,7 @@ def _study(overrides: list[str], name: str, tmp: str) -> optuna.Study:
         "search.objectives=[time/to_target_s]",
     ]
     console = Console(file=io.StringIO(), width=160)
-    driver = StudyDriver.prepare(_compose(overrides), overrides, {"experiment": "resnet"}, console)
+    driver = StudyDriver.prepare(compose(overrides), overrides, {"experiment": "resnet"}, console)
     driver.run()
     return driver.study
 
@@ -225,8 +222,8 @@ def main() -> None:
         hydra.initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"),
         tempfile.TemporaryDirectory() as tmp,
     ):
-        budget = calibrated_budget()
-        lr = float(_compose(WORKLOAD).optimizer.lr)
+        budget = median_predicted_peak(BASE)
+        lr = float(compose(WORKLOAD).optimizer.lr)
         console.print(
             f"budget {budget / 2**20:.2f} MiB; target {TARGET}; heuristics: fp32, no "
             f"accumulation, optimizer.lr={lr:g} at batch 128 scaled linearly"

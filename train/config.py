@@ -31,6 +31,12 @@ def _check_int(problems: list[str], key: str, value: Any, minimum: int) -> None:
         )
 
 
+def _positive_or_none(value: Any) -> bool:
+    if value is None:
+        return True
+    return not isinstance(value, bool) and isinstance(value, int | float) and value > 0
+
+
 def _from_mapping(cls: type, section: str, values: dict[str, Any]) -> Any:
     """`cls` from a config section's values; unknown keys and the checks' problems reported
     together, each naming `section.<key>`."""
@@ -122,18 +128,12 @@ class TrainerConfig:
                 f"{', '.join(CHECKPOINTING_MODES)}, got {self.activation_checkpointing!r}; "
                 "override with trainer.activation_checkpointing=blocks"
             )
-        peak = self.peak_flops
-        if peak is not None and (
-            isinstance(peak, bool) or not isinstance(peak, int | float) or not peak > 0
-        ):
+        if not _positive_or_none(self.peak_flops):
             problems.append(
-                f"trainer.peak_flops must be FLOP/s > 0 or null, got {peak!r}; e.g. "
+                f"trainer.peak_flops must be FLOP/s > 0 or null, got {self.peak_flops!r}; e.g. "
                 "trainer.peak_flops=989e12 (an H100 in bf16), or null to look it up"
             )
-        clip = self.grad_clip_norm
-        if clip is not None and (
-            isinstance(clip, bool) or not isinstance(clip, int | float) or not clip > 0
-        ):
+        if not _positive_or_none(self.grad_clip_norm):
             problems.append(
                 f"trainer.grad_clip_norm must be > 0 or null, got {self.grad_clip_norm!r}; "
                 "override with trainer.grad_clip_norm=1.0"

@@ -401,38 +401,3 @@ def test_a_space_where_nothing_fits_ends_with_a_message(hydra_conf, stores, monk
     shown = driver.console.export_text()
     assert "the last 6 proposals were all predicted not to fit or trained before" in shown
     assert "0 trials trained of search.n_trials=3" in shown
-
-
-SIZES = optuna.distributions.CategoricalDistribution([16, 32, 64, 256])
-B = "trainer.batch_size"
-
-
-class _Scripted(optuna.samplers.RandomSampler):
-    """A base sampler whose joint proposals come from a script."""
-
-    def __init__(self, script: list[dict]):
-        super().__init__(seed=0)
-        self.script = list(script)
-
-    def sample_relative(self, study, trial, search_space):  # noqa: ANN001, ANN201
-        return self.script.pop(0)
-
-
-def test_the_filter_redraws_known_configurations_and_infeasible_ones() -> None:
-    study = optuna.create_study()
-    dist = {B: SIZES}
-    study.add_trial(optuna.trial.create_trial(params={B: 16}, distributions=dist, value=1.0))
-    study.add_trial(
-        optuna.trial.create_trial(
-            params={B: 64},
-            distributions=dist,
-            state=TrialState.PRUNED,
-            system_attrs={"constraints:memory": 0.5},  # how Trial.set_constraint stores it
-        )
-    )
-    sampler = FeasibilityFilter(_Scripted([{B: 16}, {B: 256}, {B: 32}, {B: 16}]))
-    study.ask()
-    frozen = study.get_trials()[-1]
-    # 16 was trained (a repeat teaches nothing), 256 is larger than 64, which did not fit.
-    assert sampler.sample_relative(study, frozen, dist) == {B: 32}
-    assert (sampler.num_repeats_redrawn, sampler.num_redrawn) == (1, 1)

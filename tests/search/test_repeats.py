@@ -69,6 +69,8 @@ def test_known_configurations_are_those_of_the_current_space() -> None:
 
 
 class _Scripted(optuna.samplers.RandomSampler):
+    """A base sampler whose joint proposals come from a script."""
+
     def __init__(self, script: list[dict]):
         super().__init__(seed=0)
         self.script = list(script)
@@ -88,3 +90,22 @@ def test_the_filter_redraws_a_configuration_another_worker_is_training() -> None
     mine = study.get_trials()[-1]
     assert sampler.sample_relative(study, mine, SIZES) == {B: 64}
     assert sampler.num_repeats_redrawn == 1
+
+
+def test_the_filter_redraws_known_configurations_and_infeasible_ones() -> None:
+    study = optuna.create_study()
+    study.add_trial(create_trial(params={B: 16}, distributions=SIZES, value=1.0))
+    study.add_trial(
+        create_trial(
+            params={B: 64},
+            distributions=SIZES,
+            state=TrialState.PRUNED,
+            system_attrs={"constraints:memory": 0.5},  # how Trial.set_constraint stores it
+        )
+    )
+    sampler = FeasibilityFilter(_Scripted([{B: 16}, {B: 256}, {B: 32}, {B: 16}]))
+    study.ask()
+    mine = study.get_trials()[-1]
+    # 16 was trained (a repeat teaches nothing), 256 is larger than 64, which did not fit.
+    assert sampler.sample_relative(study, mine, SIZES) == {B: 32}
+    assert (sampler.num_repeats_redrawn, sampler.num_redrawn) == (1, 1)
