@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tracking.redact import redact
@@ -143,6 +144,23 @@ class RecommendRule:
         return f"the best {self.prefer} within {self.tolerance:.0%} of the best {self.metric}"
 
 
+# The study's name is also a directory (its MLflow experiment's artifacts, under
+# mlflow.artifact_root): a plain name, never a path.
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NAME_CHARACTERS = "letters, digits, '.', '_' and '-' (first a letter or digit, 128 at most)"
+
+
+def name_problems(name: object) -> list[str]:
+    if isinstance(name, str) and _PLAIN_NAME.fullmatch(name):
+        return []
+    plain = re.sub(r"[^A-Za-z0-9._-]+", "-", str(name)).strip("._-")[:128] or "study"
+    return [
+        f"search.study_name={name!r} is not a plain name: it names the study's MLflow "
+        f"artifact directory, so it may hold only {NAME_CHARACTERS}; e.g. "
+        f"search.study_name={plain}"
+    ]
+
+
 @dataclass(frozen=True)
 class SearchConfig:
     study_name: str
@@ -157,6 +175,9 @@ class SearchConfig:
     oom_constraint: bool = True  # tell the sampler OOM trials are infeasible
     accumulation: str = "searched"  # or "derived": see conf/search/default.yaml
     workers: int = 1  # worker processes sharing the study (a --multirun over them)
+    # torch intra-op threads per worker (None: automatic), applied by the entry point first,
+    # before this config is built (train/threads.py)
+    threads: int | None = None
     outage_wait_s: float = 600.0  # mlflow.outage_wait_s: wait for an unreachable MLflow at the end
     recommend: RecommendRule = field(
         default_factory=lambda: RecommendRule()
@@ -174,7 +195,7 @@ class SearchConfig:
         return [self.known_metrics[metric] for metric in self.objectives]
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = name_problems(self.study_name)
         if (
             isinstance(self.n_trials, bool)
             or not isinstance(self.n_trials, int)
@@ -259,3 +280,15 @@ class SearchConfig:
                 "search.storage=postgresql://user@host:5432/batchfit"
             ]
         return []
+
+
+# Keys of the `search` section that are not SearchConfig settings: the space and the
+# components built from `_target_`; and the fields that do not come from `search`.
+SEARCH_COMPONENT_KEYS = ("params", "sampler", "pruner")
+_NOT_FROM_SEARCH = ("known_metrics", "outage_wait_s")
+
+
+def search_keys() -> set[str]:
+    """Every key the `search` section may have."""
+    settings = {f.name for f in fields(SearchConfig)} - set(_NOT_FROM_SEARCH)
+    return settings | set(SEARCH_COMPONENT_KEYS)

@@ -199,7 +199,13 @@ def build_sampler(node: DictConfig, space: SearchSpace) -> tuple[BaseSampler, li
     if isinstance(target, type) and issubclass(target, GridSampler):
         size = math.prod(len(v) for v in kwargs["search_space"].values())
         notes.append(f"grid of {size} configurations from search.params")
-    return target(**kwargs), notes
+    try:
+        return target(**kwargs), notes
+    except (TypeError, ValueError) as error:  # a setting's value the sampler refuses
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        raise ConfigError(
+            [f"search.sampler ({target.__name__}) cannot be built: {reason}"]
+        ) from None
 
 
 def grid_exhausted(sampler: BaseSampler, study: optuna.Study) -> bool:

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import copy
 import difflib
+import importlib
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import optuna
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import HydraException
+from hydra.errors import HydraException, InstantiationException
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import CategoricalDistribution
+from optuna.pruners import BasePruner
 from optuna.samplers import BaseSampler
 from optuna.storages import BaseStorage
 
@@ -26,11 +31,13 @@ from search.config import (
     SearchConfig,
     Target,
     known_metrics,
+    search_keys,
 )
 from search.sampler import build_sampler
 from search.space import SearchSpace, parse_space
 from search.storage import open_storage
-from train.config import ConfigError
+from tracking.runs import MlflowConfig
+from train.config import ConfigError, unknown_keys
 from train.precision import unsupported_reason
 from train.run import (
     ACCUM_KEY,
@@ -55,6 +62,7 @@ class Checked:
     storage: BaseStorage
     notes: list[str]
     sampler: BaseSampler | None = None  # search.sampler, built (a grid from the space)
+    pruner: BasePruner | None = None  # search.pruner, built (None: Optuna's default)
 
 
 def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
@@ -68,7 +76,7 @@ def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
             target_problems = error.problems
         known = {**known, TO_TARGET: "minimize"}
     rule, rule_problems = recommend_rule(search.get("recommend"), known)
-    rule_problems += target_problems
+    rule_problems += target_problems + unknown_keys("search", search, search_keys())
     objectives = search.objectives
     if isinstance(objectives, str):
         objectives = [objectives]
@@ -86,6 +94,7 @@ def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
             oom_constraint=search.oom_constraint,
             accumulation=search.accumulation,
             workers=search.workers,
+            threads=search.threads,
             outage_wait_s=cfg.mlflow.outage_wait_s,
             recommend=rule,
             known_metrics=known,
@@ -104,11 +113,9 @@ def recommend_rule(
     """search.recommend as a rule, or the default rule and what is wrong with the node."""
     values = OmegaConf.to_container(node, resolve=True) if node is not None else {}
     fields = set(RecommendRule.__dataclass_fields__) - {"known"}
-    unknown = sorted(set(values) - fields)
+    unknown = unknown_keys("search.recommend", values, fields)
     if unknown:
-        return RecommendRule(), [
-            f"search.recommend: unknown keys {unknown}; it takes {', '.join(sorted(fields))}"
-        ]
+        return RecommendRule(), unknown
     try:
         return RecommendRule(**values, known=known), []
     except ConfigError as error:
@@ -135,6 +142,8 @@ def validate(
     problems: list[str] = []
     notes: list[str] = []
     settings = _collect(problems, lambda: search_config(cfg, study_name))
+    _collect(problems, lambda: MlflowConfig.from_mapping(_container(cfg.get("mlflow"))))
+    pruner = _collect(problems, lambda: build_pruner(cfg.search.get("pruner")))
     if settings is not None and settings.workers > 1 and multirun is False:
         problems.append(
             f"search.workers={settings.workers} starts that many worker processes only with "
@@ -174,7 +183,51 @@ def validate(
         )
     if problems:
         raise ConfigError(problems)
-    return Checked(settings, space, spec, storage, notes, sampler)
+    return Checked(settings, space, spec, storage, notes, sampler, pruner)
+
+
+def _container(node: DictConfig | None) -> dict:
+    return OmegaConf.to_container(node, resolve=True) if node is not None else {}
+
+
+def build_pruner(node: DictConfig | None) -> BasePruner | None:
+    """search.pruner, built; what is wrong with it (its _target_, its settings) as a
+    ConfigError naming the key. None: no pruner set (Optuna's default)."""
+    values = _container(node)
+    if not values:
+        return None
+    target_path = str(values.pop("_target_", None))
+    example = "search.pruner._target_=optuna.pruners.MedianPruner"
+    module, _, name = target_path.rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        ours = [f"optuna.pruners.{p}" for p in dir(optuna.pruners) if p.endswith("Pruner")]
+        close = difflib.get_close_matches(target_path, ours, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(
+            [
+                f"search.pruner._target_={target_path!r} cannot be imported ({error}); {hint}"
+                f"Optuna's pruners: {', '.join(p for p in ours if not p.endswith('BasePruner'))}"
+                " (optuna.pruners.NopPruner prunes nothing)"
+            ]
+        ) from None
+    if not (isinstance(target, type) and issubclass(target, BasePruner)):
+        raise ConfigError(
+            [f"search.pruner._target_={target_path!r} is not an Optuna pruner; e.g. {example}"]
+        )
+    params = inspect.signature(target).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        problems = unknown_keys("search.pruner", values, params)
+        if problems:
+            raise ConfigError(problems)
+    try:
+        return instantiate(node)  # nested _target_s too (a PatientPruner's wrapped_pruner)
+    except InstantiationException as error:
+        cause = error.__cause__ or error
+        reason = f"{type(cause).__name__}: {str(cause).splitlines()[0]}"
+        problem = f"search.pruner ({target.__name__}) cannot be built: {reason}"
+        raise ConfigError([problem]) from None
 
 
 def _compose_trial(compose: Callable[[list[str]], DictConfig], space: SearchSpace) -> None:

@@ -1,5 +1,7 @@
-"""Passwords inside URLs (`postgresql://user:secret@host/db`, `http://user:secret@host:5000`)
-never reach the console, MLflow or a log file: everything batchfit writes passes `redact`.
+"""Passwords inside URLs (`postgresql://user:secret@host/db`, `http://user:secret@host:5000`),
+as a URL's query parameter (`postgresql://user@host/db?password=secret`, `&password=`) or in a
+libpq connection string (`host=db password=secret`) never reach the console, MLflow or a log
+file: everything batchfit writes passes `redact`.
 
 Hydra saves the command line's overrides and the config under `.hydra/` (and `multirun.yaml`
 for a sweep) before the job starts; `RedactSavedConfigs`, a Hydra callback registered in
@@ -21,11 +23,21 @@ MASK = "***"
 # scheme://user:password@ (the password ends at the last @ before the host), also as Hydra
 # writes an override back: postgresql\://user\:password@host\:5432/db
 _URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*\\?://[^\s/:@'\"\\]*\\?:)([^\s/'\"]*)@")
+# password=VALUE (also passwd=, any case, with a prefix: PGPASSWORD=, db_password=): a URL's
+# query parameter, a libpq key=value connection string, an environment assignment. The value
+# ends where a query parameter, a key=value pair or a quoted string does; libpq's quoted form
+# 'with spaces' is masked whole. Hydra may escape the `=` in what it saves.
+_KEY_PASSWORD = re.compile(
+    r"((?<![A-Za-z0-9_])[A-Za-z0-9_]*(?:password|passwd)\\?=)('(?:\\.|[^'\\])*'|[^\s&;'\"]+)",
+    re.IGNORECASE,
+)
 
 
 def redact(text: str) -> str:
-    """`text` with the password of every URL in it replaced by ***."""
-    return _URL_PASSWORD.sub(lambda m: f"{m.group(1)}{MASK}@", text)
+    """`text` with every password in it (of a URL, a query parameter, a connection string)
+    replaced by ***."""
+    text = _URL_PASSWORD.sub(lambda m: f"{m.group(1)}{MASK}@", text)
+    return _KEY_PASSWORD.sub(lambda m: f"{m.group(1)}{MASK}", text)
 
 
 def redact_tree(value: Any) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.metadata
 import json
 import logging
 import os
@@ -21,8 +22,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
@@ -30,7 +34,9 @@ from mlflow.tracking import MlflowClient
 
 from tracking.outbox import RETRY_MIN_S, Outbox, is_transient
 from tracking.redact import redact
-from train.config import ConfigError
+from train.config import ConfigError, section_from_mapping
+
+_logger = logging.getLogger(__name__)
 
 PARENT_TAG = "mlflow.parentRunId"
 ROLE_TAG = "batchfit.role"
@@ -58,6 +64,71 @@ FRESH_EXPERIMENT_S = 300.0  # an experiment younger than this may still be getti
 START_RETRY_S = 30.0  # reaching the store at start (SQLite schema being created by a peer)
 
 
+# The tracking stores MLflow 3 has (a bare path is a file store too), as URI schemes; a
+# database's driver follows a + (postgresql+psycopg). Plugins add theirs by entry point.
+TRACKING_SCHEMES = (
+    "sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks",
+)  # fmt: skip
+TRACKING_EXAMPLES = (
+    "mlflow.tracking_uri=sqlite:///mlruns/mlflow.db (a local file) or "
+    "mlflow.tracking_uri=http://HOST:5000 (a tracking server)"
+)
+
+
+def tracking_schemes() -> tuple[str, ...]:
+    plugins = importlib.metadata.entry_points(group="mlflow.tracking_store")
+    return (*TRACKING_SCHEMES, *sorted(p.name for p in plugins))
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    """The `mlflow` section of the config (conf/config.yaml), checked before the first trial."""
+
+    tracking_uri: str = "sqlite:///mlruns/mlflow.db"
+    artifact_root: str = "mlruns/artifacts"  # where new experiments keep their artifacts
+    outage_wait_s: float = 600.0  # checked with the study's settings (search/config.py)
+    system_metrics: bool = True
+    system_metrics_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        uri = self.tracking_uri
+        scheme = urlparse(uri).scheme.split("+")[0].lower() if isinstance(uri, str) else None
+        if not isinstance(uri, str) or not uri.strip():
+            problems.append(
+                f"mlflow.tracking_uri must be a tracking URI, got {uri!r}; e.g. "
+                "mlflow.tracking_uri=sqlite:///mlruns/mlflow.db"
+            )
+        elif scheme and scheme not in tracking_schemes():
+            problems.append(
+                f"mlflow.tracking_uri={redact(uri)!r}: MLflow has no tracking store for "
+                f"{scheme}://; it takes {', '.join(tracking_schemes())}; e.g. "
+                f"{TRACKING_EXAMPLES}"
+            )
+        if not isinstance(self.artifact_root, str) or not self.artifact_root.strip():
+            problems.append(
+                f"mlflow.artifact_root must be a directory, got {self.artifact_root!r}; "
+                "override with mlflow.artifact_root=mlruns/artifacts"
+            )
+        if not isinstance(self.system_metrics, bool):
+            problems.append(
+                f"mlflow.system_metrics must be true or false, got {self.system_metrics!r}; "
+                "override with mlflow.system_metrics=true"
+            )
+        interval = self.system_metrics_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
+            problems.append(
+                f"mlflow.system_metrics_interval_s must be a number of seconds > 0, got "
+                f"{interval!r}; override with mlflow.system_metrics_interval_s=5"
+            )
+        if problems:
+            raise ConfigError(problems)
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> MlflowConfig:
+        return section_from_mapping(cls, "mlflow", values, owner="an mlflow setting")
+
+
 def http_defaults() -> None:
     """MLflow's REST client retries a failed request 7 times over ~4 minutes, inside the
     call; the outbox retries instead, so a trial never blocks on a down server. MLflow also
@@ -68,11 +139,33 @@ def http_defaults() -> None:
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
+# MLflow's system-metrics thread logs a failed write with the whole database error in the
+# message (a locked SQLite store: the SQL statement and its parameters, ~70 lines).
+SYSTEM_METRICS_LOGGER = "mlflow.system_metrics.system_metrics_monitor"
+
+
+class FirstLineFilter(logging.Filter):
+    """Cuts a record's message to its first line, redacted, and says that the rest was left
+    out; for a logger whose messages embed whole exception texts."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        lines = record.getMessage().splitlines()
+        if len(lines) > 1:
+            left_out = len(lines) - 1
+            record.msg = f"{redact(lines[0].rstrip())} [{left_out} more lines left out]"
+            record.args = None
+        return True
+
+
 def quiet_logging() -> None:
     """MLflow's INFO chatter (schema migrations through alembic, the system-metrics monitor)
-    would bury the trial lines; the entry points call this, importing does not."""
+    would bury the trial lines, and its system-metrics thread's errors are one line each;
+    the entry points call this, importing does not."""
     for name in ("alembic", "mlflow"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    monitor = logging.getLogger(SYSTEM_METRICS_LOGGER)
+    if not any(isinstance(f, FirstLineFilter) for f in monitor.filters):
+        monitor.addFilter(FirstLineFilter())
 
 
 def experiment_tags() -> dict[str, str]:
@@ -90,6 +183,28 @@ def ui_link(tracking_uri: str, experiment_id: str) -> str:
     base = tracking_uri if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
     query = f"viewStateShareKey={VIEW_KEY}&workflowType=machine_learning"
     return f"{redact(base.rstrip('/'))}/#/experiments/{experiment_id}/runs?{query}"
+
+
+def elsewhere_note(location: str, wanted: Path) -> str | None:
+    """What to say when an experiment's artifacts are not where mlflow.artifact_root puts a
+    new one's. MLflow stores an experiment's artifact location absolute, fixed at creation
+    (a relative one is resolved against the working directory), and each run's too: a moved
+    or copied project directory still writes into the old one, and batchfit cannot change
+    that through MLflow's API. So it says so, once per start, instead."""
+    parsed = urlparse(location)
+    if parsed.scheme not in ("", "file"):
+        return None  # a remote artifact store: not the project directory's
+    path = Path(url2pathname(parsed.path)) if parsed.scheme else Path(location)
+    if path == wanted.resolve():
+        return None
+    gone = "" if path.parent.exists() else ", which no longer exists"
+    return (
+        f"MLflow experiment {wanted.name!r} keeps its artifacts in {path}{gone}, not under "
+        f"mlflow.artifact_root ({wanted.resolve().parent}): MLflow fixed that absolute path "
+        "when it created the experiment, so this study's artifacts go there. To keep them with "
+        "this project, start a new MLflow store (e.g. mlflow.tracking_uri=sqlite:///"
+        "mlruns/mlflow-moved.db) or move the project back"
+    )
 
 
 def _now_ms() -> int:
@@ -257,6 +372,9 @@ class Tracker:
             if VIEW_TAG not in found.tags:  # made before batchfit saved its view
                 for key, value in experiment_tags().items():
                     self.client.set_experiment_tag(found.experiment_id, key, value)
+            moved = elsewhere_note(found.artifact_location, Path(artifact_root) / name)
+            if moved:
+                _logger.warning(moved)
             return found.experiment_id
         location = (Path(artifact_root).resolve() / name).as_uri()
         try:
@@ -367,13 +485,14 @@ class Tracker:
         return _now_ms() - created_ms < FRESH_EXPERIMENT_S * 1000
 
     def end_killed_runs(self, trial_numbers: set[int]) -> list[int]:
-        """End as KILLED the runs of these trials (whose workers died) that are still
-        RUNNING; the trial numbers whose runs were ended."""
+        """End as KILLED the runs of these trials (whose workers died); the trial numbers
+        whose runs were ended. A run may have FINISHED already: its worker died after
+        closing it, before the trial's state reached the study, which runs it again."""
         if not trial_numbers:
             return []
         runs = self.client.search_runs(
             [self.experiment_id],
-            filter_string=f"attributes.status = 'RUNNING' and tags.`{ROLE_TAG}` = 'trial'",
+            filter_string=f"attributes.status != 'KILLED' and tags.`{ROLE_TAG}` = 'trial'",
         )
         ended = []
         for run in runs:

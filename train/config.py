@@ -6,6 +6,8 @@ themselves in `__post_init__` and report every problem at once as a `ConfigError
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -37,14 +39,29 @@ def _positive_or_none(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float) and value > 0
 
 
-def _from_mapping(cls: type, section: str, values: dict[str, Any]) -> Any:
+def unknown_keys(
+    section: str, keys: Iterable[str], known: Iterable[str], owner: str | None = None
+) -> list[str]:
+    """One problem per key of `section` that is not in `known` (a typo, or a key added with
+    `+` that nothing reads), with the known keys and the closest one. `owner`: what the key
+    is not, e.g. 'a setting of torch.optim.SGD' (default: 'a <section> setting')."""
+    known = sorted(known)
+    owner = owner or f"a {section} setting"
+    problems = []
+    for key in sorted(set(keys) - set(known)):
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"; did you mean {section}.{close[0]}?" if close else ""
+        problems.append(f"{section}.{key} is not {owner}; known: {', '.join(known)}{hint}")
+    return problems
+
+
+def section_from_mapping(
+    cls: type, section: str, values: dict[str, Any], owner: str | None = None
+) -> Any:
     """`cls` from a config section's values; unknown keys and the checks' problems reported
     together, each naming `section.<key>`."""
     known = {f.name for f in fields(cls)}
-    problems = [
-        f"{section}.{key} is not a {section} setting; known: {', '.join(sorted(known))}"
-        for key in sorted(set(values) - known)
-    ]
+    problems = unknown_keys(section, values, known, owner)
     try:
         config = cls(**{k: v for k, v in values.items() if k in known})
     except ConfigError as error:
@@ -143,7 +160,7 @@ class TrainerConfig:
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> TrainerConfig:
-        return _from_mapping(cls, "trainer", values)
+        return section_from_mapping(cls, "trainer", values)
 
 
 @dataclass(frozen=True)
@@ -182,4 +199,4 @@ class LoaderConfig:
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> LoaderConfig:
-        return _from_mapping(cls, "loader", values)
+        return section_from_mapping(cls, "loader", values)

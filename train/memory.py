@@ -27,6 +27,7 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
+MAX_BUDGET_BYTES = 2**50  # 1 PiB: no device has more; a larger budget is a typo
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 
@@ -71,8 +72,8 @@ def device_total_bytes(device: torch.device) -> int:
 def format_bytes(num_bytes: float | None) -> str:
     if num_bytes is None:
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(num_bytes) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(num_bytes) < 1024 or unit == "PiB":
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
         num_bytes /= 1024
     raise AssertionError("unreachable")

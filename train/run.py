@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +20,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from train import checkpointing
 from train.batches import Pipeline
-from train.config import ConfigError, LoaderConfig, TrainerConfig
+from train.config import ConfigError, LoaderConfig, TrainerConfig, unknown_keys
 from train.data import Datasets, Splits
 from train.loop import Hooks, RunResult, fit, steps_plan
 from train.lr import scaled_lr
-from train.memory import MemoryMeter, device_total_bytes, format_bytes, parse_budget
+from train.memory import (
+    MAX_BUDGET_BYTES,
+    MemoryMeter,
+    device_total_bytes,
+    format_bytes,
+    parse_budget,
+)
 from train.models import materialize, param_bytes
 from train.precision import unsupported_reason
 from train.predict import MemoryPredictor, Prediction, PredictionUnsupported
@@ -104,6 +111,7 @@ def plan(cfg: DictConfig, budget: Any) -> RunSpec:
         budget_bytes = parse_budget(budget, device_total_bytes(device))
     except ValueError as error:
         problems.append(f"search.memory_budget: {error}")
+    problems += _budget_problems(budget, budget_bytes, device)
     base_lr = cfg.optimizer.get("lr")
     if not isinstance(base_lr, int | float) or base_lr <= 0:
         problems.append(
@@ -115,6 +123,24 @@ def plan(cfg: DictConfig, budget: Any) -> RunSpec:
         float(base_lr), trainer.effective_batch_size, trainer.lr_scaling, trainer.lr_ref_batch_size
     )
     return RunSpec(trainer, device, budget_bytes, float(base_lr), lr)
+
+
+def _budget_problems(budget: Any, budget_bytes: int | None, device: torch.device) -> list[str]:
+    """A budget more than the device has: a GPU's is enforced by its allocator, which cannot
+    hand out more than the card holds; the CPU's is accounted against the host's memory,
+    which a training step really allocates. 1e30 is a typo, not a plan."""
+    total = device_total_bytes(device)
+    if 0 < total < MAX_BUDGET_BYTES:
+        limit, what = total, f"the {format_bytes(total)} that {device.type} has"
+    else:  # not known: only the absurd is refused
+        limit, what = MAX_BUDGET_BYTES, "1 PiB"
+    if budget_bytes is None or budget_bytes <= limit:
+        return []
+    return [
+        f"search.memory_budget={budget!r} ({format_bytes(budget_bytes)}) is more than {what}; "
+        "give at most the device's memory, e.g. search.memory_budget=90% (of the device) or "
+        "search.memory_budget=8GiB, or null for the whole device"
+    ]
 
 
 @functools.lru_cache(maxsize=2)
@@ -195,6 +221,9 @@ def build_task(cfg: DictConfig) -> Task:
     node = cfg.get("task")
     if node is None:
         return Classification()
+    problems = unknown_settings("task", node)
+    if problems:
+        raise ConfigError(problems)
     try:
         task = instantiate(node)
     except InstantiationException as error:
@@ -300,11 +329,44 @@ def predict(cfg: DictConfig, spec: RunSpec) -> Prediction:
     return memory_predictor(cfg, spec).predict(spec.trainer, train_samples(cfg))
 
 
+# The groups built from `_target_`: a setting their builder does not take is refused before
+# the first trial (optimizer and scheduler are partial: otherwise only a trial would call them).
+COMPONENTS = ("model", "data", "task", "optimizer", "scheduler")
+_HYDRA_KEYS = ("_target_", "_partial_", "_args_", "_recursive_", "_convert_")
+
+
+def unknown_settings(group: str, node: Any) -> list[str]:
+    """The keys of a `_target_` node that its builder does not take (none when it takes
+    **kwargs or cannot be looked up: building it then says what is wrong)."""
+    if not isinstance(node, DictConfig) or not node.get("_target_"):
+        return []
+    try:
+        params = inspect.signature(get_object(node._target_)).parameters
+    except (ValueError, TypeError, ImportError, AttributeError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    keys = [k for k in node if k not in _HYDRA_KEYS]
+    known = [p for p in params if p != "self"]
+    return unknown_keys(group, keys, known, owner=f"a setting of {node._target_}")
+
+
+def _built(group: str, cfg: DictConfig, build: Callable[[], Any]) -> Any:
+    try:
+        return build()
+    except (TypeError, ValueError) as error:
+        target = cfg[group].get("_target_")
+        raise ConfigError([f"{group} ({target}) cannot be built: {error}"]) from None
+
+
 def check_builds(cfg: DictConfig, spec: RunSpec) -> str | None:
     """Data and model build, and the budget holds what training needs whatever the batch:
     parameters, gradients and optimizer state (predicted; the parameters alone when the model
     cannot be predicted, which is returned as a note). Errors in the user's builder arguments
     become ConfigErrors naming the group."""
+    problems = [p for group in COMPONENTS for p in unknown_settings(group, cfg.get(group))]
+    if problems:
+        raise ConfigError(problems)
     torch.manual_seed(spec.trainer.seed)
     pipeline = build_pipeline(cfg, spec.device)
     try:
@@ -315,6 +377,11 @@ def check_builds(cfg: DictConfig, spec: RunSpec) -> str | None:
                 [f"model ({cfg.model.get('_target_')}) cannot be built: {error.__cause__}"]
             ) from None
         raise
+    # Partial builders: called only now, with the model's parameters, and by a trial otherwise.
+    optimizer = _built(
+        "optimizer", cfg, lambda: instantiate(cfg.optimizer, lr=spec.lr)(model.parameters())
+    )
+    _built("scheduler", cfg, lambda: instantiate(cfg.scheduler)(optimizer, total_steps=10))
     if spec.budget_bytes is None:
         return None
     try:

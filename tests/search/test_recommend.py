@@ -215,7 +215,8 @@ def test_recommend_rule_from_config() -> None:
     rule, problems = recommend_rule(OmegaConf.create({"metric": ACC, "tolerence": 0.02}))
     assert rule == RecommendRule()
     assert problems == [
-        "search.recommend: unknown keys ['tolerence']; it takes metric, prefer, tolerance"
+        "search.recommend.tolerence is not a search.recommend setting; known: metric, prefer, "
+        "tolerance; did you mean search.recommend.tolerance?"
     ]
     rule, problems = recommend_rule(OmegaConf.create({"tolerance": -1}))
     assert rule == RecommendRule() and len(problems) == 1

@@ -13,6 +13,7 @@ import pytest
 from rich.console import Console
 
 from search.driver import StudyDriver
+from tests.sweeps import run_module
 from train.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,6 +83,101 @@ CASES = {
         ["search.objectives=[val/accuracy]"],
         r"search.objectives: unknown metric 'val/accuracy'; this task reports val/acc, val/loss",
     ),
+    "mistyped pruner": (
+        ["search.pruner._target_=optuna.pruners.MedianPrunner"],
+        r"search.pruner._target_='optuna.pruners.MedianPrunner' cannot be imported \(module "
+        r"'optuna.pruners' has no attribute 'MedianPrunner'\); did you mean "
+        r"optuna.pruners.MedianPruner\? Optuna's pruners: optuna.pruners.HyperbandPruner, ",
+    ),
+    "not a pruner": (
+        [
+            "search.pruner._target_=optuna.samplers.TPESampler",
+            "~search.pruner.n_startup_trials",
+            "~search.pruner.n_warmup_steps",
+        ],
+        r"search.pruner._target_='optuna.samplers.TPESampler' is not an Optuna pruner",
+    ),  # fmt: skip
+    "unknown pruner setting": (
+        ["+search.pruner.n_startup_trails=3"],
+        r"search.pruner.n_startup_trails is not a search.pruner setting; known: interval_steps, "
+        r"n_min_trials, n_startup_trials, n_warmup_steps; did you mean "
+        r"search.pruner.n_startup_trials\?",
+    ),
+    "bad pruner value": (
+        ["search.pruner.n_startup_trials=-1"],
+        r"search.pruner \(MedianPruner\) cannot be built: ValueError: Number of startup trials "
+        r"cannot be negative",
+    ),
+    "bad sampler value": (
+        ["search.sampler.seed=x"],
+        r"search.sampler \(TPESampler\) cannot be built: TypeError: ",
+    ),
+    "study name as a relative path": (
+        ["search.study_name=../../x"],
+        r"search.study_name='../../x' is not a plain name: it names the study's MLflow artifact "
+        r"directory, so it may hold only letters, digits, '.', '_' and '-' \(first a letter or "
+        r"digit, 128 at most\); e.g. search.study_name=x$",
+    ),
+    "study name as an absolute path": (
+        ["search.study_name=/tmp/abs"],
+        r"search.study_name='/tmp/abs' is not a plain name: .*; e.g. search.study_name=tmp-abs$",
+    ),
+    "unknown search key added with +": (
+        ["+search.memory_budgt=1KiB"],
+        r"search.memory_budgt is not a search setting; known: accumulation, .*memory_budget.*; "
+        r"did you mean search.memory_budget\?",
+    ),
+    "unknown recommend key": (
+        ["+search.recommend.tolerence=0.02"],
+        r"search.recommend.tolerence is not a search.recommend setting; known: metric, prefer, "
+        r"tolerance; did you mean search.recommend.tolerance\?",
+    ),
+    "unknown mlflow key": (
+        ["+mlflow.tracking_url=sqlite:///x.db"],
+        r"mlflow.tracking_url is not an mlflow setting; known: artifact_root, outage_wait_s, "
+        r"system_metrics, system_metrics_interval_s, tracking_uri; did you mean "
+        r"mlflow.tracking_uri\?",
+    ),
+    "unknown loader key": (
+        ["+loader.num_worker=2"],
+        r"loader.num_worker is not a loader setting; known: .*; did you mean loader.num_workers\?",
+    ),
+    "unknown optimizer setting": (
+        ["+optimizer.moment=0.5"],
+        r"optimizer.moment is not a setting of torch.optim.SGD; known: .*momentum.*; did you "
+        r"mean optimizer.momentum\?",
+    ),
+    "optimizer value the builder refuses": (
+        ["optimizer.momentum=-1"],
+        r"optimizer \(torch.optim.SGD\) cannot be built: Invalid momentum value: -1",
+    ),
+    "unknown scheduler setting": (
+        ["+scheduler.warmup_steps=3"],
+        r"scheduler.warmup_steps is not a setting of train.lr.warmup_cosine; known: optimizer, "
+        r"total_steps, warmup_fraction",
+    ),
+    "unknown task setting": (
+        ["+task.label_smoothin=0.1"],
+        r"task.label_smoothin is not a setting of train.tasks.Classification; known: .*; did "
+        r"you mean task.label_smoothing\?",
+    ),
+    "tracking URI of no MLflow store": (
+        ["mlflow.tracking_uri=foo://x"],
+        r"mlflow.tracking_uri='foo://x': MLflow has no tracking store for foo://; it takes "
+        r"sqlite, postgresql, mysql, mssql, http, https, file, databricks.*; e.g. "
+        r"mlflow.tracking_uri=sqlite:///mlruns/mlflow.db \(a local file\) or "
+        r"mlflow.tracking_uri=http://HOST:5000 \(a tracking server\)$",
+    ),
+    "absurd budget": (
+        ["search.memory_budget=1e30"],
+        r"search.memory_budget=1e\+30 \(\d+\.\d PiB\) is more than the \d+\.\d [GT]iB that "
+        r"(cpu|cuda) has; give at most the device's memory, e.g. search.memory_budget=90%",
+    ),
+    "budget above the device": (  # no machine that runs these tests has 4 TiB
+        ["search.memory_budget=4TiB"],
+        r"search.memory_budget='4TiB' \(4.0 TiB\) is more than the \d+\.\d [GT]iB that "
+        r"(cpu|cuda) has",
+    ),
 }
 
 
@@ -150,3 +246,44 @@ def test_cli_unknown_group_option_uses_hydra_message(tmp_path: Path) -> None:
     done = _run_search(["+experiment=nope"], tmp_path)
     assert done.returncode != 0
     assert "Could not find 'experiment/nope'" in done.stderr
+
+
+SECRET = "S3cretPW"
+PG = f"search.storage=postgresql://u:{SECRET}@127.0.0.1:1/db"  # nothing listens on port 1
+HTTP = f"mlflow.tracking_uri=http://u:{SECRET}@127.0.0.1:1"
+BAD_PRUNER = "search.pruner._target_=optuna.pruners.NoSuchPruner"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "secret_in", [HTTP, PG, f"search.storage='postgresql://u@127.0.0.1:1/db?password={SECRET}'"]
+)
+def test_cli_mistyped_pruner_is_named_and_no_password_is_printed(
+    tmp_path: Path, secret_in: str
+) -> None:
+    """The pruner used to be built after the checks: its error escaped to Hydra, which printed
+    `Error executing job with overrides: [...]`, the passwords in them."""
+    done = run_module("search", [*FAST, BAD_PRUNER, secret_in], tmp_path, returncode=2)
+    output = done.stdout + done.stderr
+    assert SECRET not in output
+    assert "search.pruner._target_='optuna.pruners.NoSuchPruner' cannot be imported" in output
+    assert "Error executing job" not in output and "Traceback" not in output
+    saved = [p for p in (tmp_path / "mlruns" / "hydra").rglob("*.yaml")]
+    assert saved and not [p for p in saved if SECRET in p.read_text()]
+
+
+@pytest.mark.slow
+def test_cli_unexpected_error_while_preparing_is_redacted(tmp_path: Path) -> None:
+    """Any other error before the first trial (here a user's model builder that raises): a
+    redacted traceback and one line saying the study did not start, never Hydra's report."""
+    (tmp_path / "boom.py").write_text(
+        "def build(**kwargs):\n    raise RuntimeError('the model cannot be built')\n"
+    )
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "boom.yaml").write_text("_target_: boom.build\n")
+    args = [f"hydra.searchpath=[file://{tmp_path}/conf]", "model=boom", "data=digits", PG, HTTP]
+    done = run_module("search", args, tmp_path, returncode=1)
+    output = done.stdout + done.stderr
+    assert SECRET not in output and "Error executing job" not in output
+    assert "RuntimeError: the model cannot be built" in done.stderr
+    assert "The study did not start: InstantiationException while preparing it" in done.stderr

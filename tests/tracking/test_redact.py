@@ -25,11 +25,32 @@ from tracking.redact import RedactingFilter, redact, redact_file, redact_tree
             r"search.storage=postgresql\://bf\:pa55@db\:5432/x",
             r"search.storage=postgresql\://bf\:***@db\:5432/x",
         ),
+        # A password as a query parameter (psycopg and PyMySQL take it so), first or not.
+        ("postgresql://bf@db/optuna?password=pa55", "postgresql://bf@db/optuna?password=***"),
+        (
+            "postgresql://bf@db/x?sslmode=require&password=pa55&connect_timeout=3",
+            "postgresql://bf@db/x?sslmode=require&password=***&connect_timeout=3",
+        ),
+        ("mysql+pymysql://bf@db/x?passwd=pa55", "mysql+pymysql://bf@db/x?passwd=***"),
+        # libpq's key=value connection string, its quoted form, an environment variable.
+        ("host=db password=pa55 dbname=x", "host=db password=*** dbname=x"),
+        (r"host=db password='pa 55\'x' dbname=x", "host=db password=*** dbname=x"),
+        ("PGPASSWORD=pa55 python -m search", "PGPASSWORD=*** python -m search"),
+        # As Hydra saves it and as a message quotes it.
+        (
+            r"search.storage=postgresql\://bf@db/x?password\=pa55",
+            r"search.storage=postgresql\://bf@db/x?password\=***",
+        ),
+        (
+            "search.storage='postgresql://bf@db/x?Password=pa55' cannot be opened",
+            "search.storage='postgresql://bf@db/x?Password=***' cannot be opened",
+        ),
         # Nothing to mask: no password, a port, a journal path, plain text.
         ("postgresql://bf@db:5432/optuna", "postgresql://bf@db:5432/optuna"),
         ("http://127.0.0.1:5000/#/experiments/1", "http://127.0.0.1:5000/#/experiments/1"),
         ("journal:mlruns/optuna.journal", "journal:mlruns/optuna.journal"),
         ("batch 64 x 2: 3 of 5 done", "batch 64 x 2: 3 of 5 done"),
+        ("the password is in ~/.pgpass", "the password is in ~/.pgpass"),
     ],
 )
 def test_redact(text: str, masked: str) -> None:

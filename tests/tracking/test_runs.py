@@ -4,16 +4,19 @@ new SQLite store together, and the parent run created once."""
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
+import sqlite3
 import time
 from pathlib import Path
 
+import pytest
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from tests.sweeps import free_port
 from tracking.outbox import Outbox
-from tracking.runs import RunLog, Tracker, http_defaults
+from tracking.runs import SYSTEM_METRICS_LOGGER, RunLog, Tracker, http_defaults, quiet_logging
 
 
 def test_outbox_queues_writes_to_an_unreachable_server_in_order(monkeypatch) -> None:
@@ -119,3 +122,77 @@ def test_a_queued_upload_takes_the_newest_files_instead_of_queueing_again(
     log.artifacts({"summary.md": b"x"})  # another path queues on its own
     assert len(log.outbox) == 2
     assert log._uploads["plots"] == {"a.png": b"2", "b.png": b"1"}
+
+
+def _hold_exclusive_lock(db: Path, seconds: float, locked: multiprocessing.Event) -> None:
+    connection = sqlite3.connect(db, isolation_level=None)
+    connection.execute("BEGIN EXCLUSIVE")
+    locked.set()
+    time.sleep(seconds)
+    connection.execute("ROLLBACK")
+
+
+@pytest.mark.slow
+def test_a_locked_store_gives_one_line_from_the_system_metrics_thread(
+    tmp_path: Path, caplog
+) -> None:
+    """Another process holds mlflow.db in an exclusive transaction for 30 s: MLflow's
+    system-metrics thread gives up after its 20 s busy timeout and logs the database error,
+    SQL statement and parameters included; batchfit keeps its first line."""
+    quiet_logging()
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = Tracker(uri, "locked", str(tmp_path / "a"), system_metrics_interval_s=0.2)
+    run = tracker.start_run("trial-0", tags={})
+    assert tracker.close(30)
+    context = multiprocessing.get_context("spawn")
+    locked = context.Event()
+    holder = context.Process(target=_hold_exclusive_lock, args=(tmp_path / "mlflow.db", 30, locked))
+    holder.start()
+    assert locked.wait(30)
+    watching = caplog.at_level(logging.WARNING, logger=SYSTEM_METRICS_LOGGER)
+    with watching, tracker.system_metrics(run.run_id):
+        deadline = time.monotonic() + 28  # the monitor's read fails after 20 s
+        while time.monotonic() < deadline and not caplog.records:
+            time.sleep(0.2)
+    holder.join(timeout=30)
+    records = [r for r in caplog.records if r.name == SYSTEM_METRICS_LOGGER]
+    assert records, "the monitor did not meet the lock"
+    for record in records:
+        message = record.getMessage()
+        assert "\n" not in message and "database is locked" in message, message
+        assert "more lines left out" in message
+
+
+def test_mlflow_stores_an_experiments_artifact_location_absolute(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Why a moved project directory cannot carry its artifact location along (the README's
+    troubleshooting): MLflow resolves a relative location against the working directory."""
+    monkeypatch.chdir(tmp_path)
+    client = MlflowClient("sqlite:///mlflow.db")
+    experiment_id = client.create_experiment("rel", artifact_location="artifacts/rel")
+    location = client.get_experiment(experiment_id).artifact_location
+    assert location == str(tmp_path / "artifacts" / "rel")
+
+
+def test_a_moved_project_directory_is_said(tmp_path: Path, monkeypatch, caplog) -> None:
+    """The decision (README, Troubleshooting): MLflow keeps the old absolute location, and
+    batchfit says where the study's artifacts go and how to keep them with the project."""
+    caplog.set_level(logging.WARNING, logger="tracking.runs")
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    monkeypatch.chdir(old)
+    for _ in range(2):  # created, then found again in place: nothing to say
+        Tracker("sqlite:///mlruns/mlflow.db", "study", "mlruns/artifacts")
+    assert not [r for r in caplog.records if r.name == "tracking.runs"]
+    old.rename(new)
+    monkeypatch.chdir(new)
+    tracker = Tracker("sqlite:///mlruns/mlflow.db", "study", "mlruns/artifacts")
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "tracking.runs"]
+    assert said.startswith(
+        f"MLflow experiment 'study' keeps its artifacts in {old}/mlruns/artifacts/study, which "
+        f"no longer exists, not under mlflow.artifact_root ({new}/mlruns/artifacts): MLflow "
+        "fixed that absolute path when it created the experiment"
+    )
+    location = tracker.client.get_experiment(tracker.experiment_id).artifact_location
+    assert location == (old / "mlruns" / "artifacts" / "study").as_uri()  # as said: the old one

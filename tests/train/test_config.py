@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_method
 from omegaconf import OmegaConf
 
-from train.config import DEVICES, LR_SCALING_RULES, ConfigError, TrainerConfig
+from train.config import DEVICES, LR_SCALING_RULES, ConfigError, TrainerConfig, unknown_keys
 from train.memory import parse_budget
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -210,3 +210,13 @@ def test_group_keys_match_their_targets(composer, group, option):
     parameters = inspect.signature(target).parameters
     unknown = set(node) - set(parameters)
     assert not unknown, f"conf/{group}/{option}.yaml: {sorted(unknown)} not in {target}"
+
+
+def test_unknown_keys_lists_the_known_and_names_the_closest():
+    assert unknown_keys("loader", ["num_worker", "num_workers", "zzz"], ["num_workers", "x"]) == [
+        "loader.num_worker is not a loader setting; known: num_workers, x; did you mean "
+        "loader.num_workers?",
+        "loader.zzz is not a loader setting; known: num_workers, x",
+    ]
+    (problem,) = unknown_keys("mlflow", ["tracking_url"], ["tracking_uri"], "an mlflow setting")
+    assert problem.startswith("mlflow.tracking_url is not an mlflow setting; known:")

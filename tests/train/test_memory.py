@@ -108,7 +108,8 @@ def test_format_bytes():
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(150 * MiB) == "150.0 MiB"
     assert format_bytes(3 * GiB) == "3.0 GiB"
-    assert format_bytes(4096 * GiB) == "4096.0 GiB"
+    assert format_bytes(4096 * GiB) == "4.0 TiB"
+    assert format_bytes(1e30) == "888178419700125.2 PiB"  # a typo's size, still readable
 
 
 def test_device_total_bytes_cpu_is_physical_memory():
