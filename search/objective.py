@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import optuna
@@ -36,19 +36,63 @@ from search.study import REPEAT_ATTR, is_settled
 from tracking.runs import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG, RunLog, Tracker
 from train.batches import steps_plan
 from train.config import ConfigError
-from train.flops import mfu_metrics, peak_flops
+from train.flops import MFU_NOTE_TAG, perf_metrics
 from train.loop import Diverged, Hooks, RunResult
-from train.memory import OutOfMemory, format_bytes, release_memory
+from train.memory import MemoryStats, OutOfMemory, format_bytes, release_memory
 from train.predict import Prediction, PredictionUnsupported, fits_budget, largest_fitting_batch
 from train.run import RunSpec, data_params, memory_predictor, plan, predict, run, train_samples
 
-# The probe overestimates per-sample time (8 samples run less efficiently than a real
-# micro-batch), so it only stops a trial projected far past its budget. Calibrated on
-# ResNet-18/digits on an idle 2-core CPU: fp32 probes project 41-53 s for trials that train
-# in 20-28 s; bf16/fp16 without native kernels project 680-840 s, over 4 x 60 s = 240 s.
-PROBE_MARGIN = 4.0
-# After a few real steps the projection is close; allow some slack for validation.
+# What is slow, on evidence that survives a busy machine: every trial of a study is slowed
+# alike, so a trial is held to its budget *and* to the study's completed trials, not to the
+# budget alone. Calibrated on ResNet-18/digits (2876 samples) on a 2-core AVX2 CPU, 60 s
+# budget, where fp32 trials train in 10-28 s on an idle machine:
+# - the probe (8 samples, timed once before the first step) projects 36-53 s for those
+#   idle, but 250-1587 s beside other busy processes (the old absolute margin, 4 x 60 s,
+#   then pruned every trial: issue 16); fp16/bf16 run 30-40x slower than fp32 there (no
+#   native kernels): 680-1300 s idle. Alone, a probe prunes over PROBE_MARGIN x the budget;
+#   beside completed trials, over STEP_MARGIN x the budget and PROBE_OTHERS_MARGIN x their
+#   median probe. In the quick start beside two CPU-bound processes (load 4-5), the fp32
+#   probes of its 11 completed trials ranged 14-75 ms per sample (median 48.5) and its fp16
+#   probe took 716 ms, 14.8x that median.
+PROBE_MARGIN = 100.0
+PROBE_OTHERS_MARGIN = 10.0
+# - real steps: the first SETTLE_STEPS (memory-tracked, warm-up, kernel selection) are left
+#   out, and the mean of at least TIMED_STEPS after them projects the run. Slow: over
+#   STEP_MARGIN x the budget and OTHERS_MARGIN x the completed trials' median time; while
+#   none has completed, over ALONE_MARGIN x the budget. In that quick start the completed
+#   trials took 53-163 s (median 80): none over 1.8x the median of those before it.
+SETTLE_STEPS = 3
+TIMED_STEPS = 3
 STEP_MARGIN = 1.5
+OTHERS_MARGIN = 4.0
+ALONE_MARGIN = 10.0
+
+
+@dataclass(frozen=True)
+class Yardstick:
+    """What the study's completed trials that trained (all workers') took: the median of
+    their wall time and of their probe's seconds per sample; None before one completed. A
+    trial's whole time (build, prediction, records) is a little more than its training: the
+    rule errs lenient."""
+
+    seconds: float | None = None
+    probe_s_per_sample: float | None = None
+
+    @classmethod
+    def of(cls, study: optuna.Study) -> Yardstick:
+        done = [
+            t.user_attrs
+            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if REPEAT_ATTR not in t.user_attrs
+        ]
+        return cls(
+            _median(a.get("seconds") for a in done), _median(a.get(record.PROBE) for a in done)
+        )
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    return known[len(known) // 2] if known else None
 
 
 def trained_before(trial: optuna.Trial) -> FrozenTrial | None:
@@ -82,12 +126,17 @@ def answer_from_record(trial: optuna.Trial, earlier: FrozenTrial) -> list[float]
     return list(earlier.values)
 
 
-class Prune(Exception):
-    """Stop this trial as PRUNED for `reason`."""
+def last(items: list[Any]) -> Any:
+    return items[-1] if items else None
 
-    def __init__(self, reason: str, message: str):
+
+class Prune(Exception):
+    """Stop this trial as PRUNED for `reason` (`slow`: with the training it projected)."""
+
+    def __init__(self, reason: str, message: str, projected_s: float | None = None):
         super().__init__(message)
         self.reason = reason
+        self.projected_s = projected_s
 
 
 # With search.target and no trainer.val_every_steps, a trial validates this often an epoch, so
@@ -131,32 +180,71 @@ class TargetWatch:
 
 
 class TimeBudget:
-    """Prunes a trial as `slow` as soon as its measured speed shows it cannot fit its budget."""
+    """Prunes a trial as `slow` once its measured speed shows that it cannot fit its budget:
+    its probe, or its real steps, over the budget and far over the study's completed trials
+    (far over the budget while none has completed)."""
 
-    def __init__(self, budget_s: float | None):
+    def __init__(self, budget_s: float | None, yardstick: Yardstick | None = None):
         self.budget_s = budget_s
+        self.yardstick = yardstick or Yardstick()
+        self._settled_s: float | None = None  # elapsed at SETTLE_STEPS
+
+    def _budget(self, margin: float) -> str:
+        return f"{margin:g} x search.trial_time_budget_s={self.budget_s:g}"
 
     def on_probe(self, seconds_per_sample: float, num_samples: int) -> None:
-        projected = seconds_per_sample * num_samples
-        if self.budget_s and projected > PROBE_MARGIN * self.budget_s:
-            raise Prune(
-                "slow",
-                f"a probe step projects {projected:.0f} s of training for {num_samples} samples, "
-                f"far over search.trial_time_budget_s={self.budget_s:g}",
-            )
-
-    def on_step(self, step: int, num_steps: int, elapsed_s: float) -> None:
         if not self.budget_s:
             return
-        projected = elapsed_s / step * num_steps
-        if elapsed_s > STEP_MARGIN * self.budget_s or (
-            step >= 3 and projected > STEP_MARGIN * self.budget_s
+        projected = seconds_per_sample * num_samples
+        probe = f"a probe step projects {projected:.0f} s of training for {num_samples} samples"
+        reference = self.yardstick.probe_s_per_sample
+        if reference is None:
+            if projected > PROBE_MARGIN * self.budget_s:
+                raise Prune("slow", f"{probe}, over {self._budget(PROBE_MARGIN)}", projected)
+        elif (
+            projected > STEP_MARGIN * self.budget_s
+            and seconds_per_sample > PROBE_OTHERS_MARGIN * reference
         ):
             raise Prune(
                 "slow",
-                f"{step} of {num_steps} steps took {elapsed_s:.0f} s, projecting "
-                f"{projected:.0f} s, over search.trial_time_budget_s={self.budget_s:g}",
+                f"{probe}, over {self._budget(STEP_MARGIN)}, and {seconds_per_sample * 1000:.3g} "
+                f"ms per sample is over {PROBE_OTHERS_MARGIN:g} x the {reference * 1000:.3g} ms "
+                "of the study's completed trials' probes (median)",
+                projected,
             )
+
+    def limit_s(self) -> float:
+        """The projection of real steps past which a trial is slow."""
+        assert self.budget_s
+        if self.yardstick.seconds is None:
+            return ALONE_MARGIN * self.budget_s
+        return max(STEP_MARGIN * self.budget_s, OTHERS_MARGIN * self.yardstick.seconds)
+
+    def _limit_words(self) -> str:
+        if self.yardstick.seconds is None:
+            return f"{self._budget(ALONE_MARGIN)} (no trial has completed to compare with)"
+        return (
+            f"{self._budget(STEP_MARGIN)} and {OTHERS_MARGIN:g} x the "
+            f"{self.yardstick.seconds:.0f} s of the study's completed trials (median)"
+        )
+
+    def on_step(self, step: int, num_steps: int, elapsed_s: float) -> None:
+        """After optimizer step `step` of `num_steps`, `elapsed_s` into the run."""
+        if not self.budget_s:
+            return
+        if step == SETTLE_STEPS:
+            self._settled_s = elapsed_s
+        timed = step - SETTLE_STEPS
+        projected, evidence = elapsed_s, f"{step} of {num_steps} steps took {elapsed_s:.0f} s"
+        if self._settled_s is not None and timed >= TIMED_STEPS:
+            rate = (elapsed_s - self._settled_s) / timed
+            projected = max(elapsed_s, self._settled_s + rate * (num_steps - SETTLE_STEPS))
+            evidence = (
+                f"steps {SETTLE_STEPS + 1}-{step} of {num_steps} took {rate:.2g} s each, "
+                f"projecting {projected:.0f} s"
+            )
+        if projected > self.limit_s():
+            raise Prune("slow", f"{evidence}, over {self._limit_words()}", projected)
 
 
 class Objective:
@@ -182,6 +270,7 @@ class Objective:
         # (trial number, validation metrics, seconds since the trial began): progress display
         self.on_epoch = on_epoch
         self._unsupported_said = False
+        self._mfu_said = False
 
     def _compose(self, overrides: list[str]) -> DictConfig:
         try:
@@ -307,25 +396,43 @@ class Objective:
         )
 
     def _train(self, trial: optuna.Trial, cfg: DictConfig, spec: RunSpec, log: RunLog) -> Outcome:
-        budget = TimeBudget(self.settings.trial_time_budget_s)
+        budget = TimeBudget(self.settings.trial_time_budget_s, Yardstick.of(trial.study))
         target = TargetWatch(self.settings.target)
+        steps_per_epoch, num_steps = steps_plan(train_samples(cfg), spec.trainer)
         if self.settings.target is not None and spec.trainer.val_every_steps is None:
-            steps_per_epoch, _ = steps_plan(train_samples(cfg), spec.trainer)
             every = max(1, steps_per_epoch // TARGET_VALIDATIONS_PER_EPOCH)
             spec = replace(spec, trainer=replace(spec.trainer, val_every_steps=every))
         on_eval = self._on_eval(trial, log)
+        seen: list[MemoryStats] = []  # past the memory check: what it measured
+
+        def probed(seconds_per_sample: float, num_samples: int) -> None:
+            trial.set_user_attr(record.PROBE, seconds_per_sample)  # later trials' yardstick
+            budget.on_probe(seconds_per_sample, num_samples)
+
+        def memory_seen(stats: MemoryStats) -> None:
+            seen.append(stats)
+            trial.set_user_attr(record.PEAK, stats.peak_bytes)
+
+        def on_validation(step: int, metrics: dict) -> bool:
+            # The run ends here when it has reached its target or trained all its steps:
+            # the pruner then would save nothing and throw a result away.
+            reached = target.reached(metrics)
+            on_eval(step, metrics, final=reached or step >= num_steps)
+            return reached
+
         hooks = Hooks(
-            on_probe=budget.on_probe,
+            on_probe=probed,
             on_step=budget.on_step,
             on_log=lambda step, metrics: log.metrics(metrics, step),
-            on_eval=lambda step, metrics: on_eval(step, metrics) or target.reached(metrics),
-            on_memory=lambda peak: trial.set_user_attr(record.PEAK, peak),
+            on_eval=on_validation,
+            on_memory=memory_seen,
         )
         outcome = None
         try:
             with self.tracker.system_metrics(log.run_id):
                 result = run(cfg, spec, hooks)
-            extra = {**self._perf(cfg, spec, result), **target.figures()}
+            perf = self._perf(cfg, spec, result, trial, log)
+            extra = {**perf, **target.figures()}
             outcome = Outcome("COMPLETE", result=result, extra=extra)
             if target.missed:  # its figures are kept; it cannot be ranked by time to target
                 message = target.missed_message(result)
@@ -333,9 +440,10 @@ class Objective:
         except OutOfMemory as oom:
             outcome = Outcome("PRUNED", "oom", str(oom), peak_bytes=oom.peak_bytes)
         except Diverged as diverged:
-            outcome = Outcome("PRUNED", "diverged", str(diverged))
+            outcome = Outcome("PRUNED", "diverged", str(diverged), memory=last(seen))
         except Prune as prune:
-            outcome = Outcome("PRUNED", prune.reason, str(prune))
+            outcome = Outcome("PRUNED", prune.reason, str(prune), memory=last(seen))
+            outcome.projected_s = prune.projected_s
         except ConfigError:
             raise
         except Exception as error:  # noqa: BLE001 - one trial's error must not end the study
@@ -349,23 +457,38 @@ class Objective:
         release_memory(spec.device)
         return outcome
 
-    def _perf(self, cfg: DictConfig, spec: RunSpec, result: RunResult) -> dict[str, float]:
+    def _perf(
+        self, cfg: DictConfig, spec: RunSpec, result: RunResult, trial: optuna.Trial, log: RunLog
+    ) -> dict[str, float]:
         """perf/* of a completed run: FLOPs per sample counted on the predictor's fake model,
         and MFU against the device's peak (train/flops.py); none for a model that does not
-        run on fake tensors."""
+        run on fake tensors. An MFU above 1 comes with a note of why (tag, user attr, and
+        said once)."""
         try:
             flops = memory_predictor(cfg, spec).flops_per_sample(spec.trainer.batch_size)
         except PredictionUnsupported:
             return {}
-        peak = peak_flops(spec.device, spec.trainer.precision, spec.trainer.peak_flops)
-        return mfu_metrics(flops, result.throughput_samples_per_sec, peak)
+        figures, note = perf_metrics(
+            flops,
+            result.throughput_samples_per_sec,
+            spec.device,
+            spec.trainer.precision,
+            spec.trainer.peak_flops,
+        )
+        if note:
+            log.tags({MFU_NOTE_TAG: note})
+            trial.set_user_attr(record.MFU_NOTE, note)
+            if not self._mfu_said:
+                self._mfu_said = True
+                self.notify(note)
+        return figures
 
-    def _on_eval(self, trial: optuna.Trial, log: RunLog) -> Callable[[int, dict], None]:
+    def _on_eval(self, trial: optuna.Trial, log: RunLog) -> Callable[..., None]:
         single = len(self.settings.objectives) == 1
         started = time.perf_counter()
         validations = 0
 
-        def on_eval(step: int, metrics: dict) -> None:
+        def on_eval(step: int, metrics: dict, final: bool) -> None:
             nonlocal validations
             figures = {k: v for k, v in metrics.items() if "/" in k}
             # The epoch as a metric of its own at every logged step: the UI's charts can
@@ -381,9 +504,12 @@ class Objective:
                 if value is not None:
                     # Report per validation, not per optimizer step: trials with different
                     # effective batches validate at different steps, and pruners compare
-                    # trials at equal steps.
-                    trial.report(value, validations)
-                    if trial.should_prune():
+                    # trials at equal steps. Counted from 0, as Optuna's pruners count
+                    # epochs: n_warmup_steps=1 spares the first validation (they prune from
+                    # step == n_warmup_steps). The final one is reported, for the pruner to
+                    # compare other trials with, but never pruned.
+                    trial.report(value, validations - 1)
+                    if not final and trial.should_prune():
                         raise Prune(
                             "pruner",
                             f"{metric}={value:.4f} at validation {validations} (step {step}) "

@@ -13,6 +13,7 @@ from search import record, report
 from search.config import SearchConfig
 from tracking.runs import STATE_TAG, RunLog
 from train.loop import RunResult
+from train.memory import MemoryStats
 from train.predict import Prediction
 from train.run import RunSpec
 
@@ -30,8 +31,11 @@ class Outcome:
     reason: str | None = None
     message: str = ""
     result: RunResult | None = None
-    peak_bytes: int | None = None
+    peak_bytes: int | None = None  # an OOM's, when it stopped
+    # What a run stopped past its memory check (pruned, diverged) measured: it fitted.
+    memory: MemoryStats | None = None
     error_traceback: str | None = None
+    projected_s: float | None = None  # a `slow` trial's projected training
     prediction: Prediction | None = None
     # A completed run's figures beyond its own: perf/* (MFU), time/to_target_s.
     extra: dict[str, float] = field(default_factory=dict)
@@ -109,14 +113,21 @@ def record_outcome(
         metrics.update({**result.metrics(), **outcome.extra})
     elif outcome.peak_bytes is not None:
         attrs[record.PEAK] = metrics["memory/peak_bytes"] = outcome.peak_bytes
+    elif outcome.memory is not None:
+        attrs[record.PEAK] = metrics["memory/peak_bytes"] = outcome.memory.peak_bytes
+        if outcome.memory.reserved_bytes is not None:
+            metrics["memory/reserved_bytes"] = outcome.memory.reserved_bytes
+    # What the prediction is compared with: the caching allocator's reserve is what runs
+    # out on CUDA; on CPU the peak. A stopped run's as far as it ran, past its memory check
+    # (the steady-state step it predicts); an OOM's is no steady state.
+    measured = result or outcome.memory
     if outcome.prediction is not None:
         predicted = outcome.prediction.peak_bytes
         attrs[record.PREDICTED] = metrics["memory/predicted_bytes"] = predicted
         metrics["time/prediction_s"] = outcome.prediction.seconds
-        if result is not None:
-            # The caching allocator's reserve is what runs out on CUDA; on CPU the peak.
-            measured = result.reserved_bytes or result.peak_bytes
-            error = (predicted - measured) / measured
+        if measured is not None:
+            actual = measured.reserved_bytes or measured.peak_bytes
+            error = (predicted - actual) / actual
             attrs["prediction_error"] = metrics["memory/prediction_error"] = error
     if settings.oom_constraint and spec.budget_bytes is not None:
         violation = memory_violation(
@@ -128,6 +139,9 @@ def record_outcome(
         if violation is not None:
             trial.set_constraint("memory", violation)
             attrs["memory_violation"] = violation
+    if outcome.projected_s is not None:
+        attrs[record.PROJECTED] = metrics["time/projected_s"] = round(outcome.projected_s, 1)
+        attrs[record.TIME_BUDGET] = settings.trial_time_budget_s
     if outcome.reason:
         attrs[record.REASON] = outcome.reason
         attrs[record.MESSAGE] = outcome.message[:1000]

@@ -5,6 +5,8 @@ reports all its trials, not only this process's."""
 
 from __future__ import annotations
 
+import math
+import os
 import shlex
 import time
 from collections import defaultdict
@@ -33,6 +35,7 @@ from tracking.redact import redact
 from train.memory import format_bytes
 from train.overrides import BEST_KEY, override_key
 from train.run import ACCUM_KEY, BATCH_KEY, EFFECTIVE_PARAM, LR_PARAM, PRECISION_KEY
+from train.threads import usable_cores
 
 
 def state_label(trial: FrozenTrial) -> str:
@@ -243,7 +246,7 @@ def summary(
     console.print(f"\n[bold]Study {study.study_name}[/bold]: {counts_line(trials)}", soft_wrap=True)
     best = best_trials(study)
     if not best:
-        console.print("[yellow]No trial completed; see the reasons above.[/yellow]")
+        console.print(f"[yellow]{escape(none_completed(trials))}[/yellow]", soft_wrap=True)
         return
     title = "Pareto front" if len(metrics) > 1 else "Best trials"
     table = Table(title=title)
@@ -273,6 +276,37 @@ def summary(
     console.print("Train it again: " + redact(rerun_command(overrides)), **plain)
     if best_path:
         console.print(f"or: python -m train +{BEST_KEY}={shlex.quote(best_path)}", **plain)
+
+
+def _round_up(seconds: float) -> int:
+    """The next of 1, 2, 3, 4, 5, 6, 8 x a power of ten: a budget to suggest."""
+    scale = 10 ** math.floor(math.log10(max(seconds, 1.0)))
+    return next(m * scale for m in (1, 2, 3, 4, 5, 6, 8, 10) if m * scale >= seconds)
+
+
+def none_completed(trials: Sequence[FrozenTrial]) -> str:
+    """Why a study has no completed trial. When every trial it trained was pruned as slow,
+    the machine or the budget is the problem, not the configurations: by how much."""
+    counted = [t for t in trials if counts_as_trained(t)]
+    slow = [t for t in counted if record.PROJECTED in t.user_attrs]
+    if not counted or len(slow) < len(counted):
+        return "No trial completed; see the reasons above."
+    projected = sorted(t.user_attrs[record.PROJECTED] for t in slow)
+    budget = slow[-1].user_attrs[record.TIME_BUDGET]
+    low, high = projected[0], projected[-1]
+    span = f"{low:.0f}-{high:.0f} s ({low / budget:.1f}-{high / budget:.1f}x)"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    busy = (
+        f"; this machine's load is {load:.1f} on the {usable_cores()} cores this process may use"
+        if load is not None
+        else ""
+    )
+    return (
+        f"All {len(slow)} trials were pruned as slow: they projected {span} against "
+        f"search.trial_time_budget_s={budget:g}{busy}. The machine or the budget is the "
+        f"problem, not the configurations: raise search.trial_time_budget_s to "
+        f"~{_round_up(high)} or free the machine."
+    )
 
 
 def counts_by_state(trials: Sequence[FrozenTrial]) -> dict[str, int]:
@@ -363,6 +397,8 @@ def summary_markdown(
     command that trains it, the best trials, the OOM boundary per precision."""
     trials = study.get_trials(deepcopy=False)
     parts = [f"# Study {study.study_name}", counts_line(trials) + "."]
+    if not best_trials(study, limit=1):
+        parts.append(none_completed(trials))
     if rec is not None:
         parts += [
             "## Recommended configuration",

@@ -22,14 +22,22 @@ from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
 
 from tracking.redact import redact_logging
-from tracking.runs import ROLE_TAG, STATE_TAG, Tracker, http_defaults, quiet_logging
+from tracking.runs import (
+    ROLE_TAG,
+    STATE_TAG,
+    MlflowConfig,
+    Tracker,
+    http_defaults,
+    quiet_logging,
+)
 from train.config import ConfigError
-from train.flops import mfu_metrics, peak_flops
+from train.flops import MFU_NOTE_TAG, perf_metrics
 from train.loop import Diverged, Hooks
 from train.memory import OutOfMemory, format_bytes
 from train.overrides import BEST_KEY, load_overrides, merge_overrides, override_key
 from train.predict import PredictionUnsupported
 from train.run import check_builds, data_params, memory_predictor, plan, predict, run
+from train.threads import plan_threads
 
 # The entry point is the composition root: it wires MLflow (tracking.runs) to the training
 # loop's hooks. The train/ library modules themselves know nothing of MLflow.
@@ -44,7 +52,11 @@ def main(cfg: DictConfig) -> None:
     try:
         if BEST_KEY in cfg:
             cfg = _recommended(cfg)
+        threads = plan_threads(cfg.search.threads, 1)  # first, before any torch work
+        threads.apply()
+        console.print(threads.describe(), soft_wrap=True)
         spec = plan(cfg, cfg.search.memory_budget)
+        MlflowConfig.from_mapping(OmegaConf.to_container(cfg.mlflow, resolve=True))
         note = check_builds(cfg, spec)
     except ConfigError as error:
         errors.print(
@@ -103,8 +115,17 @@ def main(cfg: DictConfig) -> None:
         extra["memory/prediction_error"] = (prediction.peak_bytes - measured) / measured
     try:  # MFU, from the FLOPs the predictor's fake model counts (train/flops.py)
         flops = memory_predictor(cfg, spec).flops_per_sample(spec.trainer.batch_size)
-        peak = peak_flops(spec.device, spec.trainer.precision, spec.trainer.peak_flops)
-        extra.update(mfu_metrics(flops, result.throughput_samples_per_sec, peak))
+        perf, mfu_note = perf_metrics(
+            flops,
+            result.throughput_samples_per_sec,
+            spec.device,
+            spec.trainer.precision,
+            spec.trainer.peak_flops,
+        )
+        extra.update(perf)
+        if mfu_note:
+            log.tags({MFU_NOTE_TAG: mfu_note})
+            console.print(f"[yellow]note[/yellow] {escape(mfu_note)}", soft_wrap=True)
     except PredictionUnsupported:
         pass
     log.metrics({**result.metrics(), **extra}, step=result.num_steps)

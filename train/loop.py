@@ -23,6 +23,7 @@ from train.config import TrainerConfig
 from train.data import Datasets, Splits
 from train.memory import (
     MemoryMeter,
+    MemoryStats,
     OutOfMemory,
     TensorMemoryTracker,
     is_oom_error,
@@ -52,8 +53,8 @@ class Hooks:
     # before the first step: lets a caller stop a hopeless configuration in seconds.
     on_probe: Callable[[float, int], None] | None = None
     on_step: Callable[[int, int, float], None] | None = None  # (step, num_steps, elapsed_s)
-    # (peak bytes so far) once the run is past its memory check: it fits the budget
-    on_memory: Callable[[int], None] | None = None
+    # (peak and reserved bytes so far) once the run is past its memory check: it fits
+    on_memory: Callable[[MemoryStats], None] | None = None
     on_log: Callable[[int, Metrics], None] | None = None  # every trainer.log_every_steps
     # After each validation; returning True ends the run there (e.g. its target is met).
     on_eval: Callable[[int, Metrics], bool | None] | None = None
@@ -392,7 +393,7 @@ def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task)
                 )
             del host_batches, micro
             if hooks.on_memory and step == memory_checked_step:
-                hooks.on_memory(meter.stats().peak_bytes)
+                hooks.on_memory(meter.stats())
             step_lr = scheduler.get_last_lr()[0]  # the rate this step used
             scheduler.step()
             loss_sum += step_loss
