@@ -9,6 +9,7 @@ Several workers on one study: `python -m search --multirun search.workers=4 ...`
 
 from __future__ import annotations
 
+import signal
 import sys
 import traceback
 import warnings
@@ -25,9 +26,51 @@ from rich.markup import escape  # messages carry [...]: not markup
 
 from search.compose import task_overrides
 from search.driver import StudyDriver, TrackingIncomplete
+from search.storage import JournalWriteError
 from tracking.redact import redact, redact_logging
 from tracking.runs import http_defaults, quiet_logging
 from train.config import ConfigError
+from train.threads import plan_threads
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (SLURM preemption, scancel, a time limit, `kill`): stopped like Ctrl-C."""
+
+
+def stop_on_signals(errors: Console) -> None:
+    """SIGINT and SIGTERM stop the study the same way: the running trial ends, its MLflow
+    run is KILLED and its parameters are queued to run again. The first signal interrupts;
+    any later one is said and ignored, so that the records being closed are closed (within
+    a few seconds) instead of a second traceback."""
+
+    def first(signum: int, frame: object) -> None:
+        for each in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(each, later)
+        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    def later(signum: int, frame: object) -> None:
+        errors.print(
+            f"[yellow]{signal.Signals(signum).name}: already stopping; the records are being "
+            "closed[/yellow]"
+        )
+
+    try:
+        for each in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(each, first)
+    except ValueError:  # not the main thread (a launcher's worker thread): leave them be
+        pass
+
+
+def journal_failure(error: BaseException | None) -> JournalWriteError | None:
+    """The journal write that failed under `error`, if one did: Optuna, failing to record a
+    trial's end, raises its own error from the failed write."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, JournalWriteError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def select_gpu(job_num: int) -> None:
@@ -47,11 +90,22 @@ def main(cfg: DictConfig) -> float | None:
     if not console.is_terminal:  # piped to a file or CI log: rich would assume 80 columns
         console = Console(width=160)
     errors = Console(stderr=True)
+    stop_on_signals(errors)
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     if multirun:
         select_gpu(hydra_cfg.job.num)
     try:
+        # First, before any torch work: each worker's share of the cores (train/threads.py).
+        # Local launchers (joblib, submitit_local) run search.workers processes at once on
+        # these cores; Hydra's basic launcher runs them one after another, and a SLURM job
+        # has cores of its own.
+        launcher = str(hydra_cfg.launcher.get("_target_", ""))
+        alone = any(name in launcher for name in ("BasicLauncher", "SlurmLauncher"))
+        sharing = cfg.search.workers if multirun and not alone else 1
+        threads = plan_threads(cfg.search.threads, sharing)
+        threads.apply()
+        console.print(threads.describe(), soft_wrap=True)
         driver = StudyDriver.prepare(
             cfg,
             task_overrides(hydra_cfg),
@@ -66,6 +120,20 @@ def main(cfg: DictConfig) -> float | None:
             soft_wrap=True,  # one problem per line, whole, in logs too
         )
         sys.exit(2)
+    except KeyboardInterrupt:
+        errors.print("[yellow]Interrupted before the study started[/yellow]; nothing was trained")
+        sys.exit(130)
+    except JournalWriteError as error:
+        errors.print(f"[bold red]Storage error[/bold red]\n{escape(redact(str(error)))}")
+        sys.exit(1)
+    except Exception as error:  # escaping, Hydra would print the overrides, passwords and all
+        errors.print(redact(traceback.format_exc()), markup=False, highlight=False)
+        errors.print(
+            f"[bold red]The study did not start[/bold red]: {type(error).__name__} while "
+            "preparing it (above); nothing was trained",
+            soft_wrap=True,
+        )
+        sys.exit(1)
     try:
         return driver.run()
     except ConfigError as error:  # a trial met a config problem the checks could not see
@@ -78,10 +146,15 @@ def main(cfg: DictConfig) -> float | None:
     except TrackingIncomplete as error:
         errors.print(f"[bold red]MLflow records incomplete[/bold red]\n{escape(str(error))}")
         sys.exit(1)
-    except KeyboardInterrupt:
-        driver.interrupted()
-        sys.exit(130)
-    except Exception:  # a bug or a store gone for good: its traceback may carry a password
+    except KeyboardInterrupt as interrupt:
+        driver.interrupted(type(interrupt).__name__)
+        sys.exit(143 if isinstance(interrupt, Terminated) else 130)
+    except Exception as error:  # a bug or a store gone for good: its traceback may hold a password
+        journal = journal_failure(error)
+        if journal is not None:  # a full disk: the journal is intact, the study resumes later
+            driver.stopped_by(journal)
+            errors.print(f"[bold red]Storage error[/bold red]\n{escape(redact(str(journal)))}")
+            sys.exit(1)
         errors.print(redact(traceback.format_exc()), markup=False, highlight=False)
         sys.exit(1)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import shlex
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import hydra
 import optuna
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from optuna.trial import TrialState
 from rich.console import Console
 
 from search import fit, report
@@ -20,9 +21,17 @@ from search.objective import Objective
 from search.outcome import TrialFailed
 from search.results import Results, StudyRun
 from search.sampler import FeasibilityFilter, grid_exhausted
+from search.storage import (
+    OWNER_ATTR,
+    RetryStaleTrial,
+    fail_orphaned_trials,
+    queue_unretried,
+    record_owner,
+)
 from search.study import (
     SURPLUS_ATTR,
     claims_slot,
+    counts_as_finished,
     flatten,
     interrupted_numbers,
     is_unbilled,
@@ -47,7 +56,7 @@ WORKER_KEY = "worker"  # conf/config.yaml: which of search.workers a process is
 _RESUMABLE_KEYS = (
     "n_trials", "params", "sampler", "pruner", "trial_time_budget_s", "heartbeat_interval_s",
     "storage", "study_name", "preflight", "preflight_margin", "oom_constraint", "workers",
-    "recommend",
+    "recommend", "threads",
 )  # fmt: skip
 # A worker whose proposals go this many in a row without training (predicted not to fit, or
 # already trained) stops: the feasible part of search.params is spent or too small.
@@ -141,6 +150,26 @@ def _log_fit_report(cfg: DictConfig, checked: Checked, parent: RunLog, console: 
     parent.table(rows, "fit_report.json")
 
 
+SETUP_TAG = "batchfit.setup"  # on the parent run once its params and reports are logged
+
+
+def setup_done(tracker: Tracker, parent: RunLog) -> bool:
+    """Whether the parent run has its params, search space, fixed config and fit report."""
+    tracker.outbox.drain()
+    try:
+        tags = tracker.client.get_run(parent.run_id).data.tags
+    except Exception:  # noqa: BLE001 - cannot tell: logging it again is harmless
+        return False
+    return tags.get(SETUP_TAG) == "complete"
+
+
+def _owner_text(owner: dict | None) -> str:
+    if not owner:
+        return "owner unknown"
+    job = f", SLURM job {owner['slurm_job']}" if owner.get("slurm_job") else ""
+    return f"host {owner.get('host')}, pid {owner.get('pid')}{job}"
+
+
 def _shown(path: Path) -> str:
     """A path as the user would type it: relative to the working directory when under it."""
     try:
@@ -178,6 +207,7 @@ class StudyDriver:
             output_dir,
         )
         self._killed_seen: set[int] = set()
+        self._current: int | None = None  # the trial this worker is running
         self._unbilled_in_a_row = 0  # this worker's proposals answered without training
         self._outage_said = False
         self._failures_said = 0
@@ -212,30 +242,36 @@ class StudyDriver:
         # searched keys. A resume must find the same, or it would mix incomparable trials.
         fixed = fixed_config(compose(checked.space.overrides({})), list(searched))
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own lines report each trial
+        for note in getattr(getattr(checked.storage, "_backend", None), "notes", []):
+            console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
+        # MLflow first: a store that cannot be reached must fail before the study exists.
+        tracker = Tracker.from_config(cfg.mlflow, name)
         storage_clock = CallClock()
         storage_clock.time_methods(checked.storage, storage_methods(checked.storage))
-        study = open_study(
+        study, created_study = open_study(
             name,
             checked.storage,
             settings.directions,
             _sampler(checked.sampler, settings.oom_constraint),
-            instantiate(cfg.search.pruner),
+            checked.pruner,
             fixed,
         )
         if study.metric_names is None:  # objectives by name in optuna-dashboard and its CSV
             study.set_metric_names(settings.metrics)
-        if study.trials or settings.workers > 1:
-            # A resumed study, or workers started together with one seed, must not replay
-            # the seeded first proposals.
+        if not created_study or settings.workers > 1:
+            # A resumed study, or workers started together (by --multirun, or by hand with
+            # the same command) must not replay the seeded first proposals.
             study.sampler.reseed_rng()
-        tracker = Tracker.from_config(cfg.mlflow, name)
         parent, created = tracker.study_run(name, study.user_attrs.get(PARENT_ATTR))
         if created:
             study.set_user_attr(PARENT_ATTR, parent.run_id)
+        if created or not setup_done(tracker, parent):
+            # A worker killed before the end of this is completed by the next one.
             parent.params(flatten(OmegaConf.to_container(OmegaConf.create(fixed))))
             parent.text(OmegaConf.to_yaml(searched), "search_space.yaml")
             parent.text(fixed, "fixed_config.yaml")
             _log_fit_report(cfg, checked, parent, console)
+            parent.tags({SETUP_TAG: "complete"})
         parent_run = StudyRun(parent, settings.metrics)
         return cls(
             checked, compose, base, study, tracker, parent_run, console, storage_clock, output_dir
@@ -245,9 +281,16 @@ class StudyDriver:
         settings = self.checked.settings
         storage_lap, tracking_lap = Lap(self.storage_clock), Lap(self.tracker.outbox.clock)
         done = num_finished(self.study)
+        if done >= settings.n_trials:
+            state = (
+                f"{done} trials trained, search.n_trials={settings.n_trials}: nothing left to "
+                f"train (raise search.n_trials, e.g. search.n_trials={done + 10}, to extend it)"
+            )
+        else:
+            state = f"{done} of {settings.n_trials} trials trained"
         self.console.print(
-            f"Study [bold]{settings.study_name}[/bold] in {redact(settings.storage)}: {done} of "
-            f"{settings.n_trials} trials finished; MLflow: {redact(self.tracker.tracking_uri)}",
+            f"Study [bold]{settings.study_name}[/bold] in {redact(settings.storage)}: {state}; "
+            f"MLflow: {redact(self.tracker.tracking_uri)}",
             soft_wrap=True,
         )
         progress = report.StudyProgress(self.console, settings.n_trials, done, settings.metrics[0])
@@ -306,14 +349,27 @@ class StudyDriver:
         again with its parameters, and this worker runs it."""
         n_trials = self.checked.settings.n_trials
         said_waiting = False
+        beats = bool(self.checked.settings.heartbeat_interval_s)
         while True:
-            optuna.storages.fail_stale_trials(self.study)
+            optuna.storages.fail_stale_trials(self.study)  # with heartbeats only
+            failed = fail_orphaned_trials(self.study)  # the owner is gone: needs no beat
+            failed += queue_unretried(self.study)  # failed, but died before queueing it
+            if failed:
+                console.print(
+                    f"trials {failed} were left unfinished by a process that died: their "
+                    "parameters run again"
+                )
             self._end_killed_runs(console)
             start = should_start_trial(self.study, n_trials)
             if start and self._space_spent(console):
                 return
-            if start is False or (start is None and not self.checked.settings.heartbeat_interval_s):
-                return  # without heartbeats a dead worker's trial is never seen: do not wait
+            if start is None and not beats:
+                # Without heartbeats a trial running in a worker elsewhere is never failed
+                # if that worker died: do not wait forever, but say it.
+                self._say_orphaned(console)
+                return
+            if start is False:
+                return
             if start is None:
                 if not said_waiting:
                     console.print(
@@ -331,6 +387,19 @@ class StudyDriver:
                 catch=(TrialFailed, Surplus),
                 callbacks=callbacks,
             )
+
+    def _say_orphaned(self, console: Console) -> None:
+        running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        owners = ", ".join(
+            f"#{t.number} ({_owner_text(t.system_attrs.get(OWNER_ATTR))})" for t in running
+        )
+        console.print(
+            f"[yellow]{len(running)} trials are still running elsewhere: {owners}.[/yellow] "
+            "With search.heartbeat_interval_s=null a worker that died on another host is "
+            "never noticed: if it is gone, its trial stays RUNNING and the study is short of "
+            "search.n_trials. Set search.heartbeat_interval_s (e.g. 60) to have it run again.",
+            soft_wrap=True,
+        )
 
     def _count_unbilled(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         if SURPLUS_ATTR not in trial.user_attrs:
@@ -367,13 +436,19 @@ class StudyDriver:
 
     def _within_n_trials(self, objective: Objective) -> Callable[[optuna.Trial], list[float]]:
         n_trials = self.checked.settings.n_trials
+        beats = bool(self.checked.settings.heartbeat_interval_s)
 
         def run_if_within(trial: optuna.Trial) -> list[float]:
+            if not beats:  # heartbeats record it; without them the owner still counts
+                record_owner(self.study, trial._trial_id)
             if not claims_slot(self.study, trial.number, n_trials):
                 # Nothing sampled or recorded yet; FAIL without an error: not counted.
                 trial.set_user_attr(SURPLUS_ATTR, True)
                 raise Surplus(f"trial {trial.number} started past search.n_trials={n_trials}")
-            return objective(trial)
+            self._current = trial.number
+            values = objective(trial)
+            self._current = None
+            return values
 
         return run_if_within
 
@@ -437,7 +512,11 @@ class StudyDriver:
         self._say_tracking_state(self.console)
         self._check_refused()
 
-    def interrupted(self) -> None:
+    def interrupted(self, kind: str = "KeyboardInterrupt") -> None:
+        """Ctrl-C or SIGTERM: the running trial's parameters are queued to run again (as a
+        dead worker's are), the parent run ends KILLED, queued MLflow writes get a few
+        seconds."""
+        self._queue_again_interrupted()
         self.parent.update(self.study)
         self.results.publish(self.study)
         self.parent.log.finish("KILLED")
@@ -446,7 +525,30 @@ class StudyDriver:
                 f"[yellow]{len(self.tracker.outbox)} MLflow records were not written "
                 f"({self.tracker.outbox.last_error})[/yellow]"
             )
+        stopped = "Terminated (SIGTERM)" if kind == "Terminated" else "Interrupted"
         self.console.print(
-            "[yellow]Interrupted.[/yellow] Finished trials are saved; run the same command "
-            "again to resume the study."
+            f"[yellow]{stopped}.[/yellow] Finished trials are saved and the interrupted one "
+            "is queued to run again; run the same command to resume the study."
         )
+
+    def _queue_again_interrupted(self) -> None:
+        number, self._current = self._current, None
+        if number is None:
+            return
+        trial = self.study.get_trials(deepcopy=False)[number]
+        if trial.state == TrialState.RUNNING:  # stopped before Optuna could tell it
+            self.study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+            trial = self.study._storage.get_trial(trial._trial_id)
+        if trial.state == TrialState.FAIL and not counts_as_finished(trial):
+            RetryStaleTrial()(self.study, trial)
+
+    def stopped_by(self, error: Exception) -> None:
+        """The study's storage failed (a full disk): nothing more is written to it. The
+        running trial stays RUNNING there, and the next run of the study, seeing its owner
+        gone, runs it again; its MLflow run and the parent run end KILLED."""
+        number, self._current = self._current, None
+        with contextlib.suppress(Exception):  # MLflow may be on the same full disk
+            if number is not None:
+                self.tracker.end_killed_runs({number})
+            self.parent.log.finish("KILLED")
+            self.tracker.close(INTERRUPT_WAIT_S)

@@ -9,12 +9,25 @@ trial and `RetryHeartbeatStaleTrialCallback` queues its parameters again):
   as a trial system attribute and reads them back the same way.
 On top of the grace period, each running trial records its owner (host, boot, process). A
 worker on the same host can prove that owner gone (its process is dead) and fails its trial
-at once: a study killed and started again re-runs the killed trial right away.
+at once: a study killed and started again re-runs the killed trial right away; this holds
+without heartbeats too (`fail_orphaned_trials`).
+
+The journal file survives its writers' deaths (`SafeJournalFileBackend`): appends hold an
+flock(2) on `<journal>.flock`, which the kernel releases when a writer dies, so a process
+killed inside an append leaves no lock behind (Optuna's own symlink lock, made from a relative
+path, leaves a dangling link that hangs every later writer); an append that fails (disk
+full) truncates what it wrote; and a torn record, left by a writer killed mid-write, is
+moved aside to `<journal>.torn-<time>` before anything is appended after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
+import fcntl
+import json
+import logging
 import os
 import random
 import re
@@ -25,9 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
 from optuna.storages._heartbeat import BaseHeartbeat
-from optuna.storages.journal import JournalFileBackend
+from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
+from optuna.storages.journal._file import BaseJournalFileLock, get_lock_file
 from optuna.trial import FrozenTrial, TrialState
 
 from tracking.redact import redact
@@ -37,6 +52,12 @@ JOURNAL_PREFIX = "journal:"
 OWNER_ATTR = "batchfit:owner"  # system attr of a running trial: who runs it
 BEAT_ATTR = "batchfit:heartbeat"  # journal only: unix time of the trial's last heartbeat
 MAX_RETRY = 3  # a trial whose worker died this many times is not queued again
+LOCK_SUFFIX = ".flock"  # beside the journal: the lock its appends hold
+TORN_SUFFIX = ".torn-"  # beside the journal: bytes of a record whose writer died mid-write
+UNRETRIED_SETTLE_S = 5.0  # a failed trial not queued again this long after: its worker died
+LOCK_WARN_S = 10.0  # say that the journal lock is taking long, this often
+_RECORD_START = b'{"op_code":'  # every record of Optuna's journal begins so
+_log = logging.getLogger(__name__)
 # Optuna keeps a trial's constraints in its system attrs; a re-run computes its own.
 _NOT_INHERITED = (OWNER_ATTR, BEAT_ATTR, "constraints")
 
@@ -179,7 +200,7 @@ class HeartbeatJournalStorage(_Owners, optuna.storages.JournalStorage, BaseHeart
 
     def __init__(
         self,
-        backend: JournalFileBackend,
+        backend: SafeJournalFileBackend,
         heartbeat_interval: int | None,
         grace_period: int | None = None,
         heartbeat_stale_trial_callback: Any = None,
@@ -214,6 +235,268 @@ class HeartbeatJournalStorage(_Owners, optuna.storages.JournalStorage, BaseHeart
         return self.heartbeat_stale_trial_callback
 
 
+class JournalWriteError(OSError):
+    """The journal could not be written (a full disk, a read-only or vanished filesystem).
+    Nothing of the failed append is left in it: the study resumes once the cause is gone."""
+
+
+class FlockJournalLock(BaseJournalFileLock):
+    """An exclusive flock(2) on `<journal>.flock`. The kernel releases it when its holder
+    dies, however it dies, so no stale lock is ever left behind. Local filesystems, NFS
+    (v3 with lockd, v4) and Lustre or GPFS mounted with flock support it; a wait longer than
+    LOCK_WARN_S is said, with the lock's path, every LOCK_WARN_S."""
+
+    def __init__(self, journal: Path):
+        self.path = Path(f"{journal}{LOCK_SUFFIX}")
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            started = said = time.monotonic()
+            delay = 0.001
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() - said > LOCK_WARN_S:
+                        said = time.monotonic()
+                        _log.warning(
+                            "waiting %.0f s for the journal lock %s: another process is "
+                            "writing the study (a stopped or hung one holds it until it "
+                            "ends)",
+                            said - started,
+                            self.path,
+                        )
+                    time.sleep(delay)
+                    delay = min(2 * delay, 0.1)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases its flock
+
+
+def _flock_works(journal: Path) -> bool:
+    lock = FlockJournalLock(journal)
+    try:
+        lock.acquire()
+    except OSError as error:
+        if error.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return False
+        raise
+    lock.release()
+    return True
+
+
+class SafeJournalFileBackend(JournalFileBackend):
+    """Optuna's journal file, safe against its writers' deaths and a full disk:
+    - appends hold a FlockJournalLock (Optuna's symlink lock on a filesystem without flock);
+    - the path is absolute, so no lock or message depends on the working directory;
+    - an append that fails truncates the journal back to where it began, and raises
+      JournalWriteError;
+    - bytes after the last complete record (a writer killed mid-write) are moved aside to
+      `<journal>.torn-<time>` before the next append, and at open also a record that a
+      later append was glued onto (the next record is kept). `notes` says what was moved."""
+
+    def __init__(self, path: str | Path):
+        journal = Path(path).absolute()
+        journal.parent.mkdir(parents=True, exist_ok=True)
+        lock = (
+            FlockJournalLock(journal)
+            if _flock_works(journal)
+            else JournalFileSymlinkLock(str(journal))
+        )
+        super().__init__(str(journal), lock_obj=lock)
+        self.path = journal
+        self.notes: list[str] = []
+        self._opened = False
+        _remove_dangling_link(Path(f"{journal}.lock"), self.notes)
+        with get_lock_file(self._lock):
+            self._repair()
+        self._opened = True
+
+    def append_logs(self, logs: list[dict[str, Any]]) -> None:
+        data = ("\n".join(json.dumps(log, separators=(",", ":")) for log in logs) + "\n").encode()
+        with get_lock_file(self._lock), open(self.path, "a+b") as f:
+            end = f.seek(0, os.SEEK_END)
+            try:
+                if end and _byte_at(f, end - 1) != b"\n":
+                    end = self._cut_torn_tail(f, end)
+                self._write(f, data)
+            except OSError as error:
+                _truncate_quietly(f, end)
+                raise JournalWriteError(
+                    error.errno,
+                    f"the study's journal {self.path} could not be written "
+                    f"({os.strerror(error.errno) if error.errno else error}); nothing was lost "
+                    "but the record being written. Free the space (or fix the filesystem) and "
+                    "run the same command again: the study resumes",
+                ) from None
+
+    @staticmethod
+    def _write(f: Any, data: bytes) -> None:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+    def _cut_torn_tail(self, f: Any, end: int) -> int:
+        """Move the bytes after the last newline aside; the new end of the journal."""
+        keep = _last_newline(f, end) + 1
+        f.seek(keep)
+        torn = f.read(end - keep)
+        self._set_aside([torn], f"{end - keep} bytes of a record whose writer died mid-write")
+        os.ftruncate(f.fileno(), keep)
+        os.fsync(f.fileno())
+        return keep
+
+    def _repair(self) -> None:
+        """At open: every record complete. A torn tail is cut; a line that does not parse
+        (a torn record with the next one appended to it) keeps the record it ends with."""
+        data = self.path.read_bytes()
+        *lines, tail = data.split(b"\n")
+        kept, torn = [], []
+        for line in lines:
+            record, scrap = _whole_record(line)
+            if scrap:
+                torn.append(scrap)
+            if record is not None:
+                kept.append(record)
+        if not torn:
+            if tail:
+                with open(self.path, "a+b") as f:
+                    self._cut_torn_tail(f, len(data))
+            return
+        if tail:
+            torn.append(tail)
+        self._set_aside(torn, "a torn record" if len(torn) == 1 else f"{len(torn)} torn records")
+        fresh = self.path.with_name(f".{self.path.name}.{os.getpid()}.repair")
+        with open(fresh, "wb") as f:
+            f.write(b"".join(line + b"\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        fresh.replace(self.path)
+
+    def _set_aside(self, pieces: list[bytes], what: str) -> None:
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        aside = self.path.with_name(f"{self.path.name}{TORN_SUFFIX}{stamp}-{os.getpid()}")
+        with open(aside, "ab") as f:
+            f.write(b"\n".join(pieces) + b"\n")
+        note = (
+            f"the study's journal held {what}; the complete records are kept and the "
+            f"torn bytes moved to {aside}"
+        )
+        self.notes.append(note)
+        if self._opened:  # at open, the driver prints the notes with its others
+            _log.warning(note)
+
+
+def _byte_at(f: Any, offset: int) -> bytes:
+    f.seek(offset)
+    return f.read(1)
+
+
+def _last_newline(f: Any, end: int, block: int = 1 << 16) -> int:
+    """Offset of the last newline before `end` (-1: none)."""
+    stop = end
+    while stop > 0:
+        start = max(0, stop - block)
+        f.seek(start)
+        found = f.read(stop - start).rfind(b"\n")
+        if found >= 0:
+            return start + found
+        stop = start
+    return -1
+
+
+def _whole_record(line: bytes) -> tuple[bytes | None, bytes]:
+    """(the record the line holds, or None; the bytes of it that are no record)."""
+    try:
+        json.loads(line)
+        return line, b""
+    except ValueError:
+        pass
+    cut = line.rfind(_RECORD_START, 1)
+    while cut > 0:
+        try:
+            json.loads(line[cut:])
+            return line[cut:], line[:cut]
+        except ValueError:
+            cut = line.rfind(_RECORD_START, 1, cut)
+    return None, line
+
+
+def _truncate_quietly(f: Any, size: int) -> None:
+    with contextlib.suppress(OSError):  # the write's own error is the one to report
+        os.ftruncate(f.fileno(), size)
+
+
+def _remove_dangling_link(link: Path, notes: list[str]) -> None:
+    """Optuna's symlink lock of a relative journal path points nowhere; one left by a killed
+    writer of an older batchfit would be taken for a live lock by Optuna."""
+    if link.is_symlink() and not link.exists():
+        link.unlink(missing_ok=True)
+        notes.append(f"removed {link}, a lock left by a writer that died (it pointed nowhere)")
+
+
+def fail_orphaned_trials(study: optuna.Study) -> list[int]:
+    """Without heartbeats: fail the running trials whose owner is provably gone (same host,
+    process dead) and queue their parameters again, as a heartbeat check would. Returns the
+    numbers of the trials failed here."""
+    storage = study._storage
+    failed = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if not owner_is_gone(trial.system_attrs.get(OWNER_ATTR)):
+            continue
+        try:
+            changed = storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+        except UpdateFinishedTrialError:
+            continue  # another worker got there first
+        if changed:
+            RetryStaleTrial()(study, study._storage.get_trial(trial._trial_id))
+            failed.append(trial.number)
+    return failed
+
+
+def queue_unretried(study: optuna.Study, settle_s: float = UNRETRIED_SETTLE_S) -> list[int]:
+    """Queue again the parameters of interrupted trials that were failed but never queued
+    (their worker died between the two records, or was stopped there): failed without an
+    error of their own, at least `settle_s` ago (a live worker queues its own at once), not
+    started past search.n_trials, and no trial made from them yet. The numbers queued."""
+    trials = study.get_trials(deepcopy=False)
+    # A retry's retry_history ends with the trial it was made from (its failed_trial is the
+    # first of the line).
+    retried = {
+        t.system_attrs["retry_history"][-1] for t in trials if t.system_attrs.get("retry_history")
+    }
+    now = time.time()
+    queued = []
+    for trial in trials:
+        ended = trial.datetime_complete.timestamp() if trial.datetime_complete else now
+        if (
+            trial.state == TrialState.FAIL
+            and "error" not in trial.user_attrs
+            and "surplus" not in trial.user_attrs
+            and trial.number not in retried
+            and len(trial.system_attrs.get("retry_history", [])) < MAX_RETRY
+            and now - ended >= settle_s
+        ):
+            RetryStaleTrial()(study, trial)
+            queued.append(trial.number)
+    return queued
+
+
+def record_owner(study: optuna.Study, trial_id: int) -> None:
+    """Say who runs this trial (heartbeats do it on their first beat)."""
+    study._storage.set_trial_system_attr(trial_id, OWNER_ATTR, this_owner())
+
+
 def _create_rdb(url: str, heartbeat: dict[str, Any]) -> HeartbeatRDBStorage:
     """Workers starting together on a new database all create Optuna's tables; the losers
     of that race see "already exists" or a duplicate key, and find the tables made on a
@@ -240,9 +523,7 @@ def open_storage(url: str, heartbeat_interval_s: int | None) -> BaseStorage:
         }
     try:
         if url.startswith(JOURNAL_PREFIX):
-            path = Path(url.removeprefix(JOURNAL_PREFIX))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            backend = JournalFileBackend(str(path))
+            backend = SafeJournalFileBackend(url.removeprefix(JOURNAL_PREFIX))
             if heartbeat:
                 return HeartbeatJournalStorage(backend, **heartbeat)
             return optuna.storages.JournalStorage(backend)

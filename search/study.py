@@ -10,6 +10,7 @@ count towards search.n_trials.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,21 +33,51 @@ def open_study(
     sampler: optuna.samplers.BaseSampler,
     pruner: optuna.pruners.BasePruner,
     fixed_config: str,
-) -> optuna.Study:
-    """Create the study, or load it and check it was made for the same fixed config."""
-    if name in optuna.get_all_study_names(storage):
+) -> tuple[optuna.Study, bool]:
+    """Create the study, or load it and check it was made for the same fixed config; and
+    whether this process created it. A study without trials (its first run failed before
+    trial 0) takes the config it is now run with."""
+    try:
+        study = optuna.create_study(
+            study_name=name,
+            storage=storage,
+            directions=directions,
+            sampler=sampler,
+            pruner=pruner,
+        )
+    except optuna.exceptions.DuplicatedStudyError:  # resumed, or another worker made it
         study = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
+        if not study.get_trials(deepcopy=False):
+            study = _renew_empty(study, storage, directions, sampler, pruner, fixed_config)
         _check_same_study(study, directions, fixed_config)
-        return study
-    study = optuna.create_study(
-        study_name=name,
-        storage=storage,
-        directions=directions,
-        sampler=sampler,
-        pruner=pruner,
-        load_if_exists=True,  # another worker may create it between the check and here
-    )
-    if CONFIG_ATTR not in study.user_attrs:
+        return study, False
+    study.set_user_attr(CONFIG_ATTR, fixed_config)
+    return study, True
+
+
+def _renew_empty(
+    study: optuna.Study,
+    storage: BaseStorage,
+    directions: list[str],
+    sampler: optuna.samplers.BaseSampler,
+    pruner: optuna.pruners.BasePruner,
+    fixed_config: str,
+) -> optuna.Study:
+    """An empty study is nobody's record yet: it takes the new config, and (directions being
+    fixed in Optuna) is made again for other objectives."""
+    stored = [d.name.lower() for d in study.directions]
+    if stored != directions:
+        with contextlib.suppress(KeyError):  # another worker renewed it first
+            optuna.delete_study(study_name=study.study_name, storage=storage)
+        study = optuna.create_study(
+            study_name=study.study_name,
+            storage=storage,
+            directions=directions,
+            sampler=sampler,
+            pruner=pruner,
+            load_if_exists=True,  # another worker may renew it too
+        )
+    if study.user_attrs.get(CONFIG_ATTR) != fixed_config:
         study.set_user_attr(CONFIG_ATTR, fixed_config)
     return study
 

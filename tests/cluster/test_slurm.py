@@ -120,9 +120,9 @@ def test_two_slurm_workers_log_to_a_tracking_server_on_postgresql(
 
 
 def test_a_slurm_job_cancelled_mid_trial(slurm: None, postgres_url: str, tmp_path: Path) -> None:
-    """scancel one of two workers while it trains. SLURM sends SIGTERM, which submitit
-    ignores, then SIGKILL after KillWait (5 s here): the worker dies in whatever trial it is
-    then running. The other worker sees the dead owner, fails that trial and runs it again."""
+    """scancel one of two workers while it trains. SLURM sends SIGTERM, on which batchfit
+    ends the trial, closes its run as KILLED and queues its parameters (SIGKILL follows after
+    KillWait, 5 s here, should it hang). The other worker runs the queued trial."""
     # The kill (SIGKILL 5 s after scancel) must land in a trial, not between two or after
     # the worker's last: trials of several seconds each, the study far longer than 5 s.
     longer = [*STUDY, "trainer.max_epochs=20"]

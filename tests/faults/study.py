@@ -1,0 +1,114 @@
+"""The short study the fault tests break, and how they run and read it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+from mlflow.tracking import MlflowClient
+from optuna.trial import TrialState
+
+from search.storage import MAX_RETRY, open_storage
+from tests.sweeps import clean_env
+
+REPO = Path(__file__).resolve().parents[2]
+NAME = "faults"
+# Two trained trials of a tiny CNN on digits, one epoch each: ~30 journal appends a trial.
+STUDY = [
+    "model=small_cnn",
+    "model.width=4",
+    "data=digits",
+    "trainer.max_epochs=1",
+    "search.n_trials=2",
+    f"search.study_name={NAME}",
+    "mlflow.system_metrics=false",
+    '++search.params={trainer.batch_size:"choice(16,32)",'
+    'optimizer.lr:"tag(log, interval(0.01, 0.3))"}',
+]
+
+
+def _run(
+    argv: list[str], cwd: Path, returncode: int | None, timeout_s: float
+) -> subprocess.CompletedProcess:
+    cwd.mkdir(parents=True, exist_ok=True)
+    env = clean_env(PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=timeout_s,
+    )  # fmt: skip
+    if returncode is not None:
+        assert done.returncode == returncode, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def run_study(
+    cwd: Path, overrides: list[str], returncode: int = 0, timeout_s: float = 600
+) -> subprocess.CompletedProcess:
+    """`python -m search OVERRIDES` in cwd, as a user runs it: the stores default to the
+    relative cwd/mlruns paths."""
+    return _run(["-m", "search", *overrides], cwd, returncode, timeout_s)
+
+
+def inject(
+    cwd: Path, overrides: list[str], faults: list[str], check: bool = True
+) -> subprocess.CompletedProcess:
+    """The study run by tests/faults/inject.py with `faults` armed; checked for success
+    unless `check` is False."""
+    argv = ["-m", "tests.faults.inject", *faults, "--", *overrides]
+    return _run(argv, cwd, 0 if check else None, 600)
+
+
+def journal_of(cwd: Path, name: str = NAME) -> optuna.Study:
+    """The study in cwd's default journal."""
+    return optuna.load_study(
+        study_name=name, storage=open_storage(f"journal:{cwd}/mlruns/optuna.journal", None)
+    )
+
+
+def check_recovered(cwd: Path, n_trials: int) -> None:
+    """What a study that was killed, maybe many times, and resumed to its end holds: exactly
+    n_trials finished, nothing running or queued; every killed trial queued again with the
+    parameters it had (unless its line was retried MAX_RETRY times); in MLflow one FINISHED parent
+    run with its setup, no run left RUNNING, one run per trial at most, FINISHED for the
+    finished trials and KILLED for the killed ones."""
+    study = journal_of(cwd)
+    trials = study.get_trials()
+    finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == n_trials, [(t.number, t.state.name) for t in trials]
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    killed = [
+        t
+        for t in trials
+        if t.state == TrialState.FAIL and not {"error", "surplus"} & set(t.user_attrs)
+    ]
+    retries = {
+        t.system_attrs["retry_history"][-1]: t for t in trials if "retry_history" in t.system_attrs
+    }
+    for dead in killed:
+        if len(dead.system_attrs.get("retry_history", [])) < MAX_RETRY:
+            assert dead.number in retries, f"trial {dead.number} was killed and never run again"
+            # A trial killed while sampling had only some of its params: the retry
+            # keeps those and samples the rest.
+            assert dead.params.items() <= retries[dead.number].params.items()
+
+    client = MlflowClient(f"sqlite:///{cwd}/mlruns/mlflow.db")
+    experiment = client.get_experiment_by_name(study.study_name)
+    runs = client.search_runs([experiment.experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("batchfit.role") == "study"]
+    assert parent.info.status == "FINISHED" and parent.data.tags["batchfit.setup"] == "complete"
+    assert parent.data.metrics["trials/finished"] == n_trials
+    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    by_trial = {}
+    for run in runs:
+        if run.data.tags.get("batchfit.role") == "trial":
+            number = int(run.data.tags["batchfit.trial"])
+            assert number not in by_trial, f"two MLflow runs for trial {number}"
+            by_trial[number] = run
+    for t in finished:
+        assert by_trial[t.number].info.status == "FINISHED"
+        assert by_trial[t.number].data.tags["batchfit.state"] == t.state.name
+    for t in killed:
+        if t.number in by_trial:
+            assert by_trial[t.number].info.status == "KILLED", t.number
