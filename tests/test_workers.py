@@ -142,7 +142,7 @@ def test_tracking_server_outage_loses_nothing_and_no_password_shows(tmp_path: Pa
         study_process.kill()
     try:
         client = MlflowClient(server.url)
-        check_stores(journal_study(journal, "w"), client, 5)
+        check_stores(journal_study(journal, "w"), client, 5, outage=True)
         texts = [out, err, journal.read_text()]
         texts += [p.read_text() for p in (tmp_path / "mlruns" / "hydra").rglob("*") if p.is_file()]
         for run in client.search_runs([client.get_experiment_by_name("w").experiment_id]):

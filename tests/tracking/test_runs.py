@@ -81,11 +81,17 @@ def test_system_metrics_are_sampled_while_a_trial_trains_and_can_be_turned_off(
     on = Tracker.from_config(cfg.mlflow, "sys")  # on by default
     run = on.start_run("trial-0", tags={})
     assert on.close(30)
+    client = MlflowClient(uri)
     with on.system_metrics(run.run_id):
-        deadline = time.monotonic() + 2.0  # four sampling intervals of work
+        # Work until two samples are in the store: four 0.5 s intervals are enough on an idle
+        # machine, but on a loaded 2-core one MLflow's monitor thread took over 2 s to log
+        # its second (a full test run failed so); 30 s bounds the wait.
+        deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
-            sum(i * i for i in range(10_000))
-    history = MlflowClient(uri).get_metric_history(run.run_id, "system/cpu_utilization_percentage")
+            sum(i * i for i in range(100_000))
+            if len(client.get_metric_history(run.run_id, "system/cpu_utilization_percentage")) >= 2:
+                break
+    history = client.get_metric_history(run.run_id, "system/cpu_utilization_percentage")
     assert len(history) >= 2, history  # sampled over the block, not once
     assert (
         "system/system_memory_usage_megabytes" in MlflowClient(uri).get_run(run.run_id).data.metrics
