@@ -43,6 +43,23 @@ def hydra_conf() -> Iterator[Callable[..., DictConfig]]:
 
 
 @pytest.fixture
+def prepare_study(hydra_conf: Callable[..., DictConfig]) -> Callable[..., object]:
+    """prepare(overrides, width=200): the StudyDriver `python -m search model=small_cnn
+    data=digits OVERRIDES` would run, in this process, printing to a recording console
+    (`driver.console.export_text()` is what it said)."""
+    from rich.console import Console
+
+    from search.driver import StudyDriver
+
+    def prepare(overrides: list[str], width: int = 200) -> StudyDriver:
+        console = Console(record=True, width=width)
+        choices = {"model": "small_cnn", "data": "digits"}
+        return StudyDriver.prepare(hydra_conf(overrides), overrides, choices, console)
+
+    return prepare
+
+
+@pytest.fixture
 def stores(tmp_path: Path) -> dict:
     """Optuna and MLflow stores under tmp_path, and the overrides that select them."""
     optuna_url = f"sqlite:///{tmp_path}/optuna.db"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
-from rich.console import Console
 
 from search.driver import StudyDriver
 
@@ -27,7 +26,7 @@ FAST = [
 ]
 
 
-def _study(hydra_conf, stores: dict, name: str, epochs: int) -> StudyDriver:
+def _study(prepare_study, stores: dict, name: str, epochs: int) -> StudyDriver:
     """Trial 0 trains at a good rate, trial 1 at a rate that learns nothing in a few epochs:
     small_cnn(width=4) on digits reaches val/acc ~0.6-0.9 per epoch at lr 0.1 and stays at
     chance (~0.1) at 1e-6, so trial 1 is below trial 0 at every validation."""
@@ -38,9 +37,7 @@ def _study(hydra_conf, stores: dict, name: str, epochs: int) -> StudyDriver:
         "search.n_trials=2",
         f"search.study_name={name}",
     ]
-    cfg = hydra_conf(overrides)
-    console = Console(record=True, width=200)
-    driver = StudyDriver.prepare(cfg, overrides, {"model": "small_cnn", "data": "digits"}, console)
+    driver = prepare_study(overrides)
     driver.study.enqueue_trial({"optimizer.lr": GOOD_LR})
     driver.study.enqueue_trial({"optimizer.lr": BAD_LR})
     driver.run()
@@ -54,26 +51,26 @@ def _trials(driver: StudyDriver):  # noqa: ANN202
     return good, bad
 
 
-def test_the_pruner_never_prunes_at_a_trials_only_validation(hydra_conf, stores) -> None:
+def test_the_pruner_never_prunes_at_a_trials_only_validation(prepare_study, stores) -> None:
     # One epoch: one validation, after all the training. Pruning there saves nothing and
     # throws the result away (issue 16, point 14: it did, at step == n_warmup_steps).
-    good, bad = _trials(_study(hydra_conf, stores, "only", epochs=1))
+    good, bad = _trials(_study(prepare_study, stores, "only", epochs=1))
     assert bad.intermediate_values[0] < good.intermediate_values[0]  # worse than the median
     assert bad.state == TrialState.COMPLETE
 
 
-def test_the_pruner_prunes_after_the_first_validation_before_the_last(hydra_conf, stores):
+def test_the_pruner_prunes_after_the_first_validation_before_the_last(prepare_study, stores):
     # Three epochs: not at validation 1 (n_warmup_steps: 1), at validation 2, so the last
     # is never reached.
-    good, bad = _trials(_study(hydra_conf, stores, "three", epochs=3))
+    good, bad = _trials(_study(prepare_study, stores, "three", epochs=3))
     assert list(good.intermediate_values) == [0, 1, 2]  # steps count validations from 0
     assert bad.state == TrialState.PRUNED and bad.user_attrs["reason"] == "pruner"
     assert list(bad.intermediate_values) == [0, 1]
     assert "at validation 2 " in bad.user_attrs["message"]
 
 
-def test_a_pruned_trial_records_its_memory_in_mlflow(hydra_conf, stores) -> None:
-    driver = _study(hydra_conf, stores, "memory", epochs=3)
+def test_a_pruned_trial_records_its_memory_in_mlflow(prepare_study, stores) -> None:
+    driver = _study(prepare_study, stores, "memory", epochs=3)
     good, bad = _trials(driver)
     assert bad.state == TrialState.PRUNED  # by the pruner, after its memory check
     client = MlflowClient(stores["mlflow"])

@@ -13,7 +13,6 @@ from optuna.trial import TrialState, create_trial
 from rich.console import Console
 
 from search import record
-from search.driver import StudyDriver
 from search.objective import (
     PROBE_MARGIN,
     SETTLE_STEPS,
@@ -145,7 +144,7 @@ def test_when_every_trial_is_slow_the_summary_blames_the_machine_or_the_budget()
     assert none_completed(study.get_trials()) == "No trial completed; see the reasons above."
 
 
-def test_a_study_of_slow_trials_records_their_projection_and_says_so(hydra_conf, stores):
+def test_a_study_of_slow_trials_records_their_projection_and_says_so(prepare_study, stores):
     overrides = [
         "model=small_cnn",
         "model.width=4",
@@ -159,9 +158,7 @@ def test_a_study_of_slow_trials_records_their_projection_and_says_so(hydra_conf,
         "+search.params={trainer.batch_size:'choice(16,64)'}",
         *stores["overrides"],
     ]
-    cfg = hydra_conf(overrides)
-    console = Console(record=True, width=400)
-    driver = StudyDriver.prepare(cfg, overrides, {"model": "small_cnn", "data": "digits"}, console)
+    driver = prepare_study(overrides, width=400)
     driver.run()
     trials = [t for t in driver.study.get_trials() if "repeat_of" not in t.user_attrs]
     assert trials and all(t.user_attrs["reason"] == "slow" for t in trials)
@@ -169,6 +166,6 @@ def test_a_study_of_slow_trials_records_their_projection_and_says_so(hydra_conf,
         assert t.user_attrs["projected_s"] > PROBE_MARGIN * 0.0001
         assert t.user_attrs["probe_s_per_sample"] > 0
         assert t.user_attrs["time_budget_s"] == 0.0001
-    text = console.export_text()
+    text = driver.console.export_text()
     assert f"All {len(trials)} trials were pruned as slow: they projected" in text
     assert "against search.trial_time_budget_s=0.0001" in text

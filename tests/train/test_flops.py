@@ -9,10 +9,8 @@ import re
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from rich.console import Console
 from torch import nn
 
-from search.driver import StudyDriver
 from train import flops as flops_module
 from train.flops import (
     PROBE_BURSTS,
@@ -154,7 +152,7 @@ def test_mfu_is_achieved_over_peak() -> None:
     assert "perf/mfu" not in mfu_metrics(2e6, 500.0, None)  # an unknown GPU: no MFU
 
 
-def test_trials_log_mfu_and_it_can_be_an_objective(hydra_conf, stores) -> None:
+def test_trials_log_mfu_and_it_can_be_an_objective(prepare_study, stores) -> None:
     overrides = [
         "model=small_cnn",
         "model.width=4",
@@ -170,9 +168,7 @@ def test_trials_log_mfu_and_it_can_be_an_objective(hydra_conf, stores) -> None:
         "+search.params={trainer.batch_size:'choice(16,64)'}",
         *stores["overrides"],
     ]
-    cfg = hydra_conf(overrides)
-    console = Console(record=True, width=200)
-    driver = StudyDriver.prepare(cfg, overrides, {"model": "small_cnn", "data": "digits"}, console)
+    driver = prepare_study(overrides)
     driver.run()
     for t in driver.study.get_trials():
         figures = t.user_attrs["metrics"]
@@ -183,7 +179,7 @@ def test_trials_log_mfu_and_it_can_be_an_objective(hydra_conf, stores) -> None:
 
 
 def test_a_trial_whose_mfu_stays_above_one_says_why_in_mlflow(
-    hydra_conf, stores, tmp_path, monkeypatch
+    prepare_study, stores, tmp_path, monkeypatch
 ) -> None:
     # The cached peak is 1 FLOP/s and the probe, measured again, says 2: any real run
     # achieves more, so perf/mfu stays above 1, and the trial's run says why.
@@ -202,9 +198,7 @@ def test_a_trial_whose_mfu_stays_above_one_says_why_in_mlflow(
         "mlflow.system_metrics=false",
         *stores["overrides"],
     ]
-    cfg = hydra_conf(overrides)
-    console = Console(record=True, width=300)
-    driver = StudyDriver.prepare(cfg, overrides, {"model": "small_cnn", "data": "digits"}, console)
+    driver = prepare_study(overrides, width=300)
     driver.run()
     (trial,) = driver.study.get_trials()
     run = MlflowClient(stores["mlflow"]).get_run(trial.user_attrs["mlflow_run_id"])
@@ -213,4 +207,4 @@ def test_a_trial_whose_mfu_stays_above_one_says_why_in_mlflow(
     note = run.data.tags["batchfit.mfu_note"]
     assert "is above 1" in note and "underestimate" in note
     assert trial.user_attrs["mfu_note"] == note
-    assert "is above 1" in console.export_text()
+    assert "is above 1" in driver.console.export_text()
