@@ -7,8 +7,8 @@
   heartbeats) writes half its bytes, reaches the disk, and the process SIGKILLs itself: a
   writer dead mid-record, as a node failure or the OOM killer leaves it.
 - `--kill-at-record OP:KEY`: the same, at the first append of a record of that kind: its
-  Optuna op code and the attribute or parameter it sets (`9:batchfit:owner`, `6:`; see
-  `record_kind`).
+  Optuna op code and the attribute, parameter or trial state it sets (`9:batchfit:owner`,
+  `6:state=1` for COMPLETE; see `record_kind`).
 - `--kill-in MODULE:ATTR` (`search.driver:_log_fit_report`, `tracking.runs:RunLog.params`):
   the first call of that function SIGKILLs the process instead of running.
 - `--killed FILE`: the records whose append was killed are added to FILE (JSON lines).
@@ -39,6 +39,8 @@ def record_kind(record: dict) -> str:
     parameter ('' for none)."""
     attrs = record.get("user_attr") or record.get("system_attr") or {}
     key = record.get("param_name") or next(iter(attrs), "")
+    if "state" in record:  # a trial's new state: a resume's FAIL of a dead trial is not a COMPLETE
+        key = f"state={record['state']}"
     return f"{record['op_code']}:{key}"
 
 
