@@ -152,7 +152,7 @@ def main(cfg: DictConfig) -> float | None:
     except Exception as error:  # a bug or a store gone for good: its traceback may hold a password
         journal = journal_failure(error)
         if journal is not None:  # a full disk: the journal is intact, the study resumes later
-            driver.stopped_by(journal)
+            driver.storage_failed()
             errors.print(f"[bold red]Storage error[/bold red]\n{escape(redact(str(journal)))}")
             sys.exit(1)
         errors.print(redact(traceback.format_exc()), markup=False, highlight=False)

@@ -542,7 +542,7 @@ class StudyDriver:
         if trial.state == TrialState.FAIL and not counts_as_finished(trial):
             RetryStaleTrial()(self.study, trial)
 
-    def stopped_by(self, error: Exception) -> None:
+    def storage_failed(self) -> None:
         """The study's storage failed (a full disk): nothing more is written to it. The
         running trial stays RUNNING there, and the next run of the study, seeing its owner
         gone, runs it again; its MLflow run and the parent run end KILLED."""

@@ -45,6 +45,7 @@ from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 from optuna.storages.journal._file import BaseJournalFileLock, get_lock_file
 from optuna.trial import FrozenTrial, TrialState
 
+from search.study import interrupted_numbers
 from tracking.redact import redact
 from train.config import ConfigError
 
@@ -466,9 +467,9 @@ def fail_orphaned_trials(study: optuna.Study) -> list[int]:
 
 def queue_unretried(study: optuna.Study, settle_s: float = UNRETRIED_SETTLE_S) -> list[int]:
     """Queue again the parameters of interrupted trials that were failed but never queued
-    (their worker died between the two records, or was stopped there): failed without an
-    error of their own, at least `settle_s` ago (a live worker queues its own at once), not
-    started past search.n_trials, and no trial made from them yet. The numbers queued."""
+    (their worker died between the two records, or was stopped there): failed at least
+    `settle_s` ago (a live worker queues its own at once), no trial made from them yet, and
+    fewer than MAX_RETRY before them. The numbers queued."""
     trials = study.get_trials(deepcopy=False)
     # A retry's retry_history ends with the trial it was made from (its failed_trial is the
     # first of the line).
@@ -477,18 +478,12 @@ def queue_unretried(study: optuna.Study, settle_s: float = UNRETRIED_SETTLE_S) -
     }
     now = time.time()
     queued = []
-    for trial in trials:
+    for number in sorted(interrupted_numbers(study) - retried):
+        trial = trials[number]
         ended = trial.datetime_complete.timestamp() if trial.datetime_complete else now
-        if (
-            trial.state == TrialState.FAIL
-            and "error" not in trial.user_attrs
-            and "surplus" not in trial.user_attrs
-            and trial.number not in retried
-            and len(trial.system_attrs.get("retry_history", [])) < MAX_RETRY
-            and now - ended >= settle_s
-        ):
+        if len(trial.system_attrs.get("retry_history", [])) < MAX_RETRY and now - ended >= settle_s:
             RetryStaleTrial()(study, trial)
-            queued.append(trial.number)
+            queued.append(number)
     return queued
 
 

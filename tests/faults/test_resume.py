@@ -14,7 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.storage import OWNER_ATTR, open_storage
+from search.storage import OWNER_ATTR, open_storage, queue_unretried
 from search.study import CONFIG_ATTR, open_study
 from tests.faults.study import NAME, REPO, STUDY, inject, journal_of, run_study
 from tests.sweeps import clean_env, journal_study, wait_for_trial
@@ -129,3 +129,27 @@ def test_a_resume_with_fewer_trials_says_there_is_nothing_to_do(tmp_path: Path) 
     assert "2 trials trained, search.n_trials=1: nothing left to train" in done.stdout
     assert "2 of 1" not in done.stdout
     assert len(journal_of(tmp_path).trials) == 2
+
+
+def test_an_interrupted_trial_never_queued_is_queued_once(tmp_path: Path) -> None:
+    """Its worker died between failing it and queueing it: the next worker queues it, once;
+    a trial that failed with an error of its own, or started past n_trials, is not."""
+    storage = open_storage(f"journal:{tmp_path}/optuna.journal", None)
+    study = optuna.create_study(study_name="s", storage=storage)
+
+    def failed(attrs: dict) -> int:
+        trial = study.ask()
+        trial.suggest_float("x", 0, 1)
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        study.tell(trial, state=TrialState.FAIL)
+        return trial.number
+
+    interrupted = failed({})
+    failed({"error": "ValueError: its own"})
+    failed({"surplus": True})
+    assert queue_unretried(study, settle_s=60) == []  # its worker may still be queueing it
+    assert queue_unretried(study, settle_s=0) == [interrupted]
+    assert queue_unretried(study, settle_s=0) == []
+    (waiting,) = study.get_trials(states=(TrialState.WAITING,))
+    assert waiting.params == study.trials[interrupted].params

@@ -21,6 +21,7 @@ from search.objective import (
     Yardstick,
 )
 from search.report import none_completed, summary
+from tests.conftest import FAST
 
 # ResNet-18/digits on a 2-core AVX2 CPU, 2876 samples (2 epochs), a 60 s budget. fp32 trials
 # train in 10-28 s on an idle machine; their 8-sample probes projected 279-543 s beside two
@@ -146,11 +147,7 @@ def test_when_every_trial_is_slow_the_summary_blames_the_machine_or_the_budget()
 
 def test_a_study_of_slow_trials_records_their_projection_and_says_so(prepare_study, stores):
     overrides = [
-        "model=small_cnn",
-        "model.width=4",
-        "data=digits",
-        "trainer.max_epochs=1",
-        "trainer.device=cpu",
+        *FAST,  # small_cnn(4) on digits, one epoch, on the CPU
         "search.trial_time_budget_s=0.0001",  # any probe projects over 100 x this
         "search.objectives=[val/acc]",
         "search.n_trials=2",

@@ -11,6 +11,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch import nn
 
+from tests.conftest import FAST
 from train import flops as flops_module
 from train.flops import (
     PROBE_BURSTS,
@@ -154,11 +155,7 @@ def test_mfu_is_achieved_over_peak() -> None:
 
 def test_trials_log_mfu_and_it_can_be_an_objective(prepare_study, stores) -> None:
     overrides = [
-        "model=small_cnn",
-        "model.width=4",
-        "data=digits",
-        "trainer.max_epochs=1",
-        "trainer.device=cpu",
+        *FAST,  # small_cnn(4) on digits, one epoch, on the CPU
         "trainer.peak_flops=2e11",  # a fixed peak: MFU = achieved / 2e11 exactly
         "search.trial_time_budget_s=null",
         "search.objectives=[perf/mfu,val/acc]",
@@ -186,11 +183,7 @@ def test_a_trial_whose_mfu_stays_above_one_says_why_in_mlflow(
     _cache(tmp_path, monkeypatch, 1.0)
     monkeypatch.setattr(flops_module, "gemm_probe", lambda precision: 2.0)
     overrides = [
-        "model=small_cnn",
-        "model.width=4",
-        "data=digits",
-        "trainer.max_epochs=1",
-        "trainer.device=cpu",
+        *FAST,  # small_cnn(4) on digits, one epoch, on the CPU
         "search.trial_time_budget_s=null",
         "search.objectives=[val/acc]",
         "search.n_trials=1",
