@@ -16,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 from rich.console import Console
 
-from search import fit, report
+from search import fit, recommend, report, speed
+from search.boundary import FIT_ATTR, fit_cells
 from search.objective import Objective
 from search.outcome import TrialFailed
 from search.results import Results, StudyRun
@@ -131,13 +132,15 @@ def _sampler(
     return FeasibilityFilter(sampler) if oom_constraint else sampler
 
 
-def _log_fit_report(cfg: DictConfig, checked: Checked, parent: RunLog, console: Console) -> None:
+def _log_fit_report(
+    cfg: DictConfig, checked: Checked, parent: RunLog, console: Console
+) -> list[fit.FitReport]:
     """Predict the space's (precision, batch size) grid, show it and log it to the parent run;
     the trials' own predictions then come from the same cache."""
     try:
         reports = fit.fit_reports(cfg, checked.space, checked.spec, checked.settings)
     except PredictionUnsupported:
-        return  # said by the first trial, which measures instead
+        return []  # said by the first trial, which measures instead
     recorder = Console(record=True, width=120, file=io.StringIO())
     rows: dict[str, list] = {}
     for each in reports:
@@ -148,6 +151,7 @@ def _log_fit_report(cfg: DictConfig, checked: Checked, parent: RunLog, console: 
             rows.setdefault(column, []).extend(values)
     parent.text(recorder.export_text(), "fit_report.txt")
     parent.table(rows, "fit_report.json")
+    return reports
 
 
 SETUP_TAG = "batchfit.setup"  # on the parent run once its params and reports are logged
@@ -270,7 +274,9 @@ class StudyDriver:
             parent.params(flatten(OmegaConf.to_container(OmegaConf.create(fixed))))
             parent.text(OmegaConf.to_yaml(searched), "search_space.yaml")
             parent.text(fixed, "fixed_config.yaml")
-            _log_fit_report(cfg, checked, parent, console)
+            reports = _log_fit_report(cfg, checked, parent, console)
+            if reports and FIT_ATTR not in study.user_attrs:  # the summary's memory boundary
+                study.set_user_attr(FIT_ATTR, fit_cells(reports))
             parent.tags({SETUP_TAG: "complete"})
         parent_run = StudyRun(parent, settings.metrics)
         return cls(
@@ -314,6 +320,7 @@ class StudyDriver:
 
             callbacks = [self.parent, self.results, show, self._count_unbilled]
             self._work(objective, callbacks, progress.console)
+        self._speed_check(objective)
         self.parent.update(self.study)
         rec = self.results.publish(self.study)
         self.parent.log.finish("FINISHED")
@@ -329,6 +336,20 @@ class StudyDriver:
             _shown(best_path) if rec and best_path else None,
         )
         return rec.trial.values[0] if rec else None
+
+    def _speed_check(self, objective: Objective) -> None:
+        """Time the recommendation's candidates side by side (search/speed.py) when it
+        prefers a throughput."""
+        rule = self.checked.settings.recommend
+        if speed.unit_of(rule.prefer) is None:
+            return
+        trials = self.study.get_trials(deepcopy=False)
+        _, within = recommend.candidates(trials, rule, self.checked.settings.metrics)
+        chosen = speed.to_check([(t, p) for t, _, p in within])
+        speed.check(self.study, chosen, objective.configuration, self._say)
+
+    def _say(self, text: str) -> None:
+        self.console.print(text, soft_wrap=True, highlight=False, markup=False)
 
     def _say_where_to_browse(self) -> None:
         uri = self.tracker.tracking_uri

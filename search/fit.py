@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -83,6 +84,9 @@ class FitReport:
     held: dict[str, object] = field(default_factory=dict)
     checkpointing: str = "none"  # trainer.activation_checkpointing of every cell
     searched: tuple[str, ...] = ()  # the keys of the space
+    # The values of the other discrete searched keys memory follows (data.seq_len=128) that
+    # this report is for: fit_reports gives one report per combination.
+    at: dict[str, object] = field(default_factory=dict)
 
     def largest(self, precision: str, accum: int | None = None) -> int | None:
         fitting = [b for b in self.batch_sizes if self.cells[precision, b, accum].fits]
@@ -109,7 +113,11 @@ class FitReport:
             "precision": [], "batch_size": [], "accum_steps": [], "effective_batch_size": [],
             "predicted_bytes": [], "fits": [], "reason": [], "activation_checkpointing": [],
         }  # fmt: skip
+        for key in self.at:
+            columns[key] = []
         for (precision, _, _), cell in self.cells.items():
+            for key, value in self.at.items():
+                columns[key].append(value)
             columns["precision"].append(precision)
             columns["activation_checkpointing"].append(self.checkpointing)
             columns["batch_size"].append(cell.batch_size)
@@ -171,9 +179,7 @@ def fit_report(
         sorted({int(b) for b in rows}),
         accums,
     )
-    geometry_keys = {
-        BATCH_KEY, ACCUM_KEY, PRECISION_KEY, EFFECTIVE_KEY, CHECKPOINTING_KEY, "optimizer.lr",
-    }  # fmt: skip
+    geometry_keys = {*GEOMETRY_KEYS, "optimizer.lr"}
     report.checkpointing = trainer.activation_checkpointing
     report.searched = tuple(space.distributions)
     report.held = {
@@ -201,24 +207,45 @@ def fit_report(
     return report
 
 
+GEOMETRY_KEYS = {BATCH_KEY, ACCUM_KEY, PRECISION_KEY, EFFECTIVE_KEY, CHECKPOINTING_KEY}
+MAX_LAYOUTS = 8  # more combinations of the other keys: those are held at their configured value
+
+
+def layouts(space: SearchSpace, spec: RunSpec) -> list[dict[str, object]]:
+    """Every combination of trainer.activation_checkpointing and the other discrete searched
+    keys a step's memory may follow (data.seq_len, a model's width: anything but the
+    geometry and the optimizer's and schedule's numbers), as {key: value}; the configured
+    checkpointing alone when there are more than MAX_LAYOUTS."""
+    modes = _space_values(space, CHECKPOINTING_KEY, spec.trainer.activation_checkpointing)
+    axes = {CHECKPOINTING_KEY: [str(m) for m in modes]}
+    for key, dist in space.distributions.items():
+        numeric = key.startswith(("optimizer.", "scheduler."))
+        if isinstance(dist, CategoricalDistribution) and key not in GEOMETRY_KEYS and not numeric:
+            axes[key] = list(dist.choices)
+    combos = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
+    if len(combos) > MAX_LAYOUTS:
+        return [{CHECKPOINTING_KEY: str(m)} for m in modes]
+    return combos
+
+
 def fit_reports(
     cfg: DictConfig, space: SearchSpace, spec: RunSpec, settings: SearchConfig
 ) -> list[FitReport]:
-    """fit_report per trainer.activation_checkpointing the space searches (the configured
-    one when it is not searched): the lever's effect on what fits, side by side."""
-    modes = [
-        str(m)
-        for m in _space_values(space, CHECKPOINTING_KEY, spec.trainer.activation_checkpointing)
-    ]
+    """fit_report per layout (`layouts`): trainer.activation_checkpointing and the other
+    discrete keys the space searches, side by side, so that the report has the cells a
+    trial can land in (a trial at seq_len 256 is not predicted at the configured 64)."""
     reports = []
-    for mode in modes:
-        mode_cfg = copy.deepcopy(cfg)
-        with open_dict(mode_cfg):
-            mode_cfg.trainer.activation_checkpointing = mode
+    for layout in layouts(space, spec):
+        layout_cfg = copy.deepcopy(cfg)
+        with open_dict(layout_cfg):
+            for key, value in layout.items():
+                OmegaConf.update(layout_cfg, key, value, force_add=True)
+        mode = str(layout[CHECKPOINTING_KEY])
         trainer = dataclasses.replace(spec.trainer, activation_checkpointing=mode)
-        reports.append(
-            fit_report(mode_cfg, space, dataclasses.replace(spec, trainer=trainer), settings)
-        )
+        report = fit_report(layout_cfg, space, dataclasses.replace(spec, trainer=trainer), settings)
+        report.at = {k: v for k, v in layout.items() if k != CHECKPOINTING_KEY}
+        report.held = {k: v for k, v in report.held.items() if k not in layout}
+        reports.append(report)
     return reports
 
 
@@ -285,6 +312,7 @@ def render(report: FitReport) -> Table:
         if report.checkpointing != "none" or CHECKPOINTING_KEY in report.searched
         else ""
     )
+    lever += "".join(f"; {key}={value}" for key, value in report.at.items())
     table = Table(
         title=f"Fit report: {what}; budget {budget}, margin {report.margin:.0%}{lever}",
         caption="\n".join([f"predicted in {report.seconds:.1f} s, nothing trained", *notes]),

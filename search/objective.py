@@ -311,6 +311,11 @@ class Objective:
         prediction = self._prediction(cfg, spec)
         return cfg, spec, prediction, self._fits(prediction, spec.budget_bytes)
 
+    def configuration(self, trial: FrozenTrial) -> tuple[DictConfig, RunSpec]:
+        """The config and run spec a finished trial trained with (the speed check's)."""
+        cfg, spec, _, _ = self._configure(trial.params)
+        return cfg, spec
+
     def _fits(self, prediction: Prediction | None, budget_bytes: int | None) -> bool:
         if prediction is None or budget_bytes is None:
             return True

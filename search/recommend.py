@@ -15,17 +15,18 @@ trains it again (train/__main__.py composes the file's overrides, then the comma
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
-from search import record
+from search import record, speed
 from search.config import RecommendRule
 from search.study import is_repeat
 from train.overrides import BEST_KEY
+from train.speed import Speed
 
 
 def metric_value(trial: FrozenTrial, name: str, objectives: Sequence[str] = ()) -> float | None:
@@ -46,6 +47,41 @@ def within(rule: RecommendRule, value: float, best: float) -> bool:
 
 
 @dataclass(frozen=True)
+class SpeedVerdict:
+    """How the recommended geometry compares with the runner-up in the speed check."""
+
+    chosen: str  # the recommended trial's geometry ('64x1 fp32')
+    speed: Speed
+    runner_up: str
+    runner_up_speed: Speed
+    unit: str  # samples or tokens
+    faster: bool  # chosen for its speed: faster in every round than the most accurate's
+
+    @property
+    def ratio(self) -> float:
+        return self.speed.median(self.unit) / self.runner_up_speed.median(self.unit)
+
+    @property
+    def beyond_noise(self) -> bool:
+        return self.speed.beats(self.runner_up_speed, self.unit)
+
+    def describe(self) -> str:
+        spread = max(self.speed.spread(self.unit), self.runner_up_speed.spread(self.unit))
+        faster = (
+            f"{self.ratio:.2f}x the runner-up {self.runner_up} "
+            f"({self.runner_up_speed.median(self.unit):.0f} {self.unit}/s)"
+        )
+        if self.beyond_noise:
+            verdict = f"faster in every round: beyond the measured spread ({spread:.0%})"
+        else:
+            verdict = f"within the measured spread ({spread:.0%}): not faster beyond the noise"
+        return (
+            f"speed check: {self.chosen} {speed.describe(self.speed, self.unit)}, "
+            f"{faster}, {verdict}"
+        )
+
+
+@dataclass(frozen=True)
 class Recommendation:
     trial: FrozenTrial
     rule: RecommendRule
@@ -53,26 +89,35 @@ class Recommendation:
     num_candidates: int  # trials within the tolerance (with a `prefer` value)
     value: float  # the trial's `rule.metric`
     preferred: float | None  # the trial's `rule.prefer` (None: no trial within had one)
+    verdict: SpeedVerdict | None = None  # chosen by the speed check, against the runner-up
 
     def describe(self) -> str:
         rule, n = self.rule, self.trial.number
         if rule.metric == rule.prefer or not rule.tolerance or self.preferred is None:
             return f"trial {n}, the best {rule.metric} ({self.value:.4g})"
         among = f"{self.num_candidates} trial" + ("s" if self.num_candidates > 1 else "")
+        whose = (
+            f"among the {among} whose {rule.metric} is within {rule.tolerance:.0%} of the best "
+            f"({self.best_value:.4g}; this one {self.value:.4g})"
+        )
+        if self.verdict is None:
+            return f"trial {n}, the best {rule.prefer} ({self.preferred:.4g}) {whose}"
+        if self.verdict.faster:
+            return f"trial {n}, the fastest configuration {whose}; {self.verdict.describe()}"
         return (
-            f"trial {n}, the best {rule.prefer} ({self.preferred:.4g}) among the {among} whose "
-            f"{rule.metric} is within {rule.tolerance:.0%} of the best ({self.best_value:.4g}; "
-            f"this one {self.value:.4g})"
+            f"trial {n}, the most accurate {whose}, as no configuration among them is faster "
+            f"beyond the noise; {self.verdict.describe()}"
         )
 
 
-def recommend(
+Scored = tuple[FrozenTrial, float, float | None]  # a trial, its `metric`, its `prefer`
+
+
+def candidates(
     trials: Sequence[FrozenTrial], rule: RecommendRule, objectives: Sequence[str] = ()
-) -> Recommendation | None:
-    """The trial the rule picks among the completed ones; None before any has `metric`.
-    The best `metric` is taken over every completed trial; among those within the
-    tolerance, trials without a `prefer` value (NaN) cannot be preferred, and if none has
-    one, the best `metric` is the answer."""
+) -> tuple[Scored | None, list[Scored]]:
+    """The completed trial best in `metric`, and the completed trials within the tolerance
+    of it that have a `prefer` value."""
     scored = [
         (t, metric_value(t, rule.metric, objectives), metric_value(t, rule.prefer, objectives))
         for t in trials
@@ -80,23 +125,75 @@ def recommend(
     ]
     scored = [(t, m, p) for t, m, p in scored if m is not None]
     if not scored:
-        return None
+        return None, []
     top = scored[0]
     for candidate in scored[1:]:
         if rule.better(rule.metric, candidate[1], top[1]):
             top = candidate
-    best = top[1]
-    candidates = [s for s in scored if s[2] is not None and within(rule, s[1], best)]
-    if not candidates:
-        return Recommendation(top[0], rule, best, 0, top[1], None)
-    chosen = candidates[0]
-    for candidate in candidates[1:]:
-        t, m, p = candidate
-        if rule.better(rule.prefer, p, chosen[2]) or (
-            p == chosen[2] and rule.better(rule.metric, m, chosen[1])
+    return top, [s for s in scored if s[2] is not None and within(rule, s[1], top[1])]
+
+
+def _best_of(rule: RecommendRule, scored: Sequence[Scored], by: str) -> Scored:
+    """The best of `scored` by `by` (metric or prefer), ties going to the better other one."""
+    first, second = (1, 2) if by == "metric" else (2, 1)
+    names = {1: rule.metric, 2: rule.prefer}
+    chosen = scored[0]
+    for candidate in scored[1:]:
+        if rule.better(names[first], candidate[first], chosen[first]) or (
+            candidate[first] == chosen[first]
+            and rule.better(names[second], candidate[second], chosen[second])
         ):
             chosen = candidate
-    return Recommendation(chosen[0], rule, best, len(candidates), chosen[1], chosen[2])
+    return chosen
+
+
+def _by_speed_check(
+    rule: RecommendRule, within_tolerance: list[Scored], speeds: Mapping[str, Speed]
+) -> tuple[Scored, SpeedVerdict] | None:
+    """The most accurate candidate, unless a geometry the speed check timed is faster than
+    its geometry in every round: then the most accurate trial of the fastest such one."""
+    unit = speed.unit_of(rule.prefer)
+    groups: dict[str, list[Scored]] = {}
+    for s in within_tolerance:
+        groups.setdefault(speed.label(speed.geometry(s[0])), []).append(s)
+    timed = {name: speeds[name] for name in groups if name in speeds}
+    anchor = speed.label(speed.geometry(_best_of(rule, within_tolerance, "metric")[0]))
+    if unit is None or len(timed) < 2 or anchor not in timed:
+        return None
+    faster = [name for name in timed if timed[name].beats(timed[anchor], unit)]
+    chosen = max(faster, key=lambda name: timed[name].median(unit)) if faster else anchor
+    runner_up = max((n for n in timed if n != chosen), key=lambda n: timed[n].median(unit))
+    verdict = SpeedVerdict(
+        chosen, timed[chosen], runner_up, timed[runner_up], unit, faster=chosen != anchor
+    )
+    return _best_of(rule, groups[chosen], "metric"), verdict
+
+
+def recommend(
+    trials: Sequence[FrozenTrial],
+    rule: RecommendRule,
+    objectives: Sequence[str] = (),
+    speeds: Mapping[str, Speed] | None = None,
+) -> Recommendation | None:
+    """The trial the rule picks among the completed ones; None before any has `metric`.
+    The best `metric` is taken over every completed trial; among those within the
+    tolerance, trials without a `prefer` value (NaN) cannot be preferred, and if none has
+    one, the best `metric` is the answer. With a speed check (`speeds`, geometry label ->
+    Speed) and a throughput to prefer, a faster geometry is preferred only when it is
+    faster beyond the noise (`_by_speed_check`)."""
+    top, within_tolerance = candidates(trials, rule, objectives)
+    if top is None:
+        return None
+    if not within_tolerance:
+        return Recommendation(top[0], rule, top[1], 0, top[1], None)
+    n = len(within_tolerance)
+    checked = _by_speed_check(rule, within_tolerance, speeds) if speeds else None
+    if checked is not None:
+        (trial, value, _), verdict = checked
+        preferred = verdict.speed.median(verdict.unit)
+        return Recommendation(trial, rule, top[1], n, value, preferred, verdict)
+    trial, value, preferred = _best_of(rule, within_tolerance, "prefer")
+    return Recommendation(trial, rule, top[1], n, value, preferred)
 
 
 def best_document(

@@ -27,7 +27,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from search import record
+from search import boundary, record, speed
 from search.recommend import Recommendation
 from search.space import override_value
 from search.study import counts_as_finished, counts_as_trained, is_repeat, is_unbilled
@@ -196,21 +196,6 @@ def best_trials(study: optuna.Study, limit: int = 5) -> list[FrozenTrial]:
     return sorted(front, key=lambda t: -sign * t.values[0])[:limit]
 
 
-def oom_boundary(trials: Sequence[FrozenTrial]) -> dict[str, tuple[int | None, int | None]]:
-    """Per precision: (largest batch size that fitted, smallest that was pruned as OOM)."""
-    fitted: dict[str, int] = {}
-    failed: dict[str, int] = {}
-    for t in trials:
-        precision, batch = t.user_attrs.get(PRECISION_KEY), t.user_attrs.get(BATCH_KEY)
-        if precision is None or batch is None:
-            continue
-        if t.user_attrs.get(record.REASON) in record.OOM_REASONS:
-            failed[precision] = min(batch, failed.get(precision, batch))
-        elif record.PEAK in t.user_attrs:  # it trained past the memory check
-            fitted[precision] = max(batch, fitted.get(precision, batch))
-    return {p: (fitted.get(p), failed.get(p)) for p in sorted(set(fitted) | set(failed))}
-
-
 def rerun_overrides(
     trial: FrozenTrial, base: Sequence[str], fixed: Mapping[str, str] | None = None
 ) -> list[str]:
@@ -261,12 +246,22 @@ def summary(
         cells += [_fmt(v) for v in t.values]
         table.add_row(*cells, format_bytes(t.user_attrs.get(record.PEAK)))
     console.print(table)
-    boundary = Table(title="Memory boundary (batch size per precision)")
-    for column in ("precision", "largest that fitted", "smallest OOM"):
-        boundary.add_column(column, justify="right")
-    for precision, (fit, oom) in oom_boundary(trials).items():
-        boundary.add_row(precision, str(fit or "-"), str(oom or "-"))
-    console.print(boundary)
+    header, cells = boundary.table(study)
+    if cells:
+        limits = Table(title=boundary.title(study))
+        for column in header:
+            limits.add_column(column, justify="right")
+        for cell in cells:
+            limits.add_row(*cell)
+        console.print(limits)
+    header, rows = speed_table(study)
+    if rows:
+        timed = Table(title="Speed check (the candidates timed side by side)")
+        for column in header:
+            timed.add_column(column, justify="right")
+        for row in rows:
+            timed.add_row(*row)
+        console.print(timed)
     if rec is None:
         return
     console.print(f"[bold]Recommended[/bold]: {rec.describe()}", soft_wrap=True)
@@ -276,6 +271,24 @@ def summary(
     console.print("Train it again: " + redact(rerun_command(overrides)), **plain)
     if best_path:
         console.print(f"or: python -m train +{BEST_KEY}={shlex.quote(best_path)}", **plain)
+
+
+def speed_table(study: optuna.Study) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the study's speed check, fastest first: each geometry's median
+    throughput, its slowest and fastest round, and their spread."""
+    speeds = speed.stored(study)
+    if not speeds:
+        return [], []
+    unit = next(iter(speeds.values())).unit
+    header = ["configuration", f"{unit}/s (median)", "slowest-fastest round", "spread"]
+    rows = []
+    for name, s in sorted(speeds.items(), key=lambda item: -item[1].median(unit)):
+        rates = s.rates(unit)
+        rows.append(
+            [name, f"{s.median(unit):.0f}", f"{min(rates):.0f}-{max(rates):.0f}",
+             f"{s.spread(unit):.0%}"]
+        )  # fmt: skip
+    return header, rows
 
 
 def _round_up(seconds: float) -> int:
@@ -414,13 +427,12 @@ def summary_markdown(
             f"## {title} ({', '.join(metrics)})",
             _md_table(trial_columns(trials), map(trial_row, best)),
         ]
-    boundary = oom_boundary(trials)
-    if boundary:
-        rows = [(p, fit or "-", oom or "-") for p, (fit, oom) in boundary.items()]
-        parts += [
-            "## Memory boundary (batch size per precision)",
-            _md_table(("precision", "largest that fitted", "smallest OOM"), rows),
-        ]
+    header, cells = boundary.table(study)
+    if cells:
+        parts += [f"## {boundary.title(study)}", _md_table(header, cells)]
+    header, rows = speed_table(study)
+    if rows:
+        parts += ["## Speed check (the candidates timed side by side)", _md_table(header, rows)]
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     if pruned:
         rows = [

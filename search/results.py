@@ -18,7 +18,7 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from search import plots, report
+from search import plots, report, speed
 from search.config import RecommendRule
 from search.recommend import Recommendation, best_document, recommend
 from search.study import counts_as_finished, counts_as_trained, is_unbilled
@@ -63,7 +63,8 @@ class Results:
         return self.output_dir / BEST_FILE if self.output_dir else None
 
     def recommendation(self, study: optuna.Study) -> Recommendation | None:
-        return recommend(study.get_trials(deepcopy=False), self.rule, self.metrics)
+        trials = study.get_trials(deepcopy=False)
+        return recommend(trials, self.rule, self.metrics, speed.stored(study))
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         """Optuna callback: publish, unless that was done less than PUBLISH_EVERY_S ago."""

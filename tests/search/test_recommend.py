@@ -12,11 +12,13 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
+from search import speed
 from search.config import RecommendRule
 from search.recommend import best_document, metric_value, recommend
 from search.validate import recommend_rule, search_config
 from train.config import ConfigError
 from train.overrides import load_overrides, merge_overrides
+from train.speed import Speed
 
 ACC, LOSS, SPEED, PEAK = "val/acc", "val/loss", "throughput/samples_per_sec", "memory/peak_bytes"
 BATCHES = CategoricalDistribution([16, 32, 64, 128, 256, 512])
@@ -343,3 +345,70 @@ def test_old_trials_are_described_from_their_objective_values() -> None:
     rec = recommend(old, RecommendRule(), [ACC, SPEED])
     assert rec.trial.number == 1
     assert rec.describe().startswith("trial 1, the best throughput/samples_per_sec (900)")
+
+
+# The speed check (search/speed.py): geometries timed side by side, round after round.
+def _geometry_trial(batch: int, accum: int, acc: float, speed: float, lr: float) -> FrozenTrial:
+    trial = _complete(batch, acc, speed)
+    trial.params["optimizer.lr"] = lr  # searched, but not part of the geometry
+    trial.distributions["optimizer.lr"] = optuna.distributions.FloatDistribution(1e-3, 1.0)
+    trial.user_attrs.update(
+        {"trainer.accum_steps": accum, "trainer.precision": "fp32",
+         "trainer.activation_checkpointing": "none"}
+    )  # fmt: skip
+    return trial
+
+
+def _geometries() -> list[FrozenTrial]:
+    # trial:  0: 64x1, the most accurate    1: 128x1, fast when it ran    2: 64x1 again
+    return _numbered(
+        [
+            _geometry_trial(64, 1, 0.950, 300.0, 0.05),
+            _geometry_trial(128, 1, 0.948, 900.0, 0.1),  # it ran while the machine was idle
+            _geometry_trial(64, 1, 0.949, 310.0, 0.2),
+        ]
+    )
+
+
+def _rule() -> RecommendRule:
+    return RecommendRule(ACC, 0.01, SPEED, {ACC: "maximize", SPEED: "maximize"})
+
+
+def test_a_geometry_faster_only_within_the_noise_does_not_win() -> None:
+    # Side by side, 128x1 is 4% faster by its median but its rounds overlap 64x1's: noise.
+    speeds = {
+        "64x1 fp32": Speed((400.0, 420.0, 440.0), (400.0, 420.0, 440.0)),
+        "128x1 fp32": Speed((415.0, 437.0, 450.0), (415.0, 437.0, 450.0)),
+    }
+    rec = recommend(_geometries(), _rule(), [ACC, SPEED], speeds)
+    assert rec.trial.number == 0  # the most accurate of the most accurate's geometry
+    assert rec.verdict is not None and not rec.verdict.faster and not rec.verdict.beyond_noise
+    assert rec.verdict.runner_up == "128x1 fp32" and rec.verdict.ratio < 1
+    text = rec.describe()
+    assert "the most accurate" in text and "no configuration among them is faster" in text
+    assert "within the measured spread" in text
+    # Without the check, the trial that ran while the machine was idle wins.
+    assert recommend(_geometries(), _rule(), [ACC, SPEED]).trial.number == 1
+
+
+def test_a_geometry_faster_in_every_round_wins_and_says_by_how_much() -> None:
+    speeds = {
+        "64x1 fp32": Speed((400.0, 410.0, 420.0), (400.0, 410.0, 420.0)),
+        "128x1 fp32": Speed((600.0, 615.0, 640.0), (600.0, 615.0, 640.0)),
+    }
+    rec = recommend(_geometries(), _rule(), [ACC, SPEED], speeds)
+    assert rec.trial.number == 1 and rec.preferred == 615.0
+    assert rec.verdict.faster and rec.verdict.beyond_noise
+    assert rec.verdict.ratio == pytest.approx(615 / 410)
+    text = rec.describe()
+    assert "1.50x the runner-up 64x1 fp32 (410 samples/s)" in text
+    assert "beyond the measured spread" in text and "600-640 over 3 rounds" in text
+
+
+def test_the_learning_rate_is_not_part_of_a_geometry() -> None:
+    trials = _geometries()
+    assert speed.geometry(trials[0]) == speed.geometry(trials[2])  # lr 0.05 and 0.2
+    assert speed.label(speed.geometry(trials[1])) == "128x1 fp32"
+    # One trial per geometry is timed: the fastest geometries first, by the trials' own.
+    checked = speed.to_check([(t, t.user_attrs["throughput"]) for t in trials])
+    assert [t.number for t in checked] == [1, 2]

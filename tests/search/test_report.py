@@ -6,7 +6,7 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
-from search.report import oom_boundary, rerun_overrides, trial_line
+from search.report import rerun_overrides, trial_line
 
 
 def _trial(batch: int, precision: str, state: TrialState, **attrs) -> optuna.trial.FrozenTrial:
@@ -17,18 +17,6 @@ def _trial(batch: int, precision: str, state: TrialState, **attrs) -> optuna.tri
         distributions={"trainer.batch_size": CategoricalDistribution([16, 64, 256, 512])},
         user_attrs={"trainer.batch_size": batch, "trainer.precision": precision, **attrs},
     )
-
-
-def test_oom_boundary_per_precision() -> None:
-    trials = [
-        _trial(16, "fp32", TrialState.COMPLETE, peak_bytes=10),
-        _trial(64, "fp32", TrialState.COMPLETE, peak_bytes=20),
-        _trial(512, "fp32", TrialState.PRUNED, reason="oom", peak_bytes=99),
-        _trial(256, "fp32", TrialState.PRUNED, reason="oom", peak_bytes=90),
-        _trial(512, "bf16", TrialState.PRUNED, reason="slow"),  # never measured: unknown
-        _trial(256, "bf16", TrialState.PRUNED, reason="diverged", peak_bytes=50),
-    ]
-    assert oom_boundary(trials) == {"bf16": (256, None), "fp32": (64, 256)}
 
 
 def test_rerun_overrides_replace_sampled_keys_and_drop_study_settings() -> None:

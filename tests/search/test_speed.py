@@ -1,0 +1,46 @@
+"""search/speed.py in a study: at its end the candidates' geometries are timed side by side,
+kept in the study, and the recommendation, summary and best.yaml say how the recommended
+one compares with the runner-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+from search import speed
+from tests.conftest import FAST
+
+
+def test_a_study_times_its_candidates_and_recommends_by_that(prepare_study, stores) -> None:
+    overrides = [
+        *FAST,  # small_cnn(4) on digits, one epoch, on the CPU
+        "search.trial_time_budget_s=null",
+        "search.objectives=[val/acc,throughput/samples_per_sec]",
+        "search.recommend.tolerance=1.0",  # every completed trial is a candidate
+        "search.n_trials=3",
+        "search.study_name=speed",
+        "mlflow.system_metrics=false",
+        "+search.params={trainer.batch_size:'choice(2,512)',"
+        "optimizer.lr:'tag(log, interval(0.01, 0.1))'}",
+        *stores["overrides"],
+    ]
+    driver = prepare_study(overrides, width=400)
+    driver.study.enqueue_trial({"trainer.batch_size": 2, "optimizer.lr": 0.05})
+    driver.study.enqueue_trial({"trainer.batch_size": 512, "optimizer.lr": 0.05})
+    driver.run()
+    checked = driver.study.user_attrs[speed.SPEED_ATTR]
+    assert set(checked["geometries"]) == {"2x1 fp32", "512x1 fp32"}
+    assert all(len(g["samples_per_sec"]) == 3 for g in checked["geometries"].values())
+    said = driver.console.export_text()
+    assert "Speed check: timing 2 candidate configurations side by side" in said
+    # 512 samples a step against 2: faster in every round, so it wins whatever the accuracy.
+    rec = driver.results.recommendation(driver.study)
+    assert rec.trial.params["trainer.batch_size"] == 512
+    assert rec.verdict.beyond_noise and rec.verdict.runner_up == "2x1 fp32"
+    assert "the runner-up 2x1 fp32" in said and "beyond the measured spread" in said
+    parent = MlflowClient(stores["mlflow"]).get_run(driver.parent.log.run_id)
+    summary = Path(MlflowClient(stores["mlflow"]).download_artifacts(
+        parent.info.run_id, "summary.md"
+    )).read_text()  # fmt: skip
+    assert "speed check: 512x1 fp32" in summary
