@@ -94,25 +94,31 @@ def rows(study: optuna.Study) -> tuple[list[str], list[Row]]:
 
 
 def _add_trial(found: dict[tuple, Row], keys: list[str], values: dict, predicted: bool) -> None:
-    batch = values.get(BATCH_KEY)
-    if batch is None or values.get(PRECISION_KEY) is None:
-        return
+    batch, reason = values.get(BATCH_KEY), values.get(record.REASON)
+    oom = reason_oom(reason)
+    trained = record.PEAK in values and not oom
+    if batch is None or values.get(PRECISION_KEY) is None or not (oom or trained):
+        return  # failed before its memory was known: no evidence either way
     key = _key_of(values, keys)
     if key not in found:
         if predicted:
             return  # a cell the fit report does not have (another configured value)
         found[key] = Row({k: values.get(k) for k in keys})
-    row, batch, reason = found[key], int(batch), values.get(record.REASON)
+    row, batch = found[key], int(batch)
     geometry = (batch, int(values.get(ACCUM_KEY) or 1))
-    if reason in record.OOM_REASONS:
+    if oom:
         if reason != "oom_predicted" and predicted:
             row.measured_oom.add(geometry)
         if not predicted:
             row.smallest_oom = min(batch, row.smallest_oom or batch)
-    elif record.PEAK in values:  # it trained past the memory check
+    else:  # it trained past the memory check
         row.trained.add(geometry)
         if not predicted:
             row.largest = max(batch, row.largest or batch)
+
+
+def reason_oom(reason: object) -> bool:
+    return reason in record.OOM_REASONS
 
 
 def grouped(keys: list[str], found: list[Row]) -> list[tuple[dict[str, Any], Row]]:
@@ -151,6 +157,29 @@ def table(study: optuna.Study) -> tuple[list[str], list[list[str]]]:
             oom += f" (real OOM at {_geometries(row.measured_oom, several)})"
         lines.append([*(str(key[k]) for k in keys), str(row.largest or "-"), oom, trained])
     return header, lines
+
+
+SEQ_LEN_KEY = "data.seq_len"
+
+
+def frontier(cells: Sequence[Mapping[str, Any]], searched: Sequence[str]) -> list[dict]:
+    """The first trials a study enqueues (search.fit_report_first): per precision, the
+    cell with the most samples (tokens, with a searched data.seq_len) per micro-batch that
+    fits at the smallest accumulation, as params of the searched keys; the sampler draws
+    the rest (the learning rate)."""
+    fitting = [c for c in cells if c["fits"]]
+    if not fitting or BATCH_KEY not in searched:
+        return []
+    smallest = min(int(c[ACCUM_KEY]) for c in fitting)
+    best: dict[str, Mapping[str, Any]] = {}
+    for cell in (c for c in fitting if int(c[ACCUM_KEY]) == smallest):
+        size = int(cell[BATCH_KEY]) * int(cell.get(SEQ_LEN_KEY) or 1)
+        precision = cell[PRECISION_KEY]
+        if precision not in best or size > int(best[precision][BATCH_KEY]) * int(
+            best[precision].get(SEQ_LEN_KEY) or 1
+        ):
+            best[precision] = cell
+    return [{k: v for k, v in cell.items() if k in searched} for cell in best.values()]
 
 
 def _geometries(pairs: set[tuple[int, int]], with_accum: bool) -> str:

@@ -178,6 +178,14 @@ class SearchConfig:
     # torch intra-op threads per worker (None: automatic), applied by the entry point first,
     # before this config is built (train/threads.py)
     threads: int | None = None
+    # Seconds after which a worker starts no new trial, once one has completed (None: no
+    # limit): the study then recommends from what it trained, and the same command resumes.
+    timeout_s: float | None = None
+    speed_check: bool = True  # time the recommendation's candidates side by side at the end
+    # The first trials train, per precision, the largest batch the fit report says fits at the
+    # smallest accumulation: the fastest geometries are tried whatever the sampler draws.
+    fit_report_first: bool = True
+    default_space: bool = True  # an empty search.params searches the four levers (levers.py)
     outage_wait_s: float = 600.0  # mlflow.outage_wait_s: wait for an unreachable MLflow at the end
     recommend: RecommendRule = field(
         default_factory=lambda: RecommendRule()
@@ -237,7 +245,19 @@ class SearchConfig:
                 f"search.heartbeat_interval_s must be an integer >= 1 or null, got {beat!r}; "
                 "override with search.heartbeat_interval_s=60"
             )
-        for key in ("preflight", "oom_constraint"):
+        timeout = self.timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+            problems.append(
+                f"search.timeout_s must be > 0 or null, got {timeout!r}; e.g. "
+                "search.timeout_s=600 (or null: until search.n_trials)"
+            )
+        for key in (
+            "preflight",
+            "oom_constraint",
+            "speed_check",
+            "fit_report_first",
+            "default_space",
+        ):
             if not isinstance(getattr(self, key), bool):
                 problems.append(
                     f"search.{key} must be true or false, got {getattr(self, key)!r}; "

@@ -15,9 +15,11 @@ import optuna
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 from rich.console import Console
+from rich.markup import escape
 
 from search import fit, recommend, report, speed
-from search.boundary import FIT_ATTR, fit_cells
+from search.boundary import FIT_ATTR, fit_cells, frontier
+from search.levers import with_default_space
 from search.objective import Objective
 from search.outcome import TrialFailed
 from search.results import Results, StudyRun
@@ -57,7 +59,7 @@ WORKER_KEY = "worker"  # conf/config.yaml: which of search.workers a process is
 _RESUMABLE_KEYS = (
     "n_trials", "params", "sampler", "pruner", "trial_time_budget_s", "heartbeat_interval_s",
     "storage", "study_name", "preflight", "preflight_margin", "oom_constraint", "workers",
-    "recommend", "threads",
+    "recommend", "threads", "timeout_s", "speed_check", "fit_report_first", "default_space",
 )  # fmt: skip
 # A worker whose proposals go this many in a row without training (predicted not to fit, or
 # already trained) stops: the feasible part of search.params is spent or too small.
@@ -209,12 +211,15 @@ class StudyDriver:
             checked.settings.recommend,
             lambda trial: report.rerun_overrides(trial, base_overrides, checked.space.fixed),
             output_dir,
+            margin=checked.settings.preflight_margin,
         )
         self._killed_seen: set[int] = set()
         self._current: int | None = None  # the trial this worker is running
         self._unbilled_in_a_row = 0  # this worker's proposals answered without training
         self._outage_said = False
         self._failures_said = 0
+        self._started = time.monotonic()  # search.timeout_s counts from run()
+        self._timeout_said = False
 
     @classmethod
     def prepare(
@@ -227,6 +232,9 @@ class StudyDriver:
         output_dir: Path | None = None,
     ) -> StudyDriver:
         name = cfg.search.study_name or default_study_name(choices)
+        space_note = with_default_space(cfg)
+        if space_note:
+            console.print(f"[yellow]note[/yellow] {escape(space_note)}", soft_wrap=True)
         params = (
             OmegaConf.to_container(cfg.search.params, resolve=True) if cfg.search.params else {}
         )
@@ -277,6 +285,9 @@ class StudyDriver:
             reports = _log_fit_report(cfg, checked, parent, console)
             if reports and FIT_ATTR not in study.user_attrs:  # the summary's memory boundary
                 study.set_user_attr(FIT_ATTR, fit_cells(reports))
+                if created_study and settings.fit_report_first:
+                    for params in frontier(fit_cells(reports), list(checked.space.distributions)):
+                        study.enqueue_trial(params, skip_if_exists=True)
             parent.tags({SETUP_TAG: "complete"})
         parent_run = StudyRun(parent, settings.metrics)
         return cls(
@@ -285,6 +296,7 @@ class StudyDriver:
 
     def run(self) -> float | None:
         settings = self.checked.settings
+        self._started = time.monotonic()
         storage_lap, tracking_lap = Lap(self.storage_clock), Lap(self.tracker.outbox.clock)
         done = num_finished(self.study)
         if done >= settings.n_trials:
@@ -292,8 +304,10 @@ class StudyDriver:
                 f"{done} trials trained, search.n_trials={settings.n_trials}: nothing left to "
                 f"train (raise search.n_trials, e.g. search.n_trials={done + 10}, to extend it)"
             )
+        elif self.study.get_trials(deepcopy=False):
+            state = f"resumed: {done} of {settings.n_trials} trials trained"
         else:
-            state = f"{done} of {settings.n_trials} trials trained"
+            state = f"new, {settings.n_trials} trials to train"
         self.console.print(
             f"Study [bold]{settings.study_name}[/bold] in {redact(settings.storage)}: {state}; "
             f"MLflow: {redact(self.tracker.tracking_uri)}",
@@ -341,7 +355,7 @@ class StudyDriver:
         """Time the recommendation's candidates side by side (search/speed.py) when it
         prefers a throughput."""
         rule = self.checked.settings.recommend
-        if speed.unit_of(rule.prefer) is None:
+        if not self.checked.settings.speed_check or speed.unit_of(rule.prefer) is None:
             return
         trials = self.study.get_trials(deepcopy=False)
         _, within = recommend.candidates(trials, rule, self.checked.settings.metrics)
@@ -382,7 +396,7 @@ class StudyDriver:
                 )
             self._end_killed_runs(console)
             start = should_start_trial(self.study, n_trials)
-            if start and self._space_spent(console):
+            if start and (self._space_spent(console) or self._timed_out(console)):
                 return
             if start is None and not beats:
                 # Without heartbeats a trial running in a worker elsewhere is never failed
@@ -408,6 +422,30 @@ class StudyDriver:
                 catch=(TrialFailed, Surplus),
                 callbacks=callbacks,
             )
+
+    def _timed_out(self, console: Console) -> bool:
+        """Whether search.timeout_s has passed since this worker began, with a trial
+        completed (a study that must end on time still answers)."""
+        limit = self.checked.settings.timeout_s
+        elapsed = time.monotonic() - self._started
+        if limit is None or elapsed < limit:
+            return False
+        if not self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if not self._timeout_said:
+                self._timeout_said = True
+                console.print(
+                    f"search.timeout_s={limit:g} has passed with no trial completed: trials go "
+                    "on until one completes, for a recommendation"
+                )
+            return False
+        console.print(
+            f"search.timeout_s={limit:g} reached ({elapsed:.0f} s): no new trial starts; "
+            f"{num_finished(self.study)} of {self.checked.settings.n_trials} trials trained, "
+            "and the recommendation is from them. Run the same command again to go on (it "
+            "resumes the study), or with search.timeout_s=null to run to search.n_trials.",
+            soft_wrap=True,
+        )
+        return True
 
     def _say_orphaned(self, console: Console) -> None:
         running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))

@@ -36,6 +36,7 @@ from rich.text import Text
 
 from search.compose import task_overrides
 from search.config import SearchConfig
+from search.levers import with_default_space
 from search.space import SearchSpace, parse_space
 from train.config import ConfigError, TrainerConfig
 from train.memory import format_bytes
@@ -366,6 +367,9 @@ def main(cfg: DictConfig) -> None:
     def compose(trial_overrides: list[str]) -> DictConfig:
         return hydra.compose(config_name="config", overrides=base + trial_overrides)
 
+    space_note = with_default_space(cfg)
+    if space_note:
+        console.print(f"[yellow]note[/yellow] {escape(space_note)}", soft_wrap=True)
     try:
         checked = validate(cfg, name, compose, open_store=False)
         reports = fit_reports(cfg, checked.space, checked.spec, checked.settings)

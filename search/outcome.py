@@ -11,7 +11,7 @@ import optuna
 
 from search import record, report
 from search.config import SearchConfig
-from tracking.runs import STATE_TAG, RunLog
+from tracking.runs import STATE_TAG, RunLog, mib_metrics
 from train.loop import RunResult
 from train.memory import MemoryStats
 from train.predict import Prediction
@@ -157,6 +157,7 @@ def record_outcome(
         for k, v in metrics.items()
         if (k in CURVE_METRICS or k.startswith("throughput/")) and v == v
     }
+    metrics.update(mib_metrics(metrics))  # memory/peak_mib beside memory/peak_bytes
     log.metrics({k: v for k, v in metrics.items() if k not in curves and v == v}, step=0)
     if curves:
         log.metrics(curves, step=result.num_steps if result else 0)
@@ -169,7 +170,10 @@ def record_outcome(
             }
         )
     log.tags(tags)
-    log.rename(report.run_name(trial.number, {**trial.user_attrs, **attrs}))
+    if outcome.state != "COMPLETE" and outcome.message:  # why, whole, atop the run's page
+        label = f"PRUNED ({outcome.reason or 'pruner'})" if outcome.state == "PRUNED" else "FAILED"
+        log.description(f"**{label}**: {outcome.message[:5000]}")
+    log.rename(report.run_name(trial.number, {**trial.user_attrs, **attrs}, settings.metrics))
     if outcome.error_traceback:
         log.text(outcome.error_traceback, "error.txt")
     log.finish("FAILED" if outcome.state == "FAIL" else "FINISHED")

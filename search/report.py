@@ -59,12 +59,20 @@ def _fmt(value: object) -> str:
 STARVED_SHARE = 0.2
 
 
+def spread_note(attrs: Mapping[str, Any]) -> str:
+    """' (±6%)': half the range of a trial's throughput over its logging intervals (how
+    steady the machine was while it ran), when it has enough of them."""
+    spread = attrs.get(record.METRICS, {}).get("throughput/spread")
+    return "" if spread is None else f" (±{spread / 2:.0%})"
+
+
 def trial_line(trial: FrozenTrial) -> str:
     attrs = trial.user_attrs
     params = " ".join(f"{_short(k)}={_fmt(v)}" for k, v in trial.params.items())
     parts = [f"#{trial.number:<3} {state_label(trial):<18} {params}"]
     if record.THROUGHPUT in attrs:
-        parts.append(f"{attrs[record.THROUGHPUT]:.0f} {attrs.get(record.UNIT, 'samples')}/s")
+        unit = attrs.get(record.UNIT, "samples")
+        parts.append(f"{attrs[record.THROUGHPUT]:.0f} {unit}/s{spread_note(attrs)}")
     if record.PEAK in attrs:
         parts.append(f"peak {format_bytes(attrs[record.PEAK])}")
     if record.PREDICTED in attrs:
@@ -297,13 +305,39 @@ def _round_up(seconds: float) -> int:
     return next(m * scale for m in (1, 2, 3, 4, 5, 6, 8, 10) if m * scale >= seconds)
 
 
+# What to change for the trials that ended for a reason (state label -> advice).
+ADVICE = {
+    "PRUNED (oom_predicted)": "predicted over search.memory_budget: the fit report above shows "
+    "which batch sizes fit; search smaller ones or raise the budget",
+    "PRUNED (oom)": "out of memory: search smaller batch sizes, or raise search.memory_budget",
+    "PRUNED (diverged)": "the loss diverged: lower the optimizer.lr range in search.params",
+    "PRUNED (missed_target)": "ended short of search.target: raise trainer.max_epochs or lower "
+    "the target",
+    "PRUNED (pruner)": "stopped by search.pruner below the median of the completed trials",
+    "FAIL": "an error in training: its line above says which, its MLflow run's error.txt "
+    "has the traceback",
+}
+
+
 def none_completed(trials: Sequence[FrozenTrial]) -> str:
-    """Why a study has no completed trial. When every trial it trained was pruned as slow,
-    the machine or the budget is the problem, not the configurations: by how much."""
+    """Why a study has no completed trial, with counts and what to change. When every trial
+    it trained was pruned as slow, the machine or the budget is the problem, not the
+    configurations: by how much."""
     counted = [t for t in trials if counts_as_trained(t)]
     slow = [t for t in counted if record.PROJECTED in t.user_attrs]
-    if not counted or len(slow) < len(counted):
-        return "No trial completed; see the reasons above."
+    if counted and len(slow) == len(counted):
+        return _all_slow(slow)
+    by_state = counts_by_state(trials)
+    if not by_state:
+        return "No trial completed: none has finished yet."
+    reasons = "; ".join(
+        f"{n} {label}" + (f" ({ADVICE[label]})" if label in ADVICE else "")
+        for label, n in sorted(by_state.items(), key=lambda item: -item[1])
+    )
+    return f"No trial completed. The trials ended as: {reasons}."
+
+
+def _all_slow(slow: Sequence[FrozenTrial]) -> str:
     projected = sorted(t.user_attrs[record.PROJECTED] for t in slow)
     budget = slow[-1].user_attrs[record.TIME_BUDGET]
     low, high = projected[0], projected[-1]
@@ -350,21 +384,56 @@ def mib(num_bytes: float | None) -> str:
     return "-" if num_bytes is None else f"{num_bytes / 2**20:.1f}"
 
 
-def run_name(number: int, attrs: Mapping[str, Any]) -> str:
+# conf/search/default.yaml's objectives, for a name made without the study's
+RUN_NAME_OBJECTIVES = ("val/acc",)
+PEAK_METRIC = "memory/peak_bytes"  # named in MiB, last
+
+
+def _figure(attrs: Mapping[str, Any], metric: str) -> float | None:
+    """A completed trial's figure by metric name (val/acc and its throughput from their own
+    attrs for trials recorded before the figures were kept by name)."""
+    value = attrs.get(record.METRICS, {}).get(metric)
+    if value is None and metric == "val/acc":
+        value = attrs.get(record.VAL_ACC)
+    if value is None and metric == f"throughput/{attrs.get(record.UNIT, 'samples')}_per_sec":
+        value = attrs.get(record.THROUGHPUT)
+    return None if value is None or value != value else float(value)
+
+
+def _figure_words(metric: str, value: float) -> str:
+    """'acc 0.951', 'loss 2.310', '412/s' (samples), '9120 tokens/s', 'mfu 0.412'."""
+    name = metric.rsplit("/", 1)[-1]
+    if metric.startswith("throughput/") and name.endswith("_per_sec"):
+        unit = name.removesuffix("_per_sec")
+        return f"{value:.0f}/s" if unit == "samples" else f"{value:.0f} {unit}/s"
+    if metric.startswith("val/"):
+        return f"{name} {value:.3f}"
+    return f"{name} {value:.4g}"
+
+
+def run_name(
+    number: int, attrs: Mapping[str, Any], objectives: Sequence[str] = RUN_NAME_OBJECTIVES
+) -> str:
     """A trial's MLflow run name, the first thing the runs table shows: its configuration,
     and once it has ended (attrs has its `state`) its outcome (pruned and failed ones say
-    so) and key figures."""
+    so, a slow one with its projection) and key figures: the study's objectives, its
+    throughput in its unit and its peak memory."""
     config = f"{attrs.get(BATCH_KEY)}x{attrs.get(ACCUM_KEY)} {attrs.get(PRECISION_KEY)}"
     name = f"trial-{number} · {config}"
     if attrs.get(record.STATE) == "COMPLETE":
-        figures = [
-            f"acc {attrs[record.VAL_ACC]:.3f}" if attrs.get(record.VAL_ACC) is not None else None,
-            f"{attrs[record.THROUGHPUT]:.0f}/s" if attrs.get(record.THROUGHPUT) else None,
-            f"{mib(attrs.get(record.PEAK))} MiB" if attrs.get(record.PEAK) else None,
-        ]
-        return " · ".join([name, *(f for f in figures if f)])
+        throughput = f"throughput/{attrs.get(record.UNIT, 'samples')}_per_sec"
+        metrics = [m for m in dict.fromkeys([*objectives, throughput]) if m != PEAK_METRIC]
+        figures = [(m, _figure(attrs, m)) for m in metrics]
+        words = [_figure_words(m, v) for m, v in figures if v is not None]
+        if attrs.get(record.PEAK):
+            words.append(f"{mib(attrs[record.PEAK])} MiB")
+        return " · ".join([name, *words])
     if attrs.get(record.STATE) == "PRUNED":
-        return f"{name} · PRUNED {attrs.get(record.REASON, 'pruner')}"
+        reason = attrs.get(record.REASON, "pruner")
+        projected, budget = attrs.get(record.PROJECTED), attrs.get(record.TIME_BUDGET)
+        if reason == "slow" and projected is not None and budget:
+            reason += f" (projected {projected:.0f} s, budget {budget:g} s)"
+        return f"{name} · PRUNED {reason}"
     if attrs.get(record.STATE) == "FAIL":
         return f"{name} · FAILED"
     return name
@@ -395,7 +464,7 @@ def trial_row(t: FrozenTrial) -> list[str]:
         str(t.number), _fmt(a.get(BATCH_KEY)), _fmt(a.get(ACCUM_KEY)),
         _fmt(a.get(EFFECTIVE_PARAM)), _fmt(a.get(PRECISION_KEY)), _fmt(a.get(LR_PARAM)),
         _fmt(a.get(record.VAL_ACC)) if t.state == TrialState.COMPLETE else "-",
-        f"{throughput:.0f}" if throughput else "-", mib(a.get(record.PEAK)),
+        f"{throughput:.0f}{spread_note(a)}" if throughput else "-", mib(a.get(record.PEAK)),
         mib(a.get(record.PREDICTED)),
     ]  # fmt: skip
 

@@ -23,11 +23,10 @@ from search.config import RecommendRule
 from search.recommend import Recommendation, best_document, recommend
 from search.study import counts_as_finished, counts_as_trained, is_unbilled
 from tracking.redact import redact
-from tracking.runs import RunLog
+from tracking.runs import RECOMMENDED_TAG, RunLog
 from train.overrides import BEST_FILE
 
 PUBLISH_EVERY_S = 15.0
-RECOMMENDED_TAG = "batchfit.recommended"  # the recommended trial's number, on the parent run
 PLOTS_PATH = "plots"
 DESCRIPTION_CHARS = 8000  # MLflow's limit on a tag value (3.17)
 CUT_NOTE = "\n\n... (the rest is in this run's summary.md)\n"
@@ -50,13 +49,16 @@ class Results:
         rule: RecommendRule,
         overrides_of: Callable[[FrozenTrial], list[str]],
         output_dir: Path | None,
+        margin: float | None = None,
     ):
         self.parent = parent
+        self.margin = margin  # search.preflight_margin, for memory_vs_batch.png
         self.metrics = list(metrics)
         self.rule = rule
         self.overrides_of = overrides_of  # FrozenTrial -> the overrides that train it again
         self.output_dir = output_dir  # the Hydra output directory (best.yaml), if any
         self._published_at: float | None = None
+        parent.save_view(self.metrics)  # the experiment's view: these objectives first
 
     @property
     def best_path(self) -> Path | None:
@@ -85,10 +87,12 @@ class Results:
                 self.best_path.parent.mkdir(parents=True, exist_ok=True)
                 self.best_path.write_text(document)
             self.parent.tags({RECOMMENDED_TAG: rec.trial.number})
+            self.parent.mark_recommended(rec.trial.number)  # its run: first in the view
         self.parent.description(description(files["summary.md"]))
         self.parent.artifacts({name: text.encode() for name, text in files.items()})
         self.parent.artifacts(
-            plots.render(study, self.metrics, rec.trial.number if rec else None), PLOTS_PATH
+            plots.render(study, self.metrics, rec.trial.number if rec else None, self.margin),
+            PLOTS_PATH,
         )
         self._published_at = time.monotonic()
         return rec

@@ -1,23 +1,35 @@
 """A study's recommendation trained again, as a user runs it: `python -m train +best=PATH`
 and the printed `python -m train ...` command, with config groups from the user's own
 directory (`--config-dir` or `hydra.searchpath`), in subprocesses; then the Optuna journal
-and the MLflow store read back."""
+and the MLflow store read back. Also what `python -m train` refuses before training (a run
+predicted not to fit), how it names, tags and saves its runs, and that it prints no
+password."""
 
 from __future__ import annotations
 
+import http.server
 import re
 import shlex
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
 import pytest
+import torch
 import yaml
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig
 from optuna.trial import FrozenTrial
 
 from tests.sweeps import run_module
+from train.loop import evaluate
+from train.model_file import load, rebuild
+from train.precision import Precision
+from train.predict import fits_budget
+from train.run import build_pipeline, build_task, plan, predict
 
 pytestmark = pytest.mark.slow
 
@@ -130,9 +142,17 @@ def _trained(client: MlflowClient, stdout: str, dst: Path) -> tuple[Run, dict]:
     return run, yaml.safe_load(_artifact(client, run.info.run_id, "config.yaml", dst))
 
 
-def _assert_trains_the_trial(study: Study, run: Run) -> None:
+def _geometry(trial: FrozenTrial) -> str:
+    """A run's configuration as its name gives it: batch x accumulation precision."""
+    attrs = trial.user_attrs
+    return (
+        f"{attrs['trainer.batch_size']}x{attrs['trainer.accum_steps']} {attrs['trainer.precision']}"
+    )
+
+
+def _assert_trains_the_trial(study: Study, run: Run, experiment: str) -> None:
     client = study.conf.client
-    assert run.info.experiment_id == client.get_experiment_by_name("train").experiment_id
+    assert run.info.experiment_id == client.get_experiment_by_name(experiment).experiment_id
     assert run.data.tags["batchfit.role"] == "train"
     assert run.data.tags["batchfit.state"] == "COMPLETE"
     trial = study.trial
@@ -168,7 +188,14 @@ def test_train_best_yaml_trains_the_recommended_trial_again(study: Study, tmp_pa
     conf, trial = study.conf, study.trial
     done = run_module("train", [f"+best={study.best_path}"], conf.root)
     run, config = _trained(conf.client, done.stdout, tmp_path / "rerun")
-    _assert_trains_the_trial(study, run)
+    # In the study's experiment, beside the trial it retrains, named and tagged after it.
+    _assert_trains_the_trial(study, run, "plug")
+    assert run.info.run_name == f"retrain trial-{trial.number} of plug · {_geometry(trial)}"
+    assert run.data.tags["batchfit.study"] == "plug"
+    assert run.data.tags["batchfit.trial"] == str(trial.number)
+    # The study's lr_scaling is none: the rate is said to be optimizer.lr as given.
+    lr = trial.params["optimizer.lr"]
+    assert f"lr {lr:.4g} (optimizer.lr, used as given: trainer.lr_scaling=none)" in done.stdout
     trial_config = yaml.safe_load(
         _artifact(conf.client, trial.user_attrs["mlflow_run_id"], "config.yaml", tmp_path)
     )
@@ -187,10 +214,33 @@ def test_printed_command_trains_it_from_another_directory(study: Study, tmp_path
     elsewhere.mkdir()
     # Only the MLflow store points back; the user's groups come from the absolute search path.
     store = f"mlflow.tracking_uri=sqlite:///{conf.root}/mlruns/mlflow.db"
-    done = run_module("train", [*command[3:], store], elsewhere)
+    done = run_module("train", [*command[3:], store, "+save=models/tiny.pt"], elsewhere)
     run, config = _trained(conf.client, done.stdout, tmp_path / "rerun")
-    _assert_trains_the_trial(study, run)
+    # Without +best it retrains no known trial: experiment "train", named by its configuration.
+    _assert_trains_the_trial(study, run, "train")
+    assert run.info.run_name == _geometry(study.trial)
+    assert "batchfit.study" not in run.data.tags and "batchfit.trial" not in run.data.tags
     assert config["model"]["width"] == 4
+    # The trained model: the run's artifact, and the same bytes where +save said.
+    downloaded = conf.client.download_artifacts(run.info.run_id, "model/model.pt", str(tmp_path))
+    artifact = Path(downloaded).read_bytes()
+    assert (elsewhere / "models" / "tiny.pt").read_bytes() == artifact
+    saved = load(downloaded)
+    assert saved.overrides == [*command[3:], store, "+save=models/tiny.pt"]
+    model = rebuild(saved)  # a fresh small_cnn of width 4, built from the saved config
+    assert model.state_dict().keys() == saved.state_dict.keys()
+    assert all(torch.equal(t, saved.state_dict[k]) for k, t in model.state_dict().items())
+    # ... holding the trained weights: it scores the run's last validation again.
+    cfg = saved.config
+    acc = evaluate(
+        model,
+        build_pipeline(cfg, torch.device("cpu")),
+        cfg.trainer.batch_size,
+        Precision(cfg.trainer.precision, "cpu"),
+        torch.device("cpu"),
+        build_task(cfg),
+    )["val/acc"]
+    assert acc == pytest.approx(run.data.metrics["val/acc"], abs=1e-6)
 
 
 def test_a_relative_searchpath_reaches_the_trials_and_best_yaml(user_conf: UserConf) -> None:
@@ -219,8 +269,113 @@ def test_train_best_of_a_missing_file_names_the_override(tmp_path: Path) -> None
 
 def test_command_line_overrides_after_best_win(study: Study, tmp_path: Path) -> None:
     conf = study.conf
-    done = run_module("train", [f"+best={study.best_path}", "trainer.max_epochs=2"], conf.root)
+    scaling = ["trainer.lr_scaling=linear", "trainer.lr_ref_batch_size=128"]
+    done = run_module(
+        "train", [f"+best={study.best_path}", "trainer.max_epochs=2", *scaling], conf.root
+    )
     run, config = _trained(conf.client, done.stdout, tmp_path)
     assert config["trainer"]["max_epochs"] == 2  # best.yaml says 1
     assert config["trainer"]["batch_size"] == study.trial.params["trainer.batch_size"]
     assert run.data.params["trainer.batch_size"] == str(study.trial.params["trainer.batch_size"])
+    # The scaled rate, said with its rule and both batches (the study's is unscaled).
+    base = study.trial.params["optimizer.lr"]
+    effective = study.trial.user_attrs["effective_batch_size"]
+    scaled = base * effective / 128
+    assert float(run.data.params["lr_scaled"]) == pytest.approx(scaled)
+    assert (
+        f"lr {scaled:.4g} (optimizer.lr={base:g} scaled linear to effective batch {effective} "
+        "from trainer.lr_ref_batch_size=128)"
+    ) in done.stdout
+
+
+# The command of the report (python -m train on the CPU with conf/budget/resnet18_digits.yaml's
+# simulated 160 MiB): predicted 167.2 MiB, it trained for minutes before its OOM.
+ISSUE = [
+    "+experiment=resnet", "data=digits", "trainer.batch_size=64", "trainer.accum_steps=2",
+    "trainer.precision=bf16", "optimizer.lr=0.05", "trainer.device=cpu",
+]  # fmt: skip
+REFUSED = re.compile(
+    r"predicted to peak at ([\d.]+) MiB; with search\.preflight_margin=0\.05 that is ([\d.]+) "
+    r"MiB, over search\.memory_budget=160\.0 MiB"
+)
+FITS = re.compile(r"What fits in bf16: trainer\.batch_size=(\d+) trainer\.accum_steps=(\d+)")
+
+
+def test_train_refuses_a_run_predicted_not_to_fit(
+    tmp_path: Path, hydra_conf: Callable[..., DictConfig]
+) -> None:
+    # trainer.max_steps=1: were it not refused, it would end in seconds, not minutes (bf16)
+    done = run_module("train", [*ISSUE, "trainer.max_steps=1"], tmp_path, returncode=2)
+    message = " ".join(done.stderr.split())  # rich wraps it to the terminal width
+    numbers = REFUSED.search(message)
+    assert numbers, message
+    assert float(numbers.group(1)) * 1.05 == pytest.approx(float(numbers.group(2)), abs=0.1)
+    assert float(numbers.group(2)) > 160
+    assert "nothing was trained" in message
+    assert "to train it anyway (a real OOM may end it), add search.preflight=false" in message
+    assert not (tmp_path / "mlruns" / "mlflow.db").exists()  # no run, not even a failed one
+    # What it offers instead is predicted to fit, by the rule a trial is checked by.
+    offered = FITS.search(message)
+    assert offered, message
+    batch, accum = offered.groups()
+    assert int(batch) * int(accum) == 128  # first: the same effective batch
+    cfg = hydra_conf([*ISSUE, f"trainer.batch_size={batch}", f"trainer.accum_steps={accum}"])
+    spec = plan(cfg, cfg.search.memory_budget)
+    assert fits_budget(predict(cfg, spec).peak_bytes, spec.budget_bytes, 0.05)
+
+
+def test_train_forced_past_the_check_says_so_and_meets_the_real_oom(tmp_path: Path) -> None:
+    # small_cnn of width 4 at batch 256 peaks at ~2.6 MB (CPU accounting, as in STUDY)
+    args = [
+        "model=small_cnn", "model.width=4", "data=digits", "trainer.batch_size=256",
+        "trainer.device=cpu", "search.memory_budget=1MiB", "mlflow.system_metrics=false",
+    ]  # fmt: skip
+    refused = run_module("train", args, tmp_path, returncode=2)
+    assert "nothing was trained" in " ".join(refused.stderr.split())
+    forced = run_module("train", [*args, "search.preflight=false"], tmp_path, returncode=1)
+    said = " ".join(forced.stdout.split())
+    assert "trained anyway, as search.preflight=false says" in said
+    assert "over search.memory_budget=1.0 MiB" in said
+    assert forced.stderr.startswith("oom: "), forced.stderr  # the CPU meter's real OOM
+
+
+class _Unauthorized(http.server.BaseHTTPRequestHandler):
+    """A tracking server that refuses the credentials it is given (HTTP 401)."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(401)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_POST = do_GET  # noqa: N815
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+@pytest.fixture
+def refusing_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Unauthorized)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_train_configuration_errors_print_no_password(tmp_path: Path, refusing_server: str) -> None:
+    args = [
+        "model=small_cnn", "model.width=4", "data=digits", "trainer.max_steps=1",
+        f"mlflow.tracking_uri=http://batchfit:s3cret-pw@{refusing_server}",
+    ]  # fmt: skip
+    done = run_module("train", args, tmp_path, returncode=2)
+    said = done.stdout + done.stderr
+    assert "s3cret-pw" not in said
+    message = " ".join(done.stderr.split())
+    assert message.startswith("Configuration error"), said
+    assert f"mlflow.tracking_uri='http://batchfit:***@{refusing_server}' cannot be used" in message
+    assert "Traceback" not in said
+    for saved in (tmp_path / "mlruns").rglob("*"):  # Hydra's .hydra/ files and job log
+        assert not saved.is_file() or "s3cret-pw" not in saved.read_text(errors="replace")

@@ -21,7 +21,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,19 +45,33 @@ TRIAL_TAG = "batchfit.trial"
 STATE_TAG = "batchfit.state"
 NOTE_TAG = "mlflow.note.content"  # a run's description in the MLflow UI (markdown)
 
+RECOMMENDED_TAG = "batchfit.recommended"  # the parent's: the trial's number; its run's: true
+
 # The MLflow UI (3.17) opens an experiment on its GenAI page unless the URL or the browser
 # says otherwise; it ignores the experiment-kind tag (set anyway, for UIs that read it). A
-# saved view (an experiment tag) shows the columns that matter; the link opens both.
+# saved view (an experiment tag, see view_state) shows what matters; the link opens both.
 KIND_TAG = "mlflow.experimentKind"
 VIEW_KEY = "batchfit"
 VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
-VIEW_COLUMNS = [
-    "metrics.`val/acc`", "metrics.`throughput/samples_per_sec`", "metrics.`memory/peak_bytes`",
-    "metrics.`time/trial_s`", "params.`trainer.batch_size`", "params.`trainer.accum_steps`",
+VIEW_OBJECTIVES = ("val/acc",)  # conf/search/default.yaml's, until a study saves its own
+VIEW_METRICS = (
+    "throughput/samples_per_sec", "memory/peak_mib", "memory/predicted_mib", "time/trial_s",
+)  # fmt: skip
+VIEW_FIELDS = (
+    "params.`trainer.batch_size`", "params.`trainer.accum_steps`",
     "params.`effective_batch_size`", "params.`trainer.precision`", "params.`lr_scaled`",
     "tags.`batchfit.state`", "tags.`batchfit.prune_reason`",
-]  # fmt: skip
+)  # fmt: skip
 RUN_NAME_COLUMN = "attributes.`Run Name`"
+RECOMMENDED_COLUMN = f"tags.`{RECOMMENDED_TAG}`"
+OBJECTIVES_SECTION = "batchfit-objectives"
+# The chart view's sections after the objectives', in this order, by metric prefix (MLflow
+# files a metric under its name less the last part); each has charts in every study (those
+# holding an objective keep its curve). The parent run's trials/* and best/* come folded;
+# others (perf/*, system/*) MLflow appends.
+CHART_SECTIONS = ("val", "throughput", "memory", "time", "train")
+CURVE_SECTIONS = ("val", "throughput")  # of metrics logged per validation or interval
+MIB = 2**20
 
 PARENT_WAIT_S = 60.0  # how long a worker waits for the parent run another worker creates
 FRESH_EXPERIMENT_S = 300.0  # an experiment younger than this may still be getting its parent
@@ -168,13 +182,117 @@ def quiet_logging() -> None:
         monitor.addFilter(FirstLineFilter())
 
 
-def experiment_tags() -> dict[str, str]:
-    state = {
-        "selectedColumns": VIEW_COLUMNS,
-        "columnOrder": [RUN_NAME_COLUMN, *VIEW_COLUMNS],
-        "columnWidths": {RUN_NAME_COLUMN: 460},  # run names carry the outcome: show them whole
+def mib_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """memory/*_bytes figures in MiB too (memory/peak_mib), to 0.1 MiB: the runs table shows
+    bytes as a 9-digit number, cut at its column's width."""
+    return {
+        f"{key.removesuffix('_bytes')}_mib": round(value / MIB, 1)
+        for key, value in metrics.items()
+        if key.startswith("memory/") and key.endswith("_bytes") and value == value
     }
-    view = {"name": "batchfit: trials", "createdAt": _now_ms(), "state": json.dumps(state)}
+
+
+def _shown(metric: str) -> str:
+    """The metric that shows `metric`: memory in MiB (mib_metrics), others as they are."""
+    if metric.startswith("memory/") and metric.endswith("_bytes"):
+        return f"{metric.removesuffix('_bytes')}_mib"
+    return metric
+
+
+def view_columns(objectives: Sequence[str]) -> list[str]:
+    """The runs table's columns: the recommended mark, the objectives, then the figures and
+    the configuration every study has."""
+    metrics = dict.fromkeys([*map(_shown, objectives), *VIEW_METRICS])
+    return [RECOMMENDED_COLUMN, *(f"metrics.`{m}`" for m in metrics), *VIEW_FIELDS]
+
+
+def _width(column: str) -> int:
+    """Pixels that show a column's name (`metrics.`memory/peak_mib`` shows as its name) and
+    a value's 16 digits."""
+    return max(150, 7 * len(column.split("`")[1]) + 48)
+
+
+def _section(name: str, display: bool = True) -> dict[str, Any]:
+    uuid = f"batchfit-{name}"
+    return {"uuid": uuid, "name": name, "display": display, "isReordered": False}
+
+
+def _line(metric: str, section: str) -> dict[str, Any]:
+    """A line chart of `metric` over steps, with the fields of MLflow 3.17's own."""
+    return {
+        "uuid": f"batchfit-{metric}-curve", "type": "LINE", "metricKey": metric,
+        "selectedMetricKeys": [metric], "displayName": metric.rsplit("/", 1)[-1],
+        "metricSectionId": section, "isGenerated": True, "deleted": False,
+        "lineSmoothness": 0, "xAxisScaleType": "linear", "scaleType": "linear",
+        "range": {}, "xAxisKey": "step", "selectedXAxisMetricKey": "", "yAxisKey": "metric",
+        "yAxisExpressions": [], "ignoreOutliers": False, "useGlobalXaxisKey": True,
+        "useGlobalLineSmoothing": True,
+    }  # fmt: skip
+
+
+def view_charts(objectives: Sequence[str]) -> tuple[list[dict], list[dict]]:
+    """(charts, sections) of the chart view: a section of the objectives first, a bar per
+    objective (its last value per run) and the first two against each other (the front),
+    then CHART_SECTIONS, then the parent run's folded."""
+    shown = list(dict.fromkeys(map(_shown, objectives)))
+    charts: list[dict[str, Any]] = [
+        # Not "generated": MLflow turns a generated bar of a stepped metric into a line.
+        {"uuid": f"batchfit-{metric}", "type": "BAR", "metricKey": metric,
+         "displayName": metric, "metricSectionId": OBJECTIVES_SECTION, "isGenerated": False,
+         "deleted": False}
+        for metric in shown
+    ]  # fmt: skip
+    if len(shown) > 1:
+        charts.append(
+            {"uuid": "batchfit-front", "type": "SCATTER", "metricSectionId": OBJECTIVES_SECTION,
+             "xaxis": {"key": shown[1], "type": "METRIC"},
+             "yaxis": {"key": shown[0], "type": "METRIC"},
+             "runsCountToCompare": 100, "isGenerated": False, "deleted": False}
+        )  # fmt: skip
+    # MLflow charts a metric once: an objective's curve stays in its own section.
+    charts += [
+        _line(metric, f"batchfit-{prefix}")
+        for metric in shown
+        for prefix in CURVE_SECTIONS
+        if metric.startswith(f"{prefix}/")
+    ]
+    parents = ["trials", *dict.fromkeys(f"best/{m.rsplit('/', 1)[0]}" for m in objectives)]
+    sections = [
+        {**_section("Objectives"), "uuid": OBJECTIVES_SECTION},
+        *map(_section, CHART_SECTIONS),
+        *(_section(name, display=False) for name in parents),
+    ]
+    return charts, sections
+
+
+def view_state(objectives: Sequence[str]) -> dict[str, Any]:
+    """What the saved view sets, in the keys MLflow 3.17's UI reads from it (the search
+    facets and the UI state of its experiment page; it drops runsExpanded, runsPinned,
+    runsHidden and runsVisibilityMap from a shared view, so no parent run can be opened
+    and no run hidden from here)."""
+    columns = view_columns(objectives)
+    charts, sections = view_charts(objectives)
+    return {
+        # Sorted by the mark, the recommended trial comes first; and in any order but its
+        # default one (by start time) MLflow lists child runs as rows of their own, not
+        # folded under their parent: every trial shows without a click.
+        "orderByKey": RECOMMENDED_COLUMN,
+        "orderByAsc": False,
+        "selectedColumns": columns,
+        "columnOrder": [RUN_NAME_COLUMN, *columns],
+        # Run names carry the outcome: shown whole; the others as wide as their names.
+        "columnWidths": {RUN_NAME_COLUMN: 460, **{c: _width(c) for c in columns}},
+        "runsHiddenMode": "SHOW_ALL",  # the chart view draws every run, not the first 10
+        "hideEmptyCharts": True,
+        "isAccordionReordered": True,  # the sections in view_charts' order, not by name
+        "compareRunCharts": charts,
+        "compareRunSections": sections,
+    }
+
+
+def experiment_tags(objectives: Sequence[str] = VIEW_OBJECTIVES) -> dict[str, str]:
+    state = json.dumps(view_state(objectives))
+    view = {"name": "batchfit: trials", "createdAt": _now_ms(), "state": state}
     return {KIND_TAG: "custom_model_development", VIEW_TAG: json.dumps(view)}
 
 
@@ -309,6 +427,40 @@ class RunLog:
     def description(self, markdown: str) -> None:
         """The run's description, shown rendered at the top of its page in the MLflow UI."""
         self.tags({NOTE_TAG: markdown})
+
+    def save_view(self, objectives: Sequence[str]) -> None:
+        """batchfit's saved view (view_state) on this run's experiment, for these objectives."""
+        tags = experiment_tags(objectives)
+
+        def write() -> None:
+            experiment_id = self.client.get_run(self.run_id).info.experiment_id
+            for key, value in tags.items():
+                self.client.set_experiment_tag(experiment_id, key, value)
+
+        self.outbox.put(write)
+
+    def mark_recommended(self, trial_number: int) -> None:
+        """Tag the run of this (parent) run's trial `trial_number` RECOMMENDED_TAG=true, and
+        untag the one that was: the recommendation moves as trials finish, and any worker
+        may have tagged the last one."""
+
+        def write() -> None:
+            experiment_id = self.client.get_run(self.run_id).info.experiment_id
+            children = f"tags.`{PARENT_TAG}` = '{self.run_id}'"
+            marked = self.client.search_runs(
+                [experiment_id], f"{children} and tags.`{RECOMMENDED_TAG}` = 'true'"
+            )
+            chosen = self.client.search_runs(
+                [experiment_id], f"{children} and tags.`{TRIAL_TAG}` = '{trial_number}'"
+            )
+            chosen_ids = {run.info.run_id for run in chosen}
+            for run in marked:
+                if run.info.run_id not in chosen_ids:
+                    self.client.delete_tag(run.info.run_id, RECOMMENDED_TAG)
+            for run_id in chosen_ids - {run.info.run_id for run in marked}:
+                self.client.set_tag(run_id, RECOMMENDED_TAG, "true")
+
+        self.outbox.put(write)
 
     def finish(self, status: str = "FINISHED") -> None:
         self.flush()

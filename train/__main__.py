@@ -3,44 +3,97 @@
     python -m train +experiment=resnet data=digits trainer.batch_size=64 \
         trainer.accum_steps=2 trainer.precision=bf16 optimizer.lr=0.05
 
-or the configuration a study recommends, from its best.yaml (more overrides may follow):
+or the configuration a study recommends, from its best.yaml (more overrides may follow); the
+run then goes to the study's MLflow experiment, named and tagged after the trial it retrains:
 
     python -m train +best=mlruns/hydra/2026-11-30/14-03-12/best.yaml
 
-compose (Hydra) -> validate -> run -> report. `search.memory_budget` applies here too.
+compose (Hydra) -> validate -> predict (a run predicted not to fit search.memory_budget is
+refused, as a trial is pruned; search.preflight=false trains it anyway) -> run -> report and
+save the model (MLflow artifact model/model.pt, and `+save=PATH` when given;
+train/model_file.py reads it back).
 """
 
 from __future__ import annotations
 
 import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn, TypeVar
 
 import hydra
+import torch
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
 
-from tracking.redact import redact_logging
+from tracking.outputs import cannot_create
+from tracking.redact import redact, redact_logging, redact_tree
 from tracking.runs import (
     ROLE_TAG,
     STATE_TAG,
+    STUDY_TAG,
+    TRIAL_TAG,
     MlflowConfig,
+    RunLog,
     Tracker,
     http_defaults,
     quiet_logging,
 )
+from train import model_file
 from train.config import ConfigError
 from train.flops import MFU_NOTE_TAG, perf_metrics
-from train.loop import Diverged, Hooks
+from train.loop import Diverged, Hooks, RunResult
 from train.memory import OutOfMemory, format_bytes
 from train.overrides import BEST_KEY, load_overrides, merge_overrides, override_key
-from train.predict import PredictionUnsupported
-from train.run import check_builds, data_params, memory_predictor, plan, predict, run
+from train.predict import Prediction, PredictionUnsupported
+from train.preflight import PreflightConfig, misfit
+from train.run import (
+    RunSpec,
+    check_builds,
+    data_params,
+    memory_predictor,
+    plan,
+    predict,
+    run,
+    train_samples,
+)
 from train.threads import plan_threads
 
 # The entry point is the composition root: it wires MLflow (tracking.runs) to the training
 # loop's hooks. The train/ library modules themselves know nothing of MLflow.
+
+T = TypeVar("T")
+SAVE_KEY = "save"  # python -m train +save=PATH: the trained model's file (train/model_file.py)
+SEARCHPATH_KEY = "hydra.searchpath"
+EXPERIMENT = "train"  # the MLflow experiment of runs that retrain no study's trial
+
+
+@dataclass(frozen=True)
+class Retrain:
+    """The trial a +best=PATH run trains again: best.yaml's `study` and `trial`."""
+
+    study: str
+    trial: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A run validated, predicted to fit, and its MLflow store reached: ready to train."""
+
+    cfg: DictConfig
+    overrides: list[str]  # that composed cfg (best.yaml's, then the command line's)
+    spec: RunSpec
+    prediction: Prediction | None
+    retrain: Retrain | None
+    save_path: Path | None
+    tracker: Tracker
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -50,64 +103,220 @@ def main(cfg: DictConfig) -> None:
     quiet_logging()
     console, errors = Console(), Console(stderr=True)
     try:
-        if BEST_KEY in cfg:
-            cfg = _recommended(cfg)
-        threads = plan_threads(cfg.search.threads, 1)  # first, before any torch work
-        threads.apply()
-        console.print(threads.describe(), soft_wrap=True)
-        spec = plan(cfg, cfg.search.memory_budget)
-        MlflowConfig.from_mapping(OmegaConf.to_container(cfg.mlflow, resolve=True))
-        note = check_builds(cfg, spec)
+        ready = _prepare(cfg, console)
     except ConfigError as error:
-        errors.print(
-            f"[bold red]Configuration error[/bold red]\n{escape(str(error))}", soft_wrap=True
-        )
-        sys.exit(2)
+        _config_error(errors, error)
+    except Exception as error:  # escaping, Hydra would print the overrides, passwords and all
+        _crashed(errors, f"{type(error).__name__} while preparing it (above); nothing was trained")
+    log = _start_run(ready)
+    console.print(_training_line(ready, log.run_id), soft_wrap=True)
+    result, model = _fit_logged(ready, log, console, errors)
+    figures = _logged_figures(ready, log, result, console)
+    where = _save(ready, log, model)
+    log.tags({STATE_TAG: "COMPLETE"})
+    log.finish()
+    console.print(f"Model saved: {where} (train/model_file.py loads it)", soft_wrap=True)
+    console.print(figures, soft_wrap=True)  # last: the run's figures
+
+
+def _prepare(cfg: DictConfig, console: Console) -> Prepared:
+    """Compose, validate, predict and refuse what does not fit; every problem a ConfigError."""
+    retrain = None
+    given = HydraConfig.get().overrides
+    # What composed cfg, for the saved model: the task's overrides, after the search path's
+    # (a user's config groups; hydra.* overrides are kept apart from the task's).
+    overrides = [o for o in given.hydra if override_key(o) == SEARCHPATH_KEY] + list(given.task)
+    if BEST_KEY in cfg:
+        cfg, overrides, retrain = _recommended(cfg, console)
+    threads = plan_threads(cfg.search.threads, 1)  # first, before any torch work
+    threads.apply()
+    console.print(threads.describe(), soft_wrap=True)
+    problems: list[str] = []  # of every section at once
+    spec = _collected(problems, lambda: plan(cfg, cfg.search.memory_budget))
+    mlflow = OmegaConf.to_container(cfg.mlflow, resolve=True)
+    _collected(problems, lambda: MlflowConfig.from_mapping(mlflow))
+    preflight = _collected(
+        problems, lambda: PreflightConfig(cfg.search.preflight, cfg.search.preflight_margin)
+    )
+    save_path = _collected(problems, lambda: _save_path(cfg))
+    if problems:
+        raise ConfigError(problems)
+    prediction = _fitting_prediction(cfg, spec, preflight, console)
+    experiment = retrain.study if retrain else EXPERIMENT
+    tracker = Tracker.from_config(cfg.mlflow, experiment)
+    return Prepared(cfg, overrides, spec, prediction, retrain, save_path, tracker)
+
+
+def _collected(problems: list[str], check: Callable[[], T]) -> T:
+    """check(), its ConfigError's problems added to `problems` (and None returned)."""
+    try:
+        return check()
+    except ConfigError as error:
+        problems += error.problems
+        return None  # type: ignore[return-value]  # unused: the problems are raised
+
+
+def _fitting_prediction(
+    cfg: DictConfig, spec: RunSpec, preflight: PreflightConfig, console: Console
+) -> Prediction | None:
+    """The run's predicted peak, once data and model build; a ConfigError, with what fits
+    instead, when it is over the budget by a trial's rule (search/objective.py), unless
+    search.preflight=false. None: the model cannot be predicted, its memory is measured."""
+    note = check_builds(cfg, spec)
     prediction = None
     try:
         prediction = predict(cfg, spec)
     except PredictionUnsupported as error:
         note = f"memory is not predicted for this model ({error}); it is measured as it trains"
     if note:
-        console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
-    tracker = Tracker.from_config(cfg.mlflow, "train")
-    log = tracker.start_run("train", tags={ROLE_TAG: "train"})
-    log.params({**spec.params(), **data_params(cfg)})
-    log.text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
-    console.print(
-        f"Training on {spec.device}: batch {spec.trainer.batch_size} x {spec.trainer.accum_steps} "
-        f"= {spec.trainer.effective_batch_size}, {spec.trainer.precision}, lr {spec.lr:.4g}"
-        + (f", predicted peak {format_bytes(prediction.peak_bytes)}" if prediction else "")
-        + f"; MLflow run {log.run_id}",
-        soft_wrap=True,
+        console.print(f"[yellow]note[/yellow] {escape(note)}", soft_wrap=True)
+    if prediction is None:
+        return None
+    found = misfit(
+        memory_predictor(cfg, spec),
+        spec.trainer,
+        train_samples(cfg),
+        prediction,
+        spec.budget_bytes,
+        preflight.preflight_margin,
     )
+    if found is not None and preflight.preflight:
+        raise ConfigError([found.message()])
+    if found is not None:
+        console.print(
+            f"[yellow]note[/yellow] {escape(found.describe())}; trained anyway, as "
+            "search.preflight=false says",
+            soft_wrap=True,
+        )
+    return prediction
+
+
+def _recommended(cfg: DictConfig, console: Console) -> tuple[DictConfig, list[str], Retrain | None]:
+    """The config of +best=PATH: the file's overrides (config search path included), then
+    the command line's other overrides, which win; and the study's trial it retrains."""
+    path = str(cfg[BEST_KEY])
+    task = [o for o in HydraConfig.get().overrides.task if override_key(o) != BEST_KEY]
+    overrides = merge_overrides(load_overrides(path), task)
+    try:
+        composed = hydra.compose(config_name="config", overrides=overrides)
+    except HydraException as error:
+        raise ConfigError([f"{BEST_KEY}={path}: its overrides do not compose: {error}"]) from None
+    document = yaml.safe_load(Path(path).expanduser().read_text())  # load_overrides read it
+    study, trial = document.get("study"), document.get("trial")
+    if not isinstance(study, str) or isinstance(trial, bool) or not isinstance(trial, int):
+        console.print(
+            f"[yellow]note[/yellow] {BEST_KEY}={path} names no study and trial (keys study: "
+            f"and trial:); the run goes to MLflow experiment {EXPERIMENT!r}",
+            soft_wrap=True,
+        )
+        return composed, overrides, None
+    return composed, overrides, Retrain(study, trial, path)
+
+
+def _save_path(cfg: DictConfig) -> Path | None:
+    """+save=PATH, checked before training: a file that can be written."""
+    value = cfg.get(SAVE_KEY)
+    if value is None:
+        return None
+    fix = f"give a file path, e.g. +{SAVE_KEY}=models/run.pt"
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError([f"{SAVE_KEY}={value!r} is not a path; {fix}"])
+    path = Path(value).expanduser()
+    if path.is_dir():
+        raise ConfigError([f"{SAVE_KEY}={value!r} is a directory; {fix} inside it"])
+    reason = cannot_create(path.parent)
+    if reason is not None:
+        raise ConfigError([f"{SAVE_KEY}={value!r} cannot be written ({reason}); {fix}"])
+    return path
+
+
+def _geometry(spec: RunSpec) -> str:
+    t = spec.trainer
+    return f"{t.batch_size}x{t.accum_steps} {t.precision}"
+
+
+def _start_run(ready: Prepared) -> RunLog:
+    tags: dict[str, object] = {ROLE_TAG: "train"}
+    name = _geometry(ready.spec)
+    retrain = ready.retrain
+    if retrain is not None:
+        tags.update({STUDY_TAG: retrain.study, TRIAL_TAG: retrain.trial})
+        name = f"retrain trial-{retrain.trial} of {retrain.study} · {name}"
+    log = ready.tracker.start_run(name, tags=tags)
+    if retrain is not None:
+        log.description(
+            f"Trains trial {retrain.trial} of study `{retrain.study}` again, from "
+            f"`{retrain.path}` (`python -m train +{BEST_KEY}={retrain.path}`)."
+        )
+    log.params({**ready.spec.params(), **data_params(ready.cfg)})
+    log.text(OmegaConf.to_yaml(ready.cfg, resolve=True), "config.yaml")
+    return log
+
+
+def _lr(spec: RunSpec) -> str:
+    """The rate trained with, and where it comes from."""
+    t = spec.trainer
+    if t.lr_scaling == "none":
+        return f"lr {spec.lr:.4g} (optimizer.lr, used as given: trainer.lr_scaling=none)"
+    return (
+        f"lr {spec.lr:.4g} (optimizer.lr={spec.base_lr:g} scaled {t.lr_scaling} to effective "
+        f"batch {t.effective_batch_size} from trainer.lr_ref_batch_size={t.lr_ref_batch_size})"
+    )
+
+
+def _training_line(ready: Prepared, run_id: str | None) -> str:
+    spec, prediction = ready.spec, ready.prediction
+    t = spec.trainer
+    where = f"MLflow run {run_id}"
+    if ready.retrain is not None:
+        where += f" in experiment {ready.retrain.study!r}"
+    return (
+        f"Training on {spec.device}: batch {t.batch_size} x {t.accum_steps} = "
+        f"{t.effective_batch_size}, {t.precision}, {_lr(spec)}"
+        + (f", predicted peak {format_bytes(prediction.peak_bytes)}" if prediction else "")
+        + f"; {where}"
+    )
+
+
+def _fit_logged(
+    ready: Prepared, log: RunLog, console: Console, errors: Console
+) -> tuple[RunResult, torch.nn.Module]:
+    """Train with the loop's hooks logging to the run; a failure ends the run and the process."""
 
     def on_eval(step: int, metrics: dict) -> None:
         log.metrics({k: v for k, v in metrics.items() if "/" in k}, step, flush=True)
         values = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val/"))
         console.print(f"step {step} epoch {metrics['epoch']:.2f}: {values}")
 
-    hooks = Hooks(on_log=lambda step, metrics: log.metrics(metrics, step), on_eval=on_eval)
-    failure = None
+    trained: list[torch.nn.Module] = []
+    hooks = Hooks(
+        on_log=lambda step, metrics: log.metrics(metrics, step),
+        on_eval=on_eval,
+        on_end=trained.append,
+    )
     try:
-        with tracker.system_metrics(log.run_id):
-            result = run(cfg, spec, hooks)
+        with ready.tracker.system_metrics(log.run_id):
+            return run(ready.cfg, ready.spec, hooks), trained[0]
     except (OutOfMemory, Diverged) as error:
-        failure = ("oom" if isinstance(error, OutOfMemory) else "diverged", str(error))
+        reason = "oom" if isinstance(error, OutOfMemory) else "diverged"
+        log.tags({STATE_TAG: "PRUNED", "batchfit.prune_reason": reason})
+        log.finish("FAILED")
+        errors.print(f"[bold red]{reason}[/bold red]: {escape(redact(str(error)))}")
+        sys.exit(1)
     except ConfigError as error:
         log.finish("FAILED")
-        errors.print(
-            f"[bold red]Configuration error[/bold red]\n{escape(str(error))}", soft_wrap=True
-        )
-        sys.exit(2)
+        _config_error(errors, error)
+    except Exception as error:
+        log.finish("FAILED")
+        _crashed(errors, f"{type(error).__name__} while training (above)")
     except BaseException:
         log.finish("FAILED")
         raise
-    if failure:
-        log.tags({STATE_TAG: "PRUNED", "batchfit.prune_reason": failure[0]})
-        log.finish("FAILED")
-        errors.print(f"[bold red]{failure[0]}[/bold red]: {escape(failure[1])}")
-        sys.exit(1)
+
+
+def _logged_figures(ready: Prepared, log: RunLog, result: RunResult, console: Console) -> str:
+    """The run's final figures, logged; and as one line to print."""
+    spec, prediction, cfg = ready.spec, ready.prediction, ready.cfg
     extra = {"memory/budget_bytes": spec.budget_bytes} if spec.budget_bytes else {}
     if prediction is not None:
         measured = result.reserved_bytes or result.peak_bytes
@@ -129,39 +338,53 @@ def main(cfg: DictConfig) -> None:
     except PredictionUnsupported:
         pass
     log.metrics({**result.metrics(), **extra}, step=result.num_steps)
-    log.tags({STATE_TAG: "COMPLETE"})
-    log.finish()
     figures = result.figures()
+    spread = figures.get("throughput/spread")
+    steady = "" if spread is None else f" (±{spread / 2:.0%})"  # over the logging intervals
     speeds = [
-        f"{v:.0f} {k.split('/')[1].removesuffix('_per_sec')}/s"
+        f"{v:.0f} {k.split('/')[1].removesuffix('_per_sec')}/s{steady}"
         for k, v in figures.items()
-        if k.startswith("throughput/")
+        if k.startswith("throughput/") and k.endswith("_per_sec")
     ]
-    console.print(
-        " | ".join(
-            [
-                *(f"{k} {v:.4f}" for k, v in result.val.items()),
-                *speeds,
-                f"{result.step_ms:.0f} ms/step",
-                f"waiting for data {figures.get('time/data_wait_share', 0):.0%}",
-                f"peak {format_bytes(result.peak_bytes)}",
-            ]
-        ),
-        soft_wrap=True,
+    return " | ".join(
+        [
+            *(f"{k} {v:.4f}" for k, v in result.val.items()),
+            *speeds,
+            f"{result.step_ms:.0f} ms/step",
+            f"waiting for data {figures.get('time/data_wait_share', 0):.0%}",
+            f"peak {format_bytes(result.peak_bytes)}",
+        ]
     )
 
 
-def _recommended(cfg: DictConfig) -> DictConfig:
-    """The config of +best=PATH: the file's overrides (config search path included), then
-    the command line's other overrides, which win."""
-    task = [o for o in HydraConfig.get().overrides.task if override_key(o) != BEST_KEY]
-    overrides = merge_overrides(load_overrides(cfg[BEST_KEY]), task)
-    try:
-        return hydra.compose(config_name="config", overrides=overrides)
-    except HydraException as error:
-        raise ConfigError(
-            [f"{BEST_KEY}={cfg[BEST_KEY]}: its overrides do not compose: {error}"]
-        ) from None
+def _save(ready: Prepared, log: RunLog, model: torch.nn.Module) -> str:
+    """The trained model as the run's artifact and at +save=PATH; where it went."""
+    saved = model_file.to_bytes(
+        model, redact(OmegaConf.to_yaml(ready.cfg, resolve=True)), redact_tree(ready.overrides)
+    )
+    log.artifacts({model_file.FILE_NAME: saved}, model_file.ARTIFACT_PATH)
+    where = f"MLflow artifact {model_file.ARTIFACT_PATH}/{model_file.FILE_NAME}"
+    if ready.save_path is not None:
+        ready.save_path.parent.mkdir(parents=True, exist_ok=True)
+        ready.save_path.write_bytes(saved)
+        where += f" and {ready.save_path}"
+    return where
+
+
+def _config_error(errors: Console, error: ConfigError) -> NoReturn:
+    """The one printer of configuration errors, passwords masked (tracking/redact.py)."""
+    errors.print(
+        f"[bold red]Configuration error[/bold red]\n{escape(redact(str(error)))}",
+        soft_wrap=True,  # one problem per line, whole, in logs too
+    )
+    sys.exit(2)
+
+
+def _crashed(errors: Console, what: str) -> NoReturn:
+    """An unexpected error: its traceback, redacted (it may hold the overrides' passwords)."""
+    errors.print(redact(traceback.format_exc()), markup=False, highlight=False)
+    errors.print(f"[bold red]The run failed[/bold red]: {escape(what)}", soft_wrap=True)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

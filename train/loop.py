@@ -10,6 +10,7 @@ device and are read at logging intervals, where the clock is also read.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -58,6 +59,10 @@ class Hooks:
     on_log: Callable[[int, Metrics], None] | None = None  # every trainer.log_every_steps
     # After each validation; returning True ends the run there (e.g. its target is met).
     on_eval: Callable[[int, Metrics], bool | None] | None = None
+    on_end: Callable[[nn.Module], None] | None = None  # the trained model (e.g. to save it)
+
+
+MIN_SPREAD_INTERVALS = 3  # timed logging intervals before a run states its throughput's spread
 
 
 @dataclass
@@ -79,6 +84,8 @@ class RunResult:
     unit: str = "samples"  # the task's loss unit (tokens for a language model)
     timed_units: int = 0
     data_wait_s: float = 0.0  # of timed_seconds, waiting for the input pipeline
+    # samples/s of each logging interval the clock timed: how steady the machine was
+    interval_rates: list[float] = field(default_factory=list)
 
     @property
     def val_acc(self) -> float:
@@ -106,6 +113,9 @@ class RunResult:
             )
         if self.reserved_bytes is not None:
             values["memory/reserved_bytes"] = float(self.reserved_bytes)
+        if len(self.interval_rates) >= MIN_SPREAD_INTERVALS:
+            rates = sorted(self.interval_rates)
+            values["throughput/spread"] = (rates[-1] - rates[0]) / statistics.median(rates)
         return {k: v for k, v in values.items() if not math.isnan(v)}
 
     def figures(self) -> Metrics:
@@ -327,18 +337,15 @@ def fit(
     pipeline = Pipeline.of(data, device)
     meter.start()
     oom_message = None
+    hooks = hooks or Hooks()
     try:
-        return _fit(
-            model,
-            optimizer,
-            scheduler,
-            pipeline,
-            cfg,
-            device,
-            meter,
-            hooks or Hooks(),
+        result = _fit(
+            model, optimizer, scheduler, pipeline, cfg, device, meter, hooks,
             task or Classification(),
-        )
+        )  # fmt: skip
+        if hooks.on_end:
+            hooks.on_end(model)
+        return result
     except Exception as error:
         if not is_oom_error(error):
             raise
@@ -366,6 +373,8 @@ def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task)
     loss_sum = torch.zeros((), device=device)
     interval_steps, last_loss, num_samples = 0, math.nan, 0
     timed_samples, timed_units, data_wait = 0, 0, 0.0
+    interval_rates: list[float] = []
+    last_read = (0, 0.0)  # timed samples and seconds at the previous logging interval
     evals: list[Metrics] = []
     done_steps, untimed_wall, train_s = num_steps, 0.0, 0.0
     model.train()
@@ -414,6 +423,11 @@ def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task)
                     raise Diverged(step + 1, last_loss)
                 loss_sum.zero_()
                 interval_steps = 0
+                if step >= first_timed_step and clock.read() > last_read[1]:
+                    interval_rates.append(
+                        (timed_samples - last_read[0]) / (clock.seconds - last_read[1])
+                    )
+                    last_read = (timed_samples, clock.seconds)
                 if hooks.on_log:
                     metrics = {
                         "train/loss": last_loss,
@@ -468,4 +482,5 @@ def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task)
         unit=task.unit,
         timed_units=timed_units,
         data_wait_s=data_wait,
+        interval_rates=interval_rates,
     )

@@ -37,6 +37,14 @@ def test_rerun_overrides_replace_sampled_keys_and_drop_study_settings() -> None:
     ]
 
 
+def test_trial_line_puts_the_spread_next_to_the_throughput() -> None:
+    trial = _trial(
+        64, "fp32", TrialState.COMPLETE, throughput=412.0, unit="samples", peak_bytes=1,
+        metrics={"throughput/spread": 0.12},
+    )  # fmt: skip
+    assert "412 samples/s (±6%)" in trial_line(trial)
+
+
 def test_trial_line_shows_state_reason_and_figures() -> None:
     line = trial_line(
         _trial(512, "fp32", TrialState.PRUNED, reason="oom", peak_bytes=3 * 2**20, message="over")

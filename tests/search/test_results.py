@@ -198,7 +198,7 @@ def test_front_stars_the_recommended_trial() -> None:
     study = _study()
     trials = study.get_trials()
     fig = plots.front(study, METRICS, plots.points(trials), recommended=1)
-    assert _lines(fig, "*") == [([900.0], [0.945])]  # x: throughput, y: accuracy
+    assert _lines(fig, "*") == [([0.945], [900.0])]  # x: accuracy (objective 0), as study.html
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert "pruned as OOM (no values): #4 512x1 fp32" in texts
 
@@ -231,8 +231,12 @@ def test_summary_markdown() -> None:
         "trainer.precision=bf16 mlflow.tracking_uri=http://me:***@host:5000\n```"
     ) in text
     assert "secret" not in text
-    # OOM boundary: fp32 fitted 32 and 128, OOM at 512; bf16 fitted 64 and 256, no OOM.
-    assert "| bf16 | 256 | - |\n| fp32 | 128 | 512 |" in text
+    # OOM boundary per precision x accumulation (no fit report here: the trials'): fp32 x 1
+    # fitted 32 and 128, OOM at 512; bf16 fitted 256 at x 1 and 64 at x 2, no OOM.
+    assert (
+        "| bf16 | 1 | 256 | - | 256 |\n| bf16 | 2 | 64 | - | 64 |\n"
+        "| fp32 | 1 | 128 | 512 | 32, 128 |\n\n"
+    ) in text
     assert "## Pruned trials" in text
     assert "| 4 | 512 | 1 | 512 | fp32 | oom_predicted |" in text
 
@@ -242,7 +246,7 @@ def test_summary_markdown_without_a_completed_trial() -> None:
     study.add_trial(_trials()[4])
     text = summary_markdown(study, METRICS, None)
     assert "Recommended" not in text and "python -m train" not in text
-    assert "| fp32 | - | 512 |" in text and "oom_predicted |" in text
+    assert "| fp32 | 1 | - | 512 | - |" in text and "oom_predicted |" in text
 
 
 CONFIG = {"trainer.batch_size": 64, "trainer.accum_steps": 2, "trainer.precision": "bf16"}

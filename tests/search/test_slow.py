@@ -142,7 +142,14 @@ def test_when_every_trial_is_slow_the_summary_blames_the_machine_or_the_budget()
     assert "see the reasons above" not in text
     # One trial pruned for another reason: the configurations may be the problem.
     study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={record.REASON: "diverged"}))
-    assert none_completed(study.get_trials()) == "No trial completed; see the reasons above."
+    assert none_completed(study.get_trials()) == (
+        "No trial completed. The trials ended as: 3 PRUNED (slow); 1 PRUNED (diverged) (the "
+        "loss diverged: lower the optimizer.lr range in search.params)."
+    )
+    study.add_trial(create_trial(state=TrialState.FAIL, user_attrs={"error": "boom"}))
+    assert "; 1 FAIL (an error in training: its line above says which" in none_completed(
+        study.get_trials()
+    )
 
 
 def test_a_study_of_slow_trials_records_their_projection_and_says_so(prepare_study, stores):

@@ -6,17 +6,36 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import re
 import sqlite3
 import time
 from pathlib import Path
 
+import mlflow
 import pytest
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
+from search.report import run_name
 from tests.sweeps import free_port
 from tracking.outbox import Outbox
-from tracking.runs import SYSTEM_METRICS_LOGGER, RunLog, Tracker, http_defaults, quiet_logging
+from tracking.runs import (
+    RECOMMENDED_COLUMN,
+    RECOMMENDED_TAG,
+    ROLE_TAG,
+    RUN_NAME_COLUMN,
+    SYSTEM_METRICS_LOGGER,
+    TRIAL_TAG,
+    VIEW_TAG,
+    RunLog,
+    Tracker,
+    experiment_tags,
+    http_defaults,
+    mib_metrics,
+    quiet_logging,
+    view_charts,
+    view_state,
+)
 
 
 def test_outbox_queues_writes_to_an_unreachable_server_in_order(monkeypatch) -> None:
@@ -202,3 +221,170 @@ def test_a_moved_project_directory_is_said(tmp_path: Path, monkeypatch, caplog) 
     )
     location = tracker.client.get_experiment(tracker.experiment_id).artifact_location
     assert location == (old / "mlruns" / "artifacts" / "study").as_uri()  # as said: the old one
+
+
+# --- batchfit's saved view of an experiment (the link the study prints opens it) ----------
+
+MLFLOW_JS = Path(mlflow.__file__).parent / "server" / "js" / "build" / "static" / "js"
+
+
+def _js_list(*start: str) -> list[str]:
+    """The JavaScript array of strings in MLflow's UI bundle that starts with `start`."""
+    head = ",".join(f'"{name}"' for name in start)
+    for bundle in sorted(MLFLOW_JS.glob("*.js")):
+        found = re.search(rf'\[({head}(?:,"\w+")*)\]', bundle.read_text())
+        if found:
+            return json.loads(f"[{found.group(1)}]")
+    raise AssertionError(f"no list starting with {head} in {MLFLOW_JS}")
+
+
+def test_the_view_sets_only_what_mlflows_ui_reads_from_a_shared_view() -> None:
+    """MLflow 3.17's UI (its bundle, read here: a new version may change it) takes a shared
+    view's search facets and its UI state, less runsExpanded, runsPinned, runsHidden,
+    runsVisibilityMap and autoRefreshEnabled. So the view cannot open the parent run (its
+    sort lists the trials as rows of their own instead, tests/test_browser.py)."""
+    facets = _js_list("searchFilter", "orderByKey")
+    ui_state = _js_list("selectedColumns", "columnOrder")
+    dropped = _js_list("runsExpanded", "runsPinned")
+    assert {"orderByKey", "orderByAsc"} <= set(facets)
+    assert "runsExpanded" in dropped and "runsHiddenMode" not in dropped
+    state = view_state(["val/acc", "throughput/samples_per_sec"])
+    assert set(state) <= set(facets) | (set(ui_state) - set(dropped)), set(state)
+
+
+def test_the_view_shows_the_objectives_first_and_memory_in_mib() -> None:
+    state = view_state(["val/loss", "throughput/tokens_per_sec", "memory/peak_bytes"])
+    assert state["selectedColumns"][:5] == [
+        RECOMMENDED_COLUMN,
+        "metrics.`val/loss`",
+        "metrics.`throughput/tokens_per_sec`",
+        "metrics.`memory/peak_mib`",  # the objective, shown in MiB: bytes are 9 digits
+        "metrics.`throughput/samples_per_sec`",
+    ]
+    assert not [c for c in state["selectedColumns"] if c.endswith("_bytes`")]
+    assert state["columnOrder"] == [RUN_NAME_COLUMN, *state["selectedColumns"]]
+    assert set(state["columnWidths"]) == set(state["columnOrder"])
+    # The recommended trial's run first (its mark sorts above none, and the parent's number).
+    assert (state["orderByKey"], state["orderByAsc"]) == (RECOMMENDED_COLUMN, False)
+    assert state["runsHiddenMode"] == "SHOW_ALL"  # MLflow's default: the first 10 runs
+
+
+def test_the_chart_view_starts_with_the_objectives_then_their_curves() -> None:
+    state = view_state(["val/acc", "throughput/samples_per_sec"])
+    sections = [(s["name"], s["display"]) for s in state["compareRunSections"]]
+    assert sections == [
+        ("Objectives", True), ("val", True), ("throughput", True), ("memory", True),
+        ("time", True), ("train", True),
+        ("trials", False), ("best/val", False), ("best/throughput", False),  # the parent's
+    ]  # fmt: skip
+    assert state["isAccordionReordered"]  # else MLflow sorts the sections by name
+    by_section = {s["uuid"]: s["name"] for s in state["compareRunSections"]}
+    charts = [
+        (c["type"], c.get("metricKey"), by_section[c["metricSectionId"]])
+        for c in state["compareRunCharts"]
+    ]
+    assert charts == [
+        ("BAR", "val/acc", "Objectives"),
+        ("BAR", "throughput/samples_per_sec", "Objectives"),
+        ("SCATTER", None, "Objectives"),  # the front
+        ("LINE", "val/acc", "val"),  # MLflow charts a metric once: its curve stays home
+        ("LINE", "throughput/samples_per_sec", "throughput"),
+    ]
+    front = state["compareRunCharts"][2]
+    assert (front["xaxis"]["key"], front["yaxis"]["key"]) == (
+        "throughput/samples_per_sec",
+        "val/acc",
+    )
+    assert len({c["uuid"] for c in state["compareRunCharts"]}) == len(charts)
+
+
+def test_one_objective_has_its_bar_and_no_front() -> None:
+    charts, sections = view_charts(["memory/peak_bytes"])
+    assert [(c["type"], c["metricKey"]) for c in charts] == [("BAR", "memory/peak_mib")]
+    assert sections[-1]["name"] == "best/memory"  # the parent's best/memory/peak_bytes
+
+
+def test_the_experiment_tag_is_a_view_mlflow_reads() -> None:
+    """MLflow's envelope: a string name, a number createdAt and the state as a JSON string."""
+    tags = experiment_tags(["val/loss"])
+    view = json.loads(tags[VIEW_TAG])
+    assert isinstance(view["name"], str) and isinstance(view["createdAt"], int)
+    assert json.loads(view["state"]) == view_state(["val/loss"])
+
+
+def test_memory_figures_are_logged_in_mib_too() -> None:
+    figures = {"memory/peak_bytes": 152991520.0, "memory/budget_bytes": 2**30, "val/acc": 0.9}
+    assert mib_metrics(figures) == {"memory/peak_mib": 145.9, "memory/budget_mib": 1024.0}
+    assert mib_metrics({"memory/peak_bytes": float("nan")}) == {}
+
+
+def test_a_study_saves_its_objectives_view_on_its_experiment(tmp_path: Path) -> None:
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "lm", str(tmp_path / "a"))
+    parent, _ = tracker.study_run("lm", None)
+    parent.save_view(["val/loss", "throughput/tokens_per_sec"])
+    assert tracker.close(30)
+    view = json.loads(tracker.client.get_experiment(tracker.experiment_id).tags[VIEW_TAG])
+    assert json.loads(view["state"])["selectedColumns"][1] == "metrics.`val/loss`"
+
+
+def test_the_recommended_mark_moves_to_the_new_recommendation(tmp_path: Path) -> None:
+    """One run of the study's trials carries it, whichever worker marked the last one."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = Tracker(uri, "study", str(tmp_path / "a"))
+    parent, _ = tracker.study_run("study", None)
+    other = Tracker(uri, "other", str(tmp_path / "a"))  # another study's trial 1: untouched
+    stranger = other.start_run("trial-1", {ROLE_TAG: "trial", TRIAL_TAG: 1})
+    for number in range(3):
+        tracker.start_run(f"trial-{number}", {ROLE_TAG: "trial", TRIAL_TAG: number}, parent.run_id)
+    another_worker = RunLog(MlflowClient(uri), Outbox(), parent.run_id)
+
+    def marked() -> list[str]:
+        assert tracker.close(30) and other.close(30)
+        runs = MlflowClient(uri).search_runs(
+            [tracker.experiment_id, other.experiment_id],
+            filter_string=f"tags.`{RECOMMENDED_TAG}` = 'true'",
+        )
+        return [r.info.run_name for r in runs]
+
+    parent.mark_recommended(1)
+    assert marked() == ["trial-1"]
+    another_worker.mark_recommended(2)
+    assert marked() == ["trial-2"]
+    parent.mark_recommended(2)  # again: nothing changes
+    assert marked() == ["trial-2"]
+    assert RECOMMENDED_TAG not in MlflowClient(uri).get_run(stranger.run_id).data.tags
+
+
+# --- trial run names (search/report.py run_name: the runs table's first column) -----------
+# (Beside tests/search/test_results.py's test_run_name, which this session could not edit.)
+
+CONFIG = {"trainer.batch_size": 64, "trainer.accum_steps": 2, "trainer.precision": "bf16"}
+
+
+@pytest.mark.parametrize(
+    ("objectives", "attrs", "name"),
+    [
+        (  # a language model: its loss and tokens/s, not accuracy and samples/s
+            ["val/loss", "throughput/tokens_per_sec"],
+            {"unit": "tokens", "throughput": 9120.4, "peak_bytes": 152991520,
+             "metrics": {"val/loss": 2.31012, "throughput/tokens_per_sec": 9120.4,
+                         "throughput/samples_per_sec": 35.6}},
+            "trial-3 · 64x2 bf16 · loss 2.310 · 9120 tokens/s · 145.9 MiB",
+        ),
+        (  # one objective: its throughput anyway; a memory objective is the MiB at the end
+            ["val/acc", "memory/peak_bytes", "perf/mfu"],
+            {"unit": "samples", "throughput": 912.4, "peak_bytes": 678996,
+             "metrics": {"val/acc": 0.9456, "perf/mfu": 0.41234}},
+            "trial-3 · 64x2 bf16 · acc 0.946 · mfu 0.4123 · 912/s · 0.6 MiB",
+        ),
+    ],
+)  # fmt: skip
+def test_a_trials_name_gives_the_studys_objectives(objectives, attrs, name) -> None:
+    assert run_name(3, CONFIG | {"state": "COMPLETE"} | attrs, objectives) == name
+
+
+def test_a_slow_trials_name_gives_its_projection() -> None:
+    attrs = {"state": "PRUNED", "reason": "slow", "projected_s": 412.3, "time_budget_s": 60.0}
+    assert run_name(3, CONFIG | attrs) == (
+        "trial-3 · 64x2 bf16 · PRUNED slow (projected 412 s, budget 60 s)"
+    )

@@ -545,3 +545,17 @@ def test_validation_is_not_on_the_clock(monkeypatch: pytest.MonkeyPatch) -> None
     result = _fit(_flat_linear(data), data, cfg)
     assert len(result.evals) == 4 and result.timed_steps == 2
     assert result.timed_seconds < sleep_s, result.timed_seconds
+
+
+def test_the_throughput_spread_is_over_the_timed_logging_intervals():
+    data = _splits()
+    # 152 samples / 8 = 19 steps an epoch, 2 epochs: 38 steps; warm-up 2; a log every 4.
+    cfg = TrainerConfig(batch_size=8, max_epochs=2, log_every_steps=4, warmup_steps=2)
+    result = _fit(_flat_linear(data), data, cfg)
+    # Logs at steps 4, 8, ..., 36 and the last (38), all past the warm-up: 10 intervals.
+    assert len(result.interval_rates) == 10 and all(r > 0 for r in result.interval_rates)
+    rates = sorted(result.interval_rates)
+    median = (rates[4] + rates[5]) / 2
+    assert result.metrics()["throughput/spread"] == pytest.approx((rates[-1] - rates[0]) / median)
+    short = _fit(_flat_linear(data), data, TrainerConfig(batch_size=8, max_steps=6))
+    assert "throughput/spread" not in short.metrics()  # one interval says nothing of it
