@@ -285,8 +285,11 @@ class StudyDriver:
             reports = _log_fit_report(cfg, checked, parent, console)
             if reports and FIT_ATTR not in study.user_attrs:  # the summary's memory boundary
                 study.set_user_attr(FIT_ATTR, fit_cells(reports))
-                if created_study and settings.fit_report_first:
-                    for params in frontier(fit_cells(reports), list(checked.space.distributions)):
+                # A grid tries every configuration anyway, each once.
+                grid = isinstance(checked.sampler, optuna.samplers.GridSampler)
+                if created_study and settings.fit_report_first and not grid:
+                    first = frontier(fit_cells(reports), list(checked.space.distributions))
+                    for params in first[: settings.n_trials]:  # none left waiting at the end
                         study.enqueue_trial(params, skip_if_exists=True)
             parent.tags({SETUP_TAG: "complete"})
         parent_run = StudyRun(parent, settings.metrics)

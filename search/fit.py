@@ -212,16 +212,20 @@ GEOMETRY_KEYS = {BATCH_KEY, ACCUM_KEY, PRECISION_KEY, EFFECTIVE_KEY, CHECKPOINTI
 MAX_LAYOUTS = 8  # more combinations of the other keys: those are held at their configured value
 
 
-def layouts(space: SearchSpace, spec: RunSpec) -> list[dict[str, object]]:
+def layouts(cfg: DictConfig, space: SearchSpace, spec: RunSpec) -> list[dict[str, object]]:
     """Every combination of trainer.activation_checkpointing and the other discrete searched
     keys a step's memory may follow (data.seq_len, a model's width: anything but the
-    geometry and the optimizer's and schedule's numbers), as {key: value}; the configured
-    checkpointing alone when there are more than MAX_LAYOUTS."""
+    geometry and the optimizer's and schedule's numbers; not a group choice, e.g. optimizer,
+    which a trial composes), as {key: value}; the configured checkpointing alone when there
+    are more than MAX_LAYOUTS."""
     modes = _space_values(space, CHECKPOINTING_KEY, spec.trainer.activation_checkpointing)
     axes = {CHECKPOINTING_KEY: [str(m) for m in modes]}
     for key, dist in space.distributions.items():
         numeric = key.startswith(("optimizer.", "scheduler."))
-        if isinstance(dist, CategoricalDistribution) and key not in GEOMETRY_KEYS and not numeric:
+        value = OmegaConf.select(cfg, key)
+        group = value is None or OmegaConf.is_config(value)  # a config group, not a value
+        discrete = isinstance(dist, CategoricalDistribution)
+        if discrete and key not in GEOMETRY_KEYS and not numeric and not group:
             axes[key] = list(dist.choices)
     combos = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
     if len(combos) > MAX_LAYOUTS:
@@ -236,7 +240,7 @@ def fit_reports(
     discrete keys the space searches, side by side, so that the report has the cells a
     trial can land in (a trial at seq_len 256 is not predicted at the configured 64)."""
     reports = []
-    for layout in layouts(space, spec):
+    for layout in layouts(cfg, space, spec):
         layout_cfg = copy.deepcopy(cfg)
         with open_dict(layout_cfg):
             for key, value in layout.items():
