@@ -1,0 +1,536 @@
+"""Every command of the README's bash blocks, accounted for: run exactly as written in a fresh
+directory, as a user following the README types it, with its output checked, or mapped to
+the test or CI step that runs it where this offline CPU machine cannot. `TABLE` says which;
+a README command missing from it, or a table entry the README no longer has, fails here.
+The "Bring your own training" section is tests/test_guide.py's, and is left out.
+
+Each quick-start study runs once; what follows it in the README (`python -m train
++best=...`, `mlflow ui`, optuna-dashboard) reads the stores it left in the same directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
+
+from tests.sweeps import free_port
+from tests.test_guide import RECOMMENDED, REPO, SECTION, shell
+
+pytestmark = pytest.mark.slow
+
+FENCE = re.compile(r"^( *)```bash\n(.*?)^ *```", re.S | re.M)
+CI = REPO / ".ci" / "run"
+STUDY_TIMEOUT_S = 1200  # a time-boxed study takes ~3 min on 2 idle cores; CI's are busier
+# optuna-dashboard answers in ~7 s on 2 busy cores; mlflow ui (4 uvicorn workers and its job
+# consumers) took 81 s there, 10 s on idle ones
+SERVER_TIMEOUT_S = 240
+
+
+@dataclass(frozen=True)
+class Check:
+    """How the suite answers for one README command.
+
+    by: the test of this module that runs it as written; `tests.module::test` for a test
+    elsewhere that runs what it does (in its own shape: a small model, its own stores);
+    `.ci/run` when CI runs it as a step (`line`: the step, where it is not the command).
+    why: why it is not run as written here."""
+
+    by: str
+    why: str = ""
+    line: str = ""
+
+
+CLUSTER = "needs SLURM (and PostgreSQL), GPUs and CIFAR-10: run on the cluster of services.sh"
+TABLE: dict[str, Check] = {
+    # Quick start
+    "python3 -m venv .venv && . .venv/bin/activate": Check("test_virtual_environment"),
+    "pip install -e .": Check(
+        ".ci/run", "needs PyPI; CI installs the package with its extras", 'pip install -e ".[dev]"'
+    ),
+    "python -m search +experiment=resnet data=digits": Check("test_quick_start_digits"),
+    "python -m search +experiment=gpt": Check("test_quick_start_gpt"),
+    "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu": Check(
+        "", "needs download.pytorch.org; no test or CI step installs the CPU build"
+    ),
+    "mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db": Check("test_mlflow_ui"),
+    "python -m search.fit +experiment=resnet data=digits": Check("test_fit_report"),
+    # Other entry points
+    "python -m search +experiment=resnet_derived data=digits search.n_trials=4": Check(
+        "test_derived_accumulation"
+    ),
+    "python -m search +experiment=gpt search.study_name=gpt-perplexity search.n_trials=4 "
+    "'search.objectives=[val/perplexity,throughput/tokens_per_sec]'": Check(
+        "test_gpt_perplexity_study"
+    ),
+    "python -m search model=small_cnn data=digits search.n_trials=4": Check("test_four_levers"),
+    "python -m search +experiment=resnet": Check("test_cifar10_offline"),
+    "python -m search +experiment=resnet search.memory_budget=90%": Check(
+        "test_cifar10_offline", "on a GPU: offline, CIFAR-10 is missing before the budget matters"
+    ),
+    "python -m train +experiment=resnet data=digits trainer.batch_size=64 trainer.accum_steps=1 "
+    "trainer.precision=fp32 optimizer.lr=0.05": Check("test_one_training_run"),
+    # Seeing the results
+    "optuna-dashboard mlruns/optuna.journal": Check("test_optuna_dashboard"),
+    "optuna-dashboard postgresql://batchfit@db-host:5432/batchfit": Check(
+        "test_optuna_dashboard_without_its_database"
+    ),
+    # Several workers
+    "python -m search --multirun +experiment=resnet search.workers=4 "
+    "hydra/launcher=submitit_slurm hydra.launcher.partition=gpu hydra.launcher.gpus_per_node=1 "
+    "search.storage=journal:/shared/batchfit/optuna.journal "
+    "mlflow.tracking_uri=http://mlflow-host:5000": Check(
+        "tests.cluster.test_slurm::test_two_slurm_workers_log_to_a_tracking_server_on_postgresql",
+        CLUSTER,
+    ),
+    "python -m search --multirun +experiment=resnet search.workers=4 "
+    "hydra/launcher=submitit_slurm hydra.launcher.gpus_per_node=1 "
+    "search.storage=postgresql://batchfit@db-host:5432/batchfit": Check(
+        "tests.cluster.test_slurm::test_three_slurm_workers_on_postgresql", CLUSTER
+    ),
+    "python -m search --multirun +experiment=resnet search.workers=4 hydra/launcher=joblib": Check(
+        "tests.test_workers::test_joblib_workers_share_one_study", "needs 4 GPUs and CIFAR-10"
+    ),
+    "python -m search --multirun +experiment=resnet search.workers=4 "
+    "hydra/launcher=submitit_local": Check(
+        "tests.test_workers::test_submitit_local_worker_killed_mid_trial",
+        "4 ResNet-18 workers on CIFAR-10: hours on a CPU, and no download here",
+    ),
+    # Add an experiment or a search space
+    "python -m search +experiment=resnet data=digits search.study_name=resnet-digits-fp32 "
+    "search.n_trials=4 "
+    '\'++search.params={trainer.precision:"choice(fp32)",trainer.accum_steps:'
+    '"choice(1,2,4,8)",trainer.grad_clip_norm:"choice(0.5,1.0)",optimizer.lr:null}\'': Check(
+        "test_space_from_the_command_line"
+    ),
+    "python -m search +experiment=resnet data=digits search.study_name=resnet-digits-to-target "
+    "search.n_trials=4 \"search.target='val/acc>=0.9'\" 'search.objectives=[time/to_target_s]' "
+    "search.recommend.metric=time/to_target_s": Check("test_time_to_target"),
+    # Tests
+    'pip install -e ".[dev]"': Check(".ci/run", "needs PyPI; CI installs exactly this"),
+    "pytest": Check(".ci/run", "the whole suite, this module included"),
+    'pytest -m "not slow"': Check("test_pytest_markers", "a second pytest run of the suite"),
+    "pytest -m gpu": Check("test_pytest_markers", "a second pytest run of the suite"),
+    "tests/cluster/services.sh install": Check(".ci/run", "as root: installs Debian packages"),
+    'eval "$(tests/cluster/services.sh up)"': Check(".ci/run", "as root: starts system services"),
+    "pytest tests/cluster": Check(
+        "tests.cluster.test_slurm::test_three_slurm_workers_on_a_journal_file",
+        "needs the services of services.sh up; CI's `pytest` runs tests/cluster",
+    ),
+    "tests/cluster/services.sh down": Check(
+        ".ci/run", "as root: stops system services", "trap 'tests/cluster/services.sh down' EXIT"
+    ),
+}
+
+
+def _command(line: str) -> str:
+    """A shell line without its comment, runs of blanks outside quotes made one."""
+    out, quote, blank = [], None, False
+    for i, char in enumerate(line):
+        if quote is None and char == "#" and (i == 0 or line[i - 1].isspace()):
+            break
+        if quote is None and char.isspace():
+            blank = True
+            continue
+        if blank and out:
+            out.append(" ")
+        blank = False
+        out.append(char)
+        if quote is None and char in "'\"":
+            quote = char
+        elif char == quote:
+            quote = None
+    return "".join(out)
+
+
+def readme_commands() -> list[str]:
+    """Every command of the README's bash blocks but the guide's, in order: `\\` continuations
+    joined, comments (and `# then:` lines) dropped."""
+    readme = (REPO / "README.md").read_text()
+    start = readme.index(SECTION)
+    end = readme.index("\n## ", start + len(SECTION))
+    commands = []
+    for part in (readme[:start], readme[end:]):
+        for _, body in FENCE.findall(part):
+            lines = textwrap.dedent(body).replace("\\\n", " ").splitlines()
+            commands += [c for c in map(_command, lines) if c]
+    return commands
+
+
+def commands_of(test: str) -> list[str]:
+    """The README commands `test` runs, in README order."""
+    found = [c for c in dict.fromkeys(readme_commands()) if TABLE.get(c, Check("")).by == test]
+    assert found, f"the README has no command for {test} any more"
+    return found
+
+
+def test_every_readme_command_is_in_the_table() -> None:
+    commands = readme_commands()
+    assert len(commands) >= 20, commands  # the blocks were found
+    unknown = [c for c in commands if c not in TABLE]
+    assert not unknown, f"README commands no test answers for (add them to TABLE): {unknown}"
+    gone = [c for c in TABLE if c not in commands]
+    assert not gone, f"TABLE entries the README no longer has: {gone}"
+
+
+def test_every_check_names_a_test_or_a_ci_step() -> None:
+    ci = CI.read_text().splitlines()
+    for command, check in TABLE.items():
+        if check.by == ".ci/run":
+            assert (check.line or command) in ci, f"{CI} does not run {command!r}"
+        elif "::" in check.by:
+            module, name = check.by.split("::")
+            assert callable(getattr(importlib.import_module(module), name, None)), check.by
+            assert check.why, f"say why {command!r} is not run here"
+        elif check.by:
+            assert callable(globals().get(check.by)), f"{check.by} (for {command!r}) is missing"
+        else:
+            assert check.why, f"{command!r}: nothing runs it; say why"
+
+
+# ---- running them --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ran:
+    """A study command's output and what it left in the directory."""
+
+    command: str
+    out: str
+    study: optuna.Study
+
+
+def _env() -> dict[str, str]:
+    """The environment test_guide.shell gives a command: this interpreter's `python` first,
+    the repository not on the import path, no MLflow store from outside."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    return env
+
+
+def _fails(command: str, cwd: Path, timeout: int = 300) -> tuple[int, str, float]:
+    """(exit status, stdout + stderr, seconds) of a command expected to fail."""
+    start = time.monotonic()
+    done = subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=_env(), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - start
+
+
+def _study(cwd: Path, out: str) -> optuna.Study:
+    name = re.search(r"^Study (\S+):", out, re.M).group(1)
+    storage = JournalStorage(JournalFileBackend(str(cwd / "mlruns" / "optuna.journal")))
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+def _run_study(command: str, cwd: Path) -> Ran:
+    out = shell(command, cwd, timeout=STUDY_TIMEOUT_S).stdout
+    return Ran(command, out, _study(cwd, out))
+
+
+def _check_study(ran: Ran, name: str) -> optuna.trial.FrozenTrial:
+    """A study that ended as the README says: its name, a recommendation among its completed
+    trials, the memory boundary and the way to the MLflow UI; the recommended trial."""
+    out = ran.out
+    assert ran.study.study_name == name, out
+    assert re.search(rf"^Study {re.escape(name)}: \d+ finished trials", out, re.M), out
+    assert "Memory boundary (batch size per cell;" in out, out
+    recommended = RECOMMENDED.search(out)
+    assert recommended, out
+    trial = ran.study.trials[int(recommended.group(1))]
+    assert trial.state == TrialState.COMPLETE
+    assert re.search(r"^In MLflow: mlflow ui --backend-store-uri \S+, then open http", out, re.M)
+    assert "Traceback" not in out
+    return trial
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The user's working directory: fresh, outside the repository."""
+    return tmp_path_factory.mktemp("readme")
+
+
+@pytest.fixture(scope="module")
+def quick_starts(workdir: Path) -> dict[str, Ran]:
+    """The quick start's two studies, once each, in README order."""
+    return {
+        test: _run_study(command, workdir)
+        for test in ("test_quick_start_digits", "test_quick_start_gpt")
+        for command in commands_of(test)
+    }
+
+
+def test_virtual_environment(workdir: Path) -> None:
+    (command,) = commands_of("test_virtual_environment")
+    shell(command, workdir)
+    assert (workdir / ".venv" / "bin" / "python").exists()
+    assert (workdir / ".venv" / "bin" / "activate").is_file()
+
+
+def test_quick_start_digits(
+    quick_starts: dict[str, Ran], workdir: Path, hydra_conf: Callable[..., DictConfig]
+) -> None:
+    ran = quick_starts["test_quick_start_digits"]
+    trial = _check_study(ran, "resnet-digits")
+    # README: "no new trial starts after 2.5 minutes".
+    assert hydra_conf(shlex.split(ran.command)[3:]).search.timeout_s == 150
+    # The README's link is the one the first study prints (the first experiment: id 1).
+    readme = (REPO / "README.md").read_text()
+    link = re.search(r"^# then: (\S+)$", readme, re.M).group(1)
+    assert f"then open {link}\n" in ran.out
+    # `python -m train +best=PATH`, the path as the study printed it, trains the trial again,
+    # seeded and by the trial's code path: the same accuracy (observed: to the last digit).
+    best = re.search(r"^or: (python -m train \+best=(\S+))$", ran.out, re.M)
+    assert best and (workdir / best.group(2)).is_file(), ran.out
+    again = shell(best.group(1), workdir).stdout
+    assert "in experiment 'resnet-digits'" in again  # logged beside the study's runs
+    acc = re.search(r"val/acc ([0-9.]+)", again.splitlines()[-1])
+    assert acc, again
+    assert float(acc.group(1)) == pytest.approx(trial.user_attrs["metrics"]["val/acc"], abs=1e-4)
+
+
+def test_quick_start_gpt(
+    quick_starts: dict[str, Ran], hydra_conf: Callable[..., DictConfig]
+) -> None:
+    ran = quick_starts["test_quick_start_gpt"]
+    trial = _check_study(ran, "gpt-python_stdlib")
+    assert ran.study.metric_names == ["val/loss", "throughput/tokens_per_sec"]
+    assert "data.seq_len" in trial.params  # the sequence length is searched too
+    assert trial.user_attrs["metrics"]["throughput/tokens_per_sec"] > 0
+    # README: "about 3 minutes", as the digits study: time-boxed like it.
+    timeout_s = hydra_conf(shlex.split(ran.command)[3:]).search.timeout_s
+    assert timeout_s is not None, "search.timeout_s is not set: the study runs all its trials"
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return json.load(answer)
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.fixture
+def server(workdir: Path) -> Iterator[Callable[[str, int, str], str]]:
+    """serve(command, port, probe) -> its URL: a server command started in the directory, in
+    a process group of its own, polled until the path `probe` answers; stopped afterwards."""
+    started: list[tuple[subprocess.Popen, object]] = []
+
+    def serve(command: str, port: int, probe: str) -> str:
+        log = (workdir / f"server-{port}.log").open("w")
+        process = subprocess.Popen(
+            ["bash", "-c", f"exec {command}"], cwd=workdir, env=_env(), stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        started.append((process, log))
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + SERVER_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                pytest.fail(
+                    f"$ {command} exited ({process.returncode}):\n{Path(log.name).read_text()}"
+                )
+            try:
+                urllib.request.urlopen(url + probe, timeout=5).close()
+                return url
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.5)
+        pytest.fail(f"$ {command} did not answer in {SERVER_TIMEOUT_S} s")
+
+    yield serve
+    for process, log in started:  # the server and the workers it started: its process group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # workers that outlived it
+        process.wait()
+        log.close()
+
+
+def test_mlflow_ui(quick_starts: dict[str, Ran], server: Callable[[str, int, str], str]) -> None:
+    (command,) = commands_of("test_mlflow_ui")
+    # As written where its port (MLflow's 5000) is free; elsewhere on a free one.
+    port = 5000 if _free(5000) else free_port()
+    url = server(command if port == 5000 else f"{command} --port {port}", port, "/health")
+    for ran in quick_starts.values():
+        link = re.search(r"then open (\S+)$", ran.out, re.M).group(1)
+        experiment_id = re.search(r"/#/experiments/(\d+)/runs\?", link).group(1)
+        experiment = _get(f"{url}/api/2.0/mlflow/experiments/get?experiment_id={experiment_id}")
+        experiment = experiment["experiment"]
+        assert experiment["name"] == ran.study.study_name
+        tags = {t["key"]: t["value"] for t in experiment["tags"]}
+        assert "batchfit" in link and "mlflow.sharedViewState.batchfit" in tags  # the view
+        request = urllib.request.Request(
+            f"{url}/api/2.0/mlflow/runs/search",
+            data=json.dumps({"experiment_ids": [experiment_id], "max_results": 1000}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            runs = json.load(answer)["runs"]
+        roles = sorted(
+            tag["value"] for r in runs for tag in r["data"]["tags"] if tag["key"] == "batchfit.role"
+        )
+        trained = [t for t in ran.study.trials if "mlflow_run_id" in t.user_attrs]
+        assert roles.count("study") == 1 and roles.count("trial") == len(trained), roles
+
+
+def _fit_report(out: str) -> str:
+    """The first fit report printed, without the line that says how long it took."""
+    start = out.index("Fit report:")
+    return out[start : out.index("predicted in", start)]
+
+
+def test_fit_report(quick_starts: dict[str, Ran], workdir: Path) -> None:
+    (command,) = commands_of("test_fit_report")
+    out = shell(command, workdir, timeout=300).stdout
+    assert "largest that fits" in out and "nothing trained" in out, out
+    # The same prediction the study printed before its first trial.
+    assert _fit_report(out) == _fit_report(quick_starts["test_quick_start_digits"].out)
+
+
+def test_derived_accumulation(quick_starts: dict[str, Ran], workdir: Path) -> None:
+    (command,) = commands_of("test_derived_accumulation")
+    ran = _run_study(command, workdir)
+    _check_study(ran, "resnet_derived-digits")
+    trained = [t for t in ran.study.trials if t.state == TrialState.COMPLETE]
+    for t in trained:  # the effective batch sampled; batch x accumulation derived from it
+        assert "trainer.accum_steps" not in t.params, t.params
+        attrs = t.user_attrs
+        effective = t.params["trainer.effective_batch_size"]
+        assert attrs["trainer.batch_size"] * attrs["trainer.accum_steps"] == effective
+
+
+def test_gpt_perplexity_study(quick_starts: dict[str, Ran], workdir: Path) -> None:
+    (command,) = commands_of("test_gpt_perplexity_study")
+    ran = _run_study(command, workdir)
+    _check_study(ran, "gpt-perplexity")
+    assert ran.study.metric_names == ["val/perplexity", "throughput/tokens_per_sec"]
+    # A study of its own: the quick start's GPT study is untouched.
+    assert quick_starts["test_quick_start_gpt"].study.metric_names[0] == "val/loss"
+
+
+def test_four_levers(quick_starts: dict[str, Ran], workdir: Path) -> None:
+    (command,) = commands_of("test_four_levers")
+    ran = _run_study(command, workdir)
+    trial = _check_study(ran, "batchfit-small_cnn-digits")
+    levers = {"trainer.batch_size", "trainer.accum_steps", "trainer.precision", "optimizer.lr"}
+    assert set(trial.params) == levers
+
+
+def test_cifar10_offline(workdir: Path) -> None:
+    # No internet here: the download fails within data.download_timeout_s (10 s), before any
+    # trial, and the message says where the data belongs and what runs offline. With
+    # search.memory_budget=90% (on a GPU: its memory) it is the same; the budget is valid.
+    for command in commands_of("test_cifar10_offline"):
+        rc, out, seconds = _fails(command, workdir)
+        assert rc == 2, out  # a configuration error
+        assert (
+            "Configuration error\n- CIFAR-10 is not in data.root='data/cifar10' and could not be "
+            "downloaded (URLError: " in out
+        ), out
+        assert (
+            "copy the 'cifar-10-batches-py' folder into data.root, or use the offline "
+            "alternatives: data=digits (scikit-learn's bundled digits) or data=synthetic" in out
+        ), out
+        assert "memory_budget" not in out and "Traceback" not in out, out
+        assert seconds < 120, out  # 18-23 s on 2 busy cores
+
+
+def test_one_training_run(quick_starts: dict[str, Ran], workdir: Path) -> None:
+    (command,) = commands_of("test_one_training_run")
+    out = shell(command, workdir, timeout=600).stdout
+    # "lr 0.025 (optimizer.lr=0.05 scaled linear to effective batch 64 from ...=128)"
+    assert "Training on cpu: batch 64 x 1 = 64, fp32, lr 0.025 " in out, out
+    acc = re.search(r"^val/acc (0\.\d+) \| val/loss ", out.splitlines()[-1])
+    assert acc, out
+    # Logged as a run of its own, in the MLflow experiment of runs that retrain no trial.
+    run_id = re.search(r"MLflow run (\w+)", out).group(1)
+    client = MlflowClient(f"sqlite:///{workdir}/mlruns/mlflow.db")
+    run = client.get_run(run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "train"
+    assert run.data.metrics["val/acc"] == pytest.approx(float(acc.group(1)), abs=1e-4)
+
+
+def test_optuna_dashboard(
+    quick_starts: dict[str, Ran], server: Callable[[str, int, str], str]
+) -> None:
+    (command,) = commands_of("test_optuna_dashboard")
+    port = free_port()  # its own default, 8080, is often taken
+    url = server(f"{command} --port {port}", port, "/api/meta")
+    names = {s["study_name"] for s in _get(f"{url}/api/studies")["study_summaries"]}
+    assert {ran.study.study_name for ran in quick_starts.values()} <= names
+
+
+def test_optuna_dashboard_without_its_database(workdir: Path) -> None:
+    # db-host stands for the reader's server: here it does not resolve, and the dashboard
+    # (its PostgreSQL driver installed) says so.
+    (command,) = commands_of("test_optuna_dashboard_without_its_database")
+    rc, out, _ = _fails(f"{command} --port {free_port()}", workdir, timeout=120)
+    assert rc == 1 and "failed to resolve host 'db-host'" in out, out
+
+
+def test_space_from_the_command_line(quick_starts: dict[str, Ran], workdir: Path) -> None:
+    (command,) = commands_of("test_space_from_the_command_line")
+    ran = _run_study(command, workdir)
+    _check_study(ran, ran.study.study_name)
+    proposed = [t for t in ran.study.trials if t.params]
+    assert proposed
+    for t in proposed:  # narrowed, widened, added and dropped as the README says
+        assert t.params["trainer.precision"] == "fp32"
+        assert t.params["trainer.accum_steps"] in (1, 2, 4, 8)
+        assert t.params["trainer.grad_clip_norm"] in (0.5, 1.0)
+        assert "optimizer.lr" not in t.params
+
+
+def test_time_to_target(quick_starts: dict[str, Ran], workdir: Path) -> None:
+    (command,) = commands_of("test_time_to_target")
+    target = float(re.search(r"val/acc>=([0-9.]+)", command).group(1))
+    ran = _run_study(command, workdir)
+    _check_study(ran, ran.study.study_name)
+    assert ran.study.metric_names == ["time/to_target_s"]
+    for t in ran.study.trials:
+        figures = t.user_attrs.get("metrics", {})
+        if t.state == TrialState.COMPLETE:  # stopped at the first validation at the target
+            assert figures["val/acc"] >= target and figures["time/to_target_s"] > 0
+        elif t.state == TrialState.PRUNED:
+            assert t.user_attrs["reason"] in ("missed_target", "slow", "oom_predicted", "oom")
+
+
+def test_pytest_markers() -> None:
+    # `pytest -m "not slow"` and `pytest -m gpu` select by markers that --strict-markers
+    # requires to be registered; each marks tests.
+    config = (REPO / "pyproject.toml").read_text()
+    for command in commands_of("test_pytest_markers"):
+        marker = command.split()[-1].strip('"')
+        assert re.search(rf'^\s*"{marker}: ', config, re.M), marker
+        marked = [
+            p for p in (REPO / "tests").rglob("test_*.py") if f"mark.{marker}" in p.read_text()
+        ]
+        assert marked, f"no test is marked {marker}"
