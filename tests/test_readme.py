@@ -296,7 +296,7 @@ def test_quick_start_digits(
     ran = quick_starts["test_quick_start_digits"]
     trial = _check_study(ran, "resnet-digits")
     # README: "no new trial starts after 2.5 minutes".
-    assert hydra_conf(shlex.split(ran.command)[3:]).search.timeout_s == 150
+    assert hydra_conf(shlex.split(ran.command)[3:]).search.timeout_s == 120
     # The README's link is the one the first study prints (the first experiment: id 1).
     readme = (REPO / "README.md").read_text()
     link = re.search(r"^# then: (\S+)$", readme, re.M).group(1)
