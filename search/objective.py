@@ -393,7 +393,7 @@ class Objective:
             outcome.prediction = prediction
             seconds = time.perf_counter() - started
         except KeyboardInterrupt:
-            run_log.tags({STATE_TAG: "INTERRUPTED"})
+            run_log.tags({STATE_TAG: "KILLED"})  # as a dead worker's runs are ended
             run_log.finish("KILLED")
             raise
         return record_outcome(
