@@ -42,6 +42,7 @@ STUDY = [
     # the sampler's random start draws 256, then 64: one pruned trial and one complete, the
     # study's one trial slot (checked on Optuna 5.0).
     "search.memory_budget=1MiB",
+    "search.fit_report_first=false",  # the sampler's own draws, as above, not the fit report's
     "search.objectives=[val/acc,memory/peak_bytes]",  # one maximized, one minimized
     "+search.params={trainer.batch_size:'choice(64,256)',"
     "optimizer.lr:'tag(log, interval(0.01, 0.3))'}",
