@@ -9,6 +9,7 @@ Several workers on one study: `python -m search --multirun search.workers=4 ...`
 
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 import traceback
@@ -160,4 +161,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    # What the imports made lives as long as the process: out of the collector's reach, a
+    # full collection (and the interpreter's at exit) skips its ~560k objects (exit
+    # 3 s -> 0.4 s on 2 busy cores). Nothing is trained yet, so no cycle is kept.
+    gc.freeze()
     main()

@@ -284,13 +284,15 @@ class StudyDriver:
             parent.text(fixed, "fixed_config.yaml")
             reports = _log_fit_report(cfg, checked, parent, console)
             if reports and FIT_ATTR not in study.user_attrs:  # the summary's memory boundary
-                study.set_user_attr(FIT_ATTR, fit_cells(reports))
-                # A grid tries every configuration anyway, each once.
+                # The first trials are enqueued before the cells are stored: a worker killed
+                # in between leaves the next one to enqueue them (once: skip_if_exists). A
+                # grid tries every configuration anyway, each once.
                 grid = isinstance(checked.sampler, optuna.samplers.GridSampler)
-                if created_study and settings.fit_report_first and not grid:
+                if settings.fit_report_first and not grid and num_finished(study) == 0:
                     first = frontier(fit_cells(reports), list(checked.space.distributions))
                     for params in first[: settings.n_trials]:  # none left waiting at the end
                         study.enqueue_trial(params, skip_if_exists=True)
+                study.set_user_attr(FIT_ATTR, fit_cells(reports))
             parent.tags({SETUP_TAG: "complete"})
         parent_run = StudyRun(parent, settings.metrics)
         return cls(
@@ -307,7 +309,8 @@ class StudyDriver:
                 f"{done} trials trained, search.n_trials={settings.n_trials}: nothing left to "
                 f"train (raise search.n_trials, e.g. search.n_trials={done + 10}, to extend it)"
             )
-        elif self.study.get_trials(deepcopy=False):
+        elif any(t.state != TrialState.WAITING for t in self.study.get_trials(deepcopy=False)):
+            # (the fit report's first trials wait in a new study: enqueued at its setup)
             state = f"resumed: {done} of {settings.n_trials} trials trained"
         else:
             state = f"new, {settings.n_trials} trials to train"

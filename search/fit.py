@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import itertools
 import sys
 import time
@@ -395,4 +396,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # What the imports made lives as long as the process: out of the collector's reach, a
+    # full collection (and the interpreter's at exit) skips its ~560k objects (exit
+    # 3 s -> 0.4 s on 2 busy cores). Nothing is trained yet, so no cycle is kept.
+    gc.freeze()
     main()

@@ -66,24 +66,29 @@ TIMED_STEPS = 3
 STEP_MARGIN = 1.5
 OTHERS_MARGIN = 4.0
 ALONE_MARGIN = 10.0
+MISSED = "missed_target"  # pruned at the end of its budget short of search.target
 
 
 @dataclass(frozen=True)
 class Yardstick:
-    """What the study's completed trials that trained (all workers') took: the median of
-    their wall time and of their probe's seconds per sample; None before one completed. A
-    trial's whole time (build, prediction, records) is a little more than its training: the
-    rule errs lenient."""
+    """What the study's trials that trained their whole budget (all workers') took: the
+    median of their wall time and of their probe's seconds per sample; None before one did.
+    Those are the completed trials and the ones pruned at the end for missing search.target
+    (a time-to-target study whose trials all miss it still has a yardstick). A trial's whole
+    time (build, prediction, records) is a little more than its training: the rule errs
+    lenient."""
 
     seconds: float | None = None
     probe_s_per_sample: float | None = None
 
     @classmethod
     def of(cls, study: optuna.Study) -> Yardstick:
+        states = (TrialState.COMPLETE, TrialState.PRUNED)
         done = [
             t.user_attrs
-            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            for t in study.get_trials(deepcopy=False, states=states)
             if REPEAT_ATTR not in t.user_attrs
+            and (t.state == TrialState.COMPLETE or t.user_attrs.get(record.REASON) == MISSED)
         ]
         return cls(
             _median(a.get("seconds") for a in done), _median(a.get(record.PROBE) for a in done)
@@ -441,7 +446,7 @@ class Objective:
             outcome = Outcome("COMPLETE", result=result, extra=extra)
             if target.missed:  # its figures are kept; it cannot be ranked by time to target
                 message = target.missed_message(result)
-                outcome = Outcome("PRUNED", "missed_target", message, result=result, extra=extra)
+                outcome = Outcome("PRUNED", MISSED, message, result=result, extra=extra)
         except OutOfMemory as oom:
             outcome = Outcome("PRUNED", "oom", str(oom), peak_bytes=oom.peak_bytes)
         except Diverged as diverged:

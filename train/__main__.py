@@ -16,6 +16,7 @@ train/model_file.py reads it back).
 
 from __future__ import annotations
 
+import gc
 import sys
 import traceback
 from collections.abc import Callable
@@ -388,4 +389,8 @@ def _crashed(errors: Console, what: str) -> NoReturn:
 
 
 if __name__ == "__main__":
+    # What the imports made lives as long as the process: out of the collector's reach, a
+    # full collection (and the interpreter's at exit) skips its ~560k objects (exit
+    # 3 s -> 0.4 s on 2 busy cores). Nothing is trained yet, so no cycle is kept.
+    gc.freeze()
     main()

@@ -230,9 +230,14 @@ def test_resume_runs_to_n_trials_without_duplicates(hydra_conf, stores) -> None:
         "+search.params={trainer.batch_size:'choice(16,32,64)',optimizer.lr:'interval(0.01,0.1)'}",
     ]
     first = _driver(hydra_conf, [*common, "search.n_trials=2"], name="resume")
+    assert first.study.trials[0].state == TrialState.WAITING  # the fit report's first trial
     first.run()
+    # New, though the fit report's first trial waited in it before the first ran.
+    assert "Study resume in sqlite:" in (said := first.console.export_text())
+    assert ": new, 2 trials to train; MLflow" in said
     second = _driver(hydra_conf, [*common, "search.n_trials=5"], name="resume")
     second.run()
+    assert ": resumed: 2 of 5 trials trained; MLflow" in second.console.export_text()
     again = _driver(hydra_conf, [*common, "search.n_trials=5"], name="resume")
     again.run()  # already finished: runs nothing
     trials = again.study.get_trials()

@@ -125,6 +125,20 @@ def test_the_yardstick_is_the_median_of_the_completed_trials() -> None:
     assert Yardstick.of(study) == Yardstick(20.0, 0.03)
 
 
+def test_trials_that_missed_the_target_are_a_yardstick_too() -> None:
+    """In a time-to-target study every trial may end its budget short of the target: those
+    trained their whole budget, so their time judges the next trial (a bf16 trial 30x
+    slower than fp32 on a CPU must not get 10 x the budget for want of a COMPLETE one)."""
+    study = optuna.create_study(directions=["minimize"])
+    missed = {"seconds": 40.0, record.PROBE: 0.02, record.REASON: "missed_target"}
+    study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs=missed))
+    study.add_trial(_slow(1, 900.0))  # pruned early: not a whole budget's time
+    assert Yardstick.of(study) == Yardstick(40.0, 0.02)
+    settle = [1.0] * SETTLE_STEPS
+    with pytest.raises(Prune, match=r"4 x the 40 s of the study's completed trials"):
+        _steps(TimeBudget(60.0, Yardstick.of(study)), settle + [2.0] * 97, num_steps=100)
+
+
 def test_when_every_trial_is_slow_the_summary_blames_the_machine_or_the_budget() -> None:
     study = optuna.create_study(study_name="busy", directions=["maximize"])
     for number, projected in enumerate((279.0, 412.0, 543.0)):

@@ -86,8 +86,13 @@ def test_searched_checkpointing_gets_a_fit_report_each(hydra_conf, tmp_path) -> 
     cfg = hydra_conf(overrides)
     checked = validate(cfg, "ckpt", lambda extra: hydra_conf([*overrides, *extra]), False)
     assert build_task(cfg).unit == "tokens"
-    none, blocks = fit_reports(cfg, checked.space, checked.spec, checked.settings)
-    assert (none.checkpointing, blocks.checkpointing) == ("none", "blocks")
+    reports = fit_reports(cfg, checked.space, checked.spec, checked.settings)
+    # One report per checkpointing mode x searched seq_len (the experiment's 64, 128, 256).
+    by_layout = {(r.checkpointing, r.at["data.seq_len"]): r for r in reports}
+    assert sorted(by_layout) == sorted(
+        (mode, seq_len) for mode in ("none", "blocks") for seq_len in (64, 128, 256)
+    )
+    none, blocks = by_layout["none", 128], by_layout["blocks", 128]
     # Under the experiment's 160 MiB, checkpointing fits a larger batch in each precision.
     for precision in none.precisions:
         assert (blocks.largest(precision, 1) or 0) > (none.largest(precision, 1) or 0)

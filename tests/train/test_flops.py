@@ -11,6 +11,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch import nn
 
+from search.study import REPEAT_ATTR, is_repeat
 from tests.conftest import FAST
 from train import flops as flops_module
 from train.flops import (
@@ -167,7 +168,14 @@ def test_trials_log_mfu_and_it_can_be_an_objective(prepare_study, stores) -> Non
     ]
     driver = prepare_study(overrides)
     driver.run()
+    # The trials that trained (a proposal of a batch already trained is answered from its
+    # record, a REPEAT, with the values of the trial it repeats).
+    trained = [t for t in driver.study.get_trials() if not is_repeat(t)]
+    assert len(trained) == 2
     for t in driver.study.get_trials():
+        if is_repeat(t):
+            assert t.values == driver.study.trials[t.user_attrs[REPEAT_ATTR]].values
+    for t in trained:
         figures = t.user_attrs["metrics"]
         achieved = figures["perf/flops_per_sample"] * figures["throughput/samples_per_sec"]
         assert figures["perf/achieved_flops"] == pytest.approx(achieved)
