@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import optuna
@@ -11,6 +10,7 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
 from search.storage import MAX_RETRY, open_storage
+from tests.faults import forkserver
 from tests.sweeps import clean_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,26 +29,34 @@ STUDY = [
 ]
 
 
+def _env() -> dict[str, str]:
+    return clean_env(PYTHONPATH=str(REPO))
+
+
 def _run(
-    argv: list[str], cwd: Path, returncode: int | None, timeout_s: float
+    module: str, args: list[str], cwd: Path, returncode: int | None, timeout_s: float
 ) -> subprocess.CompletedProcess:
     cwd.mkdir(parents=True, exist_ok=True)
-    env = clean_env(PYTHONPATH=str(REPO))
-    done = subprocess.run(
-        [sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=timeout_s,
-    )  # fmt: skip
+    done = forkserver.run(module, args, cwd, _env(), timeout_s)
     if returncode is not None:
         assert done.returncode == returncode, done.stdout[-3000:] + done.stderr[-3000:]
     return done
+
+
+def start_study(cwd: Path, overrides: list[str]) -> forkserver.Process:
+    """`python -m search OVERRIDES` in cwd, running, its output piped (text): a real process
+    to signal, a child of tests/faults/forkserver.py."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    return forkserver.start("search", overrides, cwd, _env())
 
 
 def run_study(
     cwd: Path, overrides: list[str], returncode: int = 0, timeout_s: float = 600
 ) -> subprocess.CompletedProcess:
     """`python -m search OVERRIDES` in cwd, as a user runs it: the stores default to the
-    relative cwd/mlruns paths."""
-    return _run(["-m", "search", *overrides], cwd, returncode, timeout_s)
+    relative cwd/mlruns paths. A child of tests/faults/forkserver.py, which spares it the
+    imports."""
+    return _run("search", overrides, cwd, returncode, timeout_s)
 
 
 def inject(
@@ -56,8 +64,7 @@ def inject(
 ) -> subprocess.CompletedProcess:
     """The study run by tests/faults/inject.py with `faults` armed; checked for success
     unless `check` is False."""
-    argv = ["-m", "tests.faults.inject", *faults, "--", *overrides]
-    return _run(argv, cwd, 0 if check else None, 600)
+    return _run("tests.faults.inject", [*faults, "--", *overrides], cwd, 0 if check else None, 600)
 
 
 def journal_of(cwd: Path, name: str = NAME) -> optuna.Study:

@@ -5,8 +5,6 @@ started at once, a resume with a lower n_trials."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import optuna
@@ -16,8 +14,8 @@ from optuna.trial import TrialState
 
 from search.storage import OWNER_ATTR, open_storage, queue_unretried
 from search.study import CONFIG_ATTR, open_study
-from tests.faults.study import NAME, REPO, STUDY, inject, journal_of, run_study
-from tests.sweeps import clean_env, journal_study, wait_for_trial
+from tests.faults.study import NAME, STUDY, inject, journal_of, run_study, start_study
+from tests.sweeps import journal_study, wait_for_trial
 from train.config import ConfigError
 
 
@@ -54,11 +52,7 @@ def test_without_heartbeats_a_killed_trial_is_run_again(tmp_path: Path) -> None:
     """search.heartbeat_interval_s=null: the owner of a running trial is still recorded, and
     a worker on the same host sees it dead."""
     overrides = [*STUDY, "search.heartbeat_interval_s=null", "trainer.max_epochs=4"]
-    tmp_path.mkdir(exist_ok=True)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "search", *overrides], cwd=tmp_path,
-        env=clean_env(PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+    process = start_study(tmp_path, overrides)
     running = wait_for_trial(
         lambda: journal_study(tmp_path / "mlruns" / "optuna.journal", NAME),
         lambda t: t.state == TrialState.RUNNING and OWNER_ATTR in t.system_attrs,
@@ -81,18 +75,7 @@ def test_two_identical_commands_at_once_train_different_first_configurations(
     tmp_path: Path,
 ) -> None:
     overrides = [*STUDY, "search.n_trials=4"]
-    env = clean_env(PYTHONPATH=str(REPO))
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "search", *overrides],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for _ in range(2)
-    ]
+    processes = [start_study(tmp_path, overrides) for _ in range(2)]
     for process in processes:
         out, err = process.communicate(timeout=600)
         assert process.returncode == 0, out[-2000:] + err[-2000:]

@@ -5,8 +5,6 @@ same command resumes the study to exactly n_trials."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,23 +12,16 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from tests.faults.study import NAME, REPO, STUDY, journal_of, run_study
-from tests.sweeps import clean_env, journal_study, training, wait_for_trial
+from tests.faults.forkserver import Process
+from tests.faults.study import NAME, STUDY, journal_of, run_study, start_study
+from tests.sweeps import journal_study, training, wait_for_trial
 
 pytestmark = pytest.mark.slow
 # Trials of several seconds, so that a signal lands inside one.
 LONGER = [*STUDY, "trainer.max_epochs=6"]
 
 
-def _start(cwd: Path) -> subprocess.Popen:
-    cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(
-        [sys.executable, "-m", "search", *LONGER], cwd=cwd, env=clean_env(PYTHONPATH=str(REPO)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-
-
-def _in_training(cwd: Path, process: subprocess.Popen):  # noqa: ANN202 - a FrozenTrial
+def _in_training(cwd: Path, process: Process):  # noqa: ANN202 - a FrozenTrial
     return wait_for_trial(
         lambda: journal_study(cwd / "mlruns" / "optuna.journal", NAME),
         training(0),
@@ -52,7 +43,7 @@ def _runs(cwd: Path) -> dict:
 
 
 def test_sigterm_ends_the_trial_queues_it_again_and_the_study_resumes(tmp_path: Path) -> None:
-    process = _start(tmp_path)
+    process = start_study(tmp_path, LONGER)
     running = _in_training(tmp_path, process)
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=120)
@@ -79,7 +70,7 @@ def test_sigterm_ends_the_trial_queues_it_again_and_the_study_resumes(tmp_path: 
 
 
 def test_two_ctrl_c_stop_the_study_once_without_a_traceback(tmp_path: Path) -> None:
-    process = _start(tmp_path)
+    process = start_study(tmp_path, LONGER)
     _in_training(tmp_path, process)
     process.send_signal(signal.SIGINT)
     time.sleep(0.3)  # the second while the first is being handled
