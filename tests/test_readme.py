@@ -306,7 +306,7 @@ def test_quick_start_digits(
 ) -> None:
     ran = quick_starts["test_quick_start_digits"]
     trial = _check_study(ran, "resnet-digits")
-    # README: "no new trial starts after 2.5 minutes".
+    # README: "no new trial starts after 2 minutes".
     assert hydra_conf(shlex.split(ran.command)[3:]).search.timeout_s == 120
     # The README's link is the one the first study prints (the first experiment: id 1).
     readme = (REPO / "README.md").read_text()
@@ -331,7 +331,7 @@ def test_quick_start_gpt(
     assert ran.study.metric_names == ["val/loss", "throughput/tokens_per_sec"]
     assert "data.seq_len" in trial.params  # the sequence length is searched too
     assert trial.user_attrs["metrics"]["throughput/tokens_per_sec"] > 0
-    # README: "about 3 minutes", as the digits study: time-boxed like it.
+    # README: "about 3 minutes, time-boxed the same way".
     timeout_s = hydra_conf(shlex.split(ran.command)[3:]).search.timeout_s
     assert timeout_s is not None, "search.timeout_s is not set: the study runs all its trials"
 
