@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +24,27 @@ FAST = [
     "trainer.batch_size=64",
     "trainer.device=cpu",
 ]
+
+
+# `pytest` runs the suite on pytest-xdist workers (pyproject's addopts: -n auto, one file
+# per worker at a time): most of a test's time is a subprocess's imports, SQLite and MLflow
+# calls, waits on servers and SLURM, which leave a core idle. A worker's own torch takes its
+# share of the cores (subprocesses plan theirs: train/threads.py), not every core each.
+MAX_WORKERS = 4  # each holds a torch, MLflow and Optuna process, ~1.5 GB
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    from train.threads import usable_cores
+
+    return max(1, min(usable_cores(), MAX_WORKERS))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if "PYTEST_XDIST_WORKER" in os.environ and workers > 1:
+        from train.threads import usable_cores
+
+        torch.set_num_threads(max(1, usable_cores() // workers))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
