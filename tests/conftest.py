@@ -47,7 +47,28 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, usable_cores() // workers))
 
 
+# The files that take longest (minutes, on 2 cores beside another worker), started first so
+# that no worker is left with one of them at the end while the other idles.
+LONGEST_FIRST = (
+    "tests/test_readme.py",  # 13: the quick starts and every README command
+    "tests/cluster/test_slurm.py",  # 7
+    "tests/faults/test_journal.py",  # 6.5 with all of its kill chain; split in two files:
+    "tests/faults/test_journal_kills.py",  # each about 3
+    "tests/search/test_driver.py",  # 5
+    "tests/test_workers.py",  # 5
+    "tests/test_language_model.py",  # 3.5
+    "tests/test_end_to_end.py",  # 3.5
+    "tests/test_browser.py",  # 3.3
+    "tests/test_guide.py",  # 3
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.path.relative_to(REPO).as_posix()
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():

@@ -24,6 +24,7 @@ GPT = [
     "data.max_bytes=40000",
     "search.n_trials=4",
     "mlflow.system_metrics=false",
+    "search.speed_check=false",  # tests/search/test_speed_check.py and the quick start run it
     '++search.params={trainer.batch_size:"choice(8,16,128)",data.seq_len:"choice(32,256)"}',
 ]
 

@@ -27,8 +27,13 @@ from search.storage import (
     SafeJournalFileBackend,
     open_storage,
 )
-from tests.faults.inject import record_kind
-from tests.faults.study import NAME, STUDY, check_recovered, inject, journal_of, run_study
+from tests.faults.study import (
+    NAME,
+    STUDY,
+    journal_of,
+    kill_at_every_kind,
+    run_study,
+)
 from tests.sweeps import check_stores
 
 REPO = Path(__file__).resolve().parents[2]
@@ -213,31 +218,7 @@ def test_a_disk_that_fills_mid_study_then_resumes(tmp_path: Path, small_disk: Pa
 
 
 @pytest.mark.slow
-def test_a_sigkill_at_every_kind_of_journal_append_then_resume(tmp_path: Path) -> None:
-    """A clean study's journal lists every kind of record a study writes (study creation,
-    its config, the parent run's id, a trial's start, owner, heartbeat, each param and
-    attribute, intermediate values, the state). For each kind in that order, one run of the
-    study dies by SIGKILL halfway through writing the first record of that kind, and the
-    next run resumes what it left: the torn record, a trial RUNNING for a dead owner, MLflow
-    runs RUNNING. After the last kill, one clean run ends the study: exactly n_trials,
-    nothing RUNNING, every killed trial's parameters run again, both stores agreeing."""
-    clean = tmp_path / "clean"
-    inject(clean, STUDY, [])
-    kinds = list(
-        dict.fromkeys(
-            record_kind(json.loads(line))
-            for line in (clean / "mlruns" / "optuna.journal").read_bytes().splitlines()
-        )
-    )
-    assert len(kinds) > 30  # the study's own records and a trial's life
-    runs, killed = tmp_path / "runs", tmp_path / "killed.jsonl"
-    for kind in kinds:
-        done = inject(runs, STUDY, ["--kill-at-record", kind, "--killed", str(killed)], False)
-        assert done.returncode == -signal.SIGKILL, (kind, done.stdout[-2000:] + done.stderr[-2000:])
-        assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    torn = [record_kind(json.loads(line)) for line in killed.read_bytes().splitlines()]
-    assert torn == kinds  # each run died where it was meant to
-    run_study(runs, STUDY)
-    check_recovered(runs, n_trials=2)
-    for line in (runs / "mlruns" / "optuna.journal").read_bytes().splitlines():
-        json.loads(line)  # every record whole
+def test_a_sigkill_at_every_kind_of_journal_append_then_resume_first_third(tmp_path: Path) -> None:
+    """tests/faults/study.py kill_at_every_kind, the first third of the kinds (the rest
+    is tests/faults/test_journal_kills.py, so that two workers run them side by side)."""
+    kill_at_every_kind(tmp_path, 0)
