@@ -66,7 +66,6 @@ TIMED_STEPS = 3
 STEP_MARGIN = 1.5
 OTHERS_MARGIN = 4.0
 ALONE_MARGIN = 10.0
-MISSED = "missed_target"  # pruned at the end of its budget short of search.target
 
 
 @dataclass(frozen=True)
@@ -83,16 +82,21 @@ class Yardstick:
 
     @classmethod
     def of(cls, study: optuna.Study) -> Yardstick:
-        states = (TrialState.COMPLETE, TrialState.PRUNED)
         done = [
             t.user_attrs
-            for t in study.get_trials(deepcopy=False, states=states)
-            if REPEAT_ATTR not in t.user_attrs
-            and (t.state == TrialState.COMPLETE or t.user_attrs.get(record.REASON) == MISSED)
+            for t in study.get_trials(
+                deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)
+            )
+            if REPEAT_ATTR not in t.user_attrs and _trained_its_budget(t)
         ]
         return cls(
             _median(a.get("seconds") for a in done), _median(a.get(record.PROBE) for a in done)
         )
+
+
+def _trained_its_budget(trial: FrozenTrial) -> bool:
+    missed = trial.user_attrs.get(record.REASON) == record.MISSED_TARGET
+    return trial.state == TrialState.COMPLETE or missed
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -446,7 +450,9 @@ class Objective:
             outcome = Outcome("COMPLETE", result=result, extra=extra)
             if target.missed:  # its figures are kept; it cannot be ranked by time to target
                 message = target.missed_message(result)
-                outcome = Outcome("PRUNED", MISSED, message, result=result, extra=extra)
+                outcome = Outcome(
+                    "PRUNED", record.MISSED_TARGET, message, result=result, extra=extra
+                )
         except OutOfMemory as oom:
             outcome = Outcome("PRUNED", "oom", str(oom), peak_bytes=oom.peak_bytes)
         except Diverged as diverged:

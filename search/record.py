@@ -20,3 +20,4 @@ TIME_BUDGET = "time_budget_s"  # ... and the search.trial_time_budget_s it was h
 MFU_NOTE = "mfu_note"  # why a completed trial's perf/mfu is above 1 (train/flops.py)
 PREDICTED_OOM = "oom_predicted"  # the reason of a trial whose step was predicted not to fit
 OOM_REASONS = ("oom", PREDICTED_OOM)
+MISSED_TARGET = "missed_target"  # pruned at the end of its budget short of search.target

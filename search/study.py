@@ -154,7 +154,7 @@ def counts_as_trained(trial: FrozenTrial) -> bool:
 # on CPU the memory check is exact. A prediction is made again (the margin may have changed
 # on resume; it is cheap and takes no slot), and `slow` (timing noise), `pruner` (depends on
 # the other trials), failures and a CUDA OOM (fragmentation, other processes) train again.
-SETTLED_REASONS = ("diverged", "missed_target")
+SETTLED_REASONS = ("diverged", record.MISSED_TARGET)
 
 
 def is_settled(trial: FrozenTrial) -> bool:

@@ -389,8 +389,6 @@ def _crashed(errors: Console, what: str) -> NoReturn:
 
 
 if __name__ == "__main__":
-    # What the imports made lives as long as the process: out of the collector's reach, a
-    # full collection (and the interpreter's at exit) skips its ~560k objects (exit
-    # 3 s -> 0.4 s on 2 busy cores). Nothing is trained yet, so no cycle is kept.
+    # The imports' objects out of the collector's reach, as in search/__main__.py.
     gc.freeze()
     main()

@@ -103,13 +103,18 @@ def _capture_import_output() -> None:
             os.dup2(file.fileno(), fd)
 
 
-def _preload() -> tuple[bytes, bytes]:
+def import_preloaded() -> None:
+    """PRELOAD imported, FORGET forgotten: the modules a child starts with."""
     for name in PRELOAD:
         importlib.import_module(name)
     for name in FORGET:
         parent, _, child = name.rpartition(".")
         del sys.modules[name]
         delattr(sys.modules[parent], child)
+
+
+def _preload() -> tuple[bytes, bytes]:
+    import_preloaded()
     sys.stdout.flush()
     sys.stderr.flush()
     return tuple(Path(name).read_bytes() for name in IMPORT_OUTPUT)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -22,7 +21,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from tests.faults.forkserver import FORGET, PRELOAD
+from tests.faults.forkserver import import_preloaded
 
 
 def _stdio(stream) -> dict:  # noqa: ANN001 - sys.stdin and co
@@ -98,12 +97,7 @@ def report() -> dict:
 
 
 def main() -> None:
-    for name in PRELOAD:
-        importlib.import_module(name)
-    for name in FORGET:
-        parent, _, child = name.rpartition(".")
-        del sys.modules[name]
-        delattr(sys.modules[parent], child)
+    import_preloaded()
     atexit.register(lambda: print("atexit ran", flush=True))
     print(json.dumps(report()), flush=True)
     how = sys.argv[1]
