@@ -29,7 +29,6 @@ from pathlib import Path
 
 import hydra
 import torch
-from optuna.trial import TrialState
 from rich.console import Console
 from rich.table import Table
 
@@ -38,6 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from search.driver import StudyDriver  # noqa: E402
+from search.record import OOM_REASONS, SLOW, TrialRecord, records  # noqa: E402
 
 MODES = {"searched": "+experiment=resnet", "derived": "+experiment=resnet_derived"}
 
@@ -68,26 +68,22 @@ def study(
             cfg, overrides, {"experiment": MODES[mode].split("=")[1], "data": "synthetic"}, console
         )
         driver.run()
-        done = driver.study.get_trials(deepcopy=False)
-    complete = [t for t in done if t.state == TrialState.COMPLETE]
-    reasons = [t.user_attrs.get("reason") for t in done]
-    best_speed = max(complete, key=lambda t: t.user_attrs["throughput"], default=None)
-    best_acc = max(complete, key=lambda t: t.user_attrs["val_acc"], default=None)
+        done = records(driver.study.get_trials(deepcopy=False))
+    complete = [t for t in done if t.state == "COMPLETE"]
+    best_speed = max(complete, key=lambda t: t.throughput, default=None)
+    best_acc = max(complete, key=lambda t: t.val_acc, default=None)
 
-    def geometry(t) -> str:  # noqa: ANN001
-        if t is None:
-            return "-"
-        a = t.user_attrs
-        return f"{a['trainer.batch_size']}x{a['trainer.accum_steps']} {a['trainer.precision']}"
+    def geometry(t: TrialRecord | None) -> str:
+        return "-" if t is None else f"{t.batch_size}x{t.accum_steps} {t.precision}"
 
     return {
-        "throughput": best_speed.user_attrs["throughput"] if best_speed else 0.0,
-        "val_acc": best_acc.user_attrs["val_acc"] if best_acc else 0.0,
+        "throughput": best_speed.throughput if best_speed else 0.0,
+        "val_acc": best_acc.val_acc if best_acc else 0.0,
         "fastest": geometry(best_speed),
         "most_accurate": geometry(best_acc),
         "complete": len(complete),
-        "oom": sum(r in ("oom", "oom_predicted") for r in reasons),
-        "slow": sum(r == "slow" for r in reasons),
+        "oom": sum(t.reason in OOM_REASONS for t in done),
+        "slow": sum(t.reason == SLOW for t in done),
     }
 
 

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from train.run import plan, run  # noqa: E402
+from train.workload import Workloads  # noqa: E402
 
 
 def write_images(root: Path, per_class: int, size: int = 32) -> None:
@@ -67,12 +68,13 @@ def main() -> int:
         ]
         shares: dict[int, list[float]] = {0: [], args.workers: []}
         speeds: dict[int, list[float]] = {0: [], args.workers: []}
+        workloads = Workloads()  # the images are listed once, for every round
         print(f"{args.images} PNG images 32x32, RandomResizedCrop + flip; {' '.join(base[3:])}")
         for i in range(args.rounds):
             order = [0, args.workers] if i % 2 == 0 else [args.workers, 0]
             for workers in order:
                 cfg = compose("config", overrides=[*base, f"loader.num_workers={workers}"])
-                result = run(cfg, plan(cfg, None))
+                result = run(cfg, plan(cfg, None), None, workloads.of(cfg))
                 share = result.metrics()["time/data_wait_share"]
                 shares[workers].append(share)
                 speeds[workers].append(result.throughput_samples_per_sec)

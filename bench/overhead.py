@@ -47,7 +47,6 @@ import hydra
 import optuna
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 from rich.console import Console
 
@@ -56,8 +55,11 @@ if str(REPO) not in sys.path:  # `python bench/overhead.py` from anywhere, insta
     sys.path.insert(0, str(REPO))
 
 from search.driver import StudyDriver  # noqa: E402
+from search.record import TrialRecord  # noqa: E402
+from train.build import build_model, build_optimizer, build_scheduler  # noqa: E402
 from train.loop import steps_plan  # noqa: E402
-from train.run import build_data, build_model, build_pipeline, build_task, plan  # noqa: E402
+from train.run import plan  # noqa: E402
+from train.workload import Workload, Workloads  # noqa: E402
 
 CONF_DIR = REPO / "conf"
 
@@ -85,15 +87,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def plain_run(cfg: DictConfig) -> Measured:
+def plain_run(cfg: DictConfig, workload: Workload) -> Measured:
     """The same training as a hand-written loop. Only the config is read through batchfit
-    (`plan`: device, trainer settings, lr) and the same model/data builders are used."""
+    (`plan`: device, trainer settings, lr) and the same model/data builders are used, on the
+    data `workload` built once (as a study's trials share theirs)."""
     wall = time.perf_counter()
     spec = plan(cfg, None)
     t, device = spec.trainer, spec.device
     torch.manual_seed(t.seed)  # as train.run.run: same model initialisation
-    data = build_data(cfg)
-    model = build_model(cfg, build_pipeline(cfg, device), build_task(cfg)).to(device)
+    data = workload.data
+    model = build_model(cfg, workload.pipeline(device), workload.task, t.activation_checkpointing)
+    model = model.to(device)
     opt_cfg = cfg.optimizer
     if opt_cfg._target_ == "torch.optim.SGD":
         optimizer = torch.optim.SGD(
@@ -104,11 +108,11 @@ def plain_run(cfg: DictConfig) -> Measured:
             weight_decay=opt_cfg.weight_decay,
         )
     else:  # another optimizer from conf/optimizer/: build it as batchfit does
-        optimizer = instantiate(opt_cfg, lr=spec.lr)(model.parameters())
+        optimizer = build_optimizer(cfg, model.parameters(), spec.lr)
     num_train = len(data.train_y)
     steps_per_epoch, num_steps = steps_plan(num_train, t)
     # The same lr schedule (a LambdaLR: microseconds a step), so both train identically.
-    scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=num_steps)
+    scheduler = build_scheduler(cfg, optimizer, total_steps=num_steps)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
 
     def autocast() -> contextlib.AbstractContextManager:
@@ -224,25 +228,22 @@ def batchfit_run(
     if verbose:
         print(out.getvalue())
     trial = driver.study.trials[-1]
-    attrs = trial.user_attrs
+    attrs = TrialRecord.of(trial)
     assert trial.params == {"trainer.batch_size": batch_size}, trial.params
-    if trial.state != optuna.trial.TrialState.COMPLETE or "throughput" not in attrs:
-        raise RuntimeError(
-            f"the batchfit trial ended {trial.state.name}: "
-            f"{attrs.get('error') or attrs.get('message') or attrs}"
-        )
+    if trial.state != optuna.trial.TrialState.COMPLETE or attrs.throughput is None:
+        raise RuntimeError(f"the batchfit trial ended {trial.state.name}: {attrs.message}")
     # Read the numbers back from the MLflow run: tracking worked, and the run's step count.
     client = driver.tracker.client
-    run_id = attrs["mlflow_run_id"]
+    run_id = attrs.run_id
     metrics = client.get_run(run_id).data.metrics
     # The run's last step: where its curves (train/loss, logged per interval) end.
     num_steps = max(m.step for m in client.get_metric_history(run_id, "train/loss"))
     return Measured(
-        throughput=attrs["throughput"],
+        throughput=attrs.throughput,
         num_steps=num_steps,
-        timed_steps=attrs["timed_steps"],
-        timed_samples=attrs["timed_samples"],
-        val_acc=attrs["val_acc"],
+        timed_steps=attrs.timed_steps,
+        timed_samples=attrs.timed_samples,
+        val_acc=attrs.val_acc,
         final_loss=metrics["train/final_loss"],
         wall_s=time.perf_counter() - wall,
     )
@@ -315,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = hydra.compose(config_name="config", overrides=overrides)
             spec = plan(cfg, None)
-            data = build_data(cfg)
+            workload = Workloads().of(cfg)
+            data = workload.data
             print(
                 f"bench: model={args.model} data={args.data} "
                 f"{tuple(data.train_x.shape[1:])} train={len(data.train_y)} "
@@ -328,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             # One-time costs inside a timed region (kernel selection for a shape first seen
             # there, e.g. a ragged last batch) would fall on whichever run comes first.
             for _ in range(args.warmup_runs):
-                warm = plain_run(cfg)
+                warm = plain_run(cfg, workload)
                 print(f"warm-up (not counted): plain {warm.throughput:8.1f} samples/s")
             for r in range(args.repeats):
                 # Alternate which runs first, so a drift in machine speed hits both alike.
@@ -336,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                 got: dict[str, Measured] = {}
                 for kind in order:
                     if kind == "plain":
-                        got[kind] = plain_run(cfg)
+                        got[kind] = plain_run(cfg, workload)
                     else:
                         name = f"bench-{stamp}-r{r}"
                         got[kind] = batchfit_run(

@@ -41,7 +41,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from train.memory import format_bytes  # noqa: E402
-from train.run import build_data, memory_predictor, plan, run  # noqa: E402
+from train.run import plan, run  # noqa: E402
+from train.workload import Workloads  # noqa: E402
 
 MODELS = ["small_cnn", "mlp", "resnet18", "resnet50"]
 PRECISIONS = ["fp32", "bf16", "fp16"]
@@ -80,12 +81,14 @@ def main() -> None:
     cuda = args.device == "cuda"
     rows, errors, skipped, unscaled = [], [], [], []
     predict_s, step_s = [], []
+    workloads = Workloads()  # each model's data and predictor, shared by its real runs
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         for model in args.models:
             cfg = _config(model, args.device, args.image_size, num_samples)
             spec = plan(cfg, None)
-            num_train = len(build_data(cfg).train_y)
-            predictor = memory_predictor(cfg, spec)
+            workload = workloads.of(cfg)
+            num_train = workload.num_train
+            predictor = workload.predictor(spec, cfg.optimizer)
             for precision in args.precisions:
                 seconds_per_sample = None  # of the last measured run, to skip hopeless ones
                 for batch_size in args.batch_sizes:
@@ -102,7 +105,7 @@ def main() -> None:
                         skipped.append(f"{model}/{precision}/{batch_size} (~{estimate:.0f} s)")
                         continue
                     started = time.perf_counter()
-                    result = run(cfg, dataclasses.replace(spec, trainer=trainer))
+                    result = run(cfg, dataclasses.replace(spec, trainer=trainer), None, workload)
                     elapsed = time.perf_counter() - started
                     seconds_per_sample = elapsed / (3 * batch_size)
                     step_s.append(result.step_ms / 1000)

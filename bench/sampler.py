@@ -37,8 +37,8 @@ if str(REPO) not in sys.path:
 
 from search.driver import StudyDriver  # noqa: E402
 from search.fit import fit_report  # noqa: E402
+from search.record import OOM, OOM_REASONS, TrialRecord  # noqa: E402
 from search.sampler import FeasibilityFilter  # noqa: E402
-from search.study import counts_as_trained  # noqa: E402
 from search.validate import validate  # noqa: E402
 
 BASE = [
@@ -53,7 +53,6 @@ BASE = [
     "trainer.device=cpu",
     "search.trial_time_budget_s=5",  # bf16/fp16 have no fast kernels on most CPUs: prune them
 ]
-OOM_REASONS = ("oom", "oom_predicted")
 
 
 def compose(overrides: list[str]):  # noqa: ANN201
@@ -92,9 +91,10 @@ def oom_shares(
         driver = StudyDriver.prepare(cfg, overrides, {"experiment": "resnet"}, console)
         driver.run()
         done = sorted(driver.study.get_trials(deepcopy=False), key=lambda t: t.number)
-        oom = [t.user_attrs.get("reason") in OOM_REASONS for t in done]
+        kept = [TrialRecord.of(t) for t in done]
+        oom = [t.reason in OOM_REASONS for t in kept]
         # a slot that trained: counted in n_trials and not stopped by a real OOM
-        trained = sum(counts_as_trained(t) and t.user_attrs.get("reason") != "oom" for t in done)
+        trained = sum(t.is_trained and t.reason != OOM for t in kept)
         sampler = driver.study.sampler
         redrawn = sampler.num_redrawn if isinstance(sampler, FeasibilityFilter) else 0
     half = len(oom) // 2

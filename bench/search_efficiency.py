@@ -60,10 +60,12 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.sampler import compose, median_predicted_peak  # noqa: E402
-from search import record  # noqa: E402
-from search.driver import MAX_UNBILLED_IN_A_ROW, StudyDriver  # noqa: E402
-from search.objective import answer_from_record, trained_before  # noqa: E402
-from search.sampler import CONSTRAINT, FeasibilityFilter  # noqa: E402
+from search import outcome  # noqa: E402
+from search.budget import MAX_UNBILLED_IN_A_ROW, answer_for, study_records  # noqa: E402
+from search.driver import StudyDriver  # noqa: E402
+from search.objective import answer_from_record  # noqa: E402
+from search.record import CONSTRAINT, OOM, OOM_REASONS, PREDICTED_OOM, TrialRecord  # noqa: E402
+from search.sampler import FeasibilityFilter  # noqa: E402
 
 TABLE = Path(__file__).with_name("search_efficiency.csv")
 TARGET = "val/acc>=0.95"
@@ -114,7 +116,7 @@ class Row:
 
     @property
     def fits(self) -> bool:
-        return self.outcome not in record.OOM_REASONS
+        return self.outcome not in OOM_REASONS
 
 
 def build(path: Path, console: Console) -> None:
@@ -141,21 +143,22 @@ def build(path: Path, console: Console) -> None:
         driver.run()
         rows = {}
         for t in driver.study.get_trials(deepcopy=False):
-            if "repeat_of" in t.user_attrs or t.state not in FINISHED:
+            a = TrialRecord.of(t)
+            if a.is_repeat or t.state not in FINISHED:
                 continue
-            a, figures = t.user_attrs, t.user_attrs.get(record.METRICS, {})
+            figures = a.metrics
             row = Row(
                 batch_size=t.params["trainer.batch_size"],
                 accum_steps=t.params["trainer.accum_steps"],
                 precision=t.params["trainer.precision"],
                 lr=t.params["optimizer.lr"],
-                outcome=a.get(record.REASON) or t.state.name,
+                outcome=a.reason or t.state.name,
                 val_acc=figures.get("val/acc"),
                 throughput=figures.get("throughput/samples_per_sec"),
                 time_to_target_s=figures.get("time/to_target_s"),
-                peak_bytes=a.get(record.PEAK),
-                predicted_bytes=a.get(record.PREDICTED),
-                trial_s=a.get("seconds", 0.0),
+                peak_bytes=a.peak_bytes,
+                predicted_bytes=a.predicted_bytes,
+                trial_s=a.seconds or 0.0,
             )
             rows[row.key] = row
     missing = size - len(rows)
@@ -227,6 +230,11 @@ def samplers(two: bool) -> dict[str, Callable[[int], optuna.samplers.BaseSampler
     return found
 
 
+def _ended(trial: optuna.Trial, reason: str) -> None:
+    """Record `trial` as pruned for `reason`, as search/outcome.py records a trial."""
+    outcome.write(trial, TrialRecord(trial.number, "PRUNED", ended="PRUNED", reason=reason))
+
+
 def replay(
     table: dict[tuple, Row],
     make: Callable[[int], optuna.samplers.BaseSampler],
@@ -250,12 +258,12 @@ def replay(
         params = {k: trial.suggest_categorical(k, v) for k, v in SPACE.items()}
         row = table[tuple(params.values())]
         if batchfit:
-            earlier = trained_before(trial)
+            earlier = answer_for(study_records(study), trial.number, params)
             if earlier is not None:
                 return answer_from_record(trial, earlier)  # not billed
         if not row.fits:
-            free = batchfit and row.outcome == record.PREDICTED_OOM  # a real OOM takes a slot
-            trial.set_user_attr(record.REASON, record.PREDICTED_OOM if free else "oom")
+            free = batchfit and row.outcome == PREDICTED_OOM  # a real OOM takes a slot
+            _ended(trial, PREDICTED_OOM if free else OOM)
             trial.set_constraint(CONSTRAINT, 1.0)
             seconds += row.trial_s  # a prediction's time counts, though it takes no slot
             if not free:
@@ -267,12 +275,12 @@ def replay(
         trial.set_constraint(CONSTRAINT, -1.0)
         if two:
             if row.outcome != "COMPLETE" and row.val_acc is None:
-                trial.set_user_attr(record.REASON, row.outcome)
+                _ended(trial, row.outcome)
                 raise optuna.TrialPruned()
             front.append((row.val_acc, row.throughput / max_throughput))
             return [row.val_acc, row.throughput]
         if row.time_to_target_s is None:
-            trial.set_user_attr(record.REASON, row.outcome)
+            _ended(trial, row.outcome)
             raise optuna.TrialPruned()
         if reached is None and row.time_to_target_s <= (1 + WITHIN) * best:
             reached = (slots, seconds)

@@ -47,11 +47,12 @@ if str(REPO) not in sys.path:
 
 from bench.sampler import compose, median_predicted_peak  # noqa: E402
 from bench.search_efficiency import BASE, SPACE, TARGET  # noqa: E402
-from search import record  # noqa: E402
+from search.budget import num_trained  # noqa: E402
 from search.driver import StudyDriver  # noqa: E402
-from search.study import counts_as_trained  # noqa: E402
+from search.record import PREDICTED_OOM, TrialRecord, records  # noqa: E402
 from train.memory import OutOfMemory, release_memory  # noqa: E402
 from train.run import plan, run  # noqa: E402
+from train.workload import Workloads  # noqa: E402
 
 WORKLOAD = [
     "+experiment=resnet",
@@ -74,8 +75,9 @@ class Choice:
     how: str  # what the search did, in words
 
 
-def _fits(batch: int, budget: int) -> bool:
-    """A few real optimizer steps at `batch` under the budget: False on out-of-memory."""
+def _fits(batch: int, budget: int, workloads: Workloads) -> bool:
+    """A few real optimizer steps at `batch` under the budget: False on out-of-memory. The
+    data comes from `workloads`: built once, as the heuristics' trainers hold theirs."""
     cfg = compose(
         [
             *WORKLOAD,
@@ -87,7 +89,7 @@ def _fits(batch: int, budget: int) -> bool:
     )
     spec = plan(cfg, budget)
     try:
-        run(cfg, spec)
+        run(cfg, spec, None, workloads.of(cfg))
         fitted = True
     except OutOfMemory:
         fitted = False
@@ -95,10 +97,12 @@ def _fits(batch: int, budget: int) -> bool:
     return fitted
 
 
-def grow(budget: int, lr: float) -> Choice:
+def grow(budget: int, lr: float, workloads: Workloads | None = None) -> Choice:
     """Lightning's BatchSizeFinder, mode power: double from 2 until out of memory."""
+    workloads = workloads or Workloads()
     started, batch, tried = time.perf_counter(), 2, []
-    while batch <= MAX_BATCH and _fits(batch, budget):  # Lightning stops at the dataset too
+    # Lightning stops at the dataset too
+    while batch <= MAX_BATCH and _fits(batch, budget, workloads):
         tried.append(batch)
         batch *= 2
     tried.append(batch)
@@ -111,11 +115,12 @@ def grow(budget: int, lr: float) -> Choice:
     )
 
 
-def halve(budget: int, lr: float, start: int) -> Choice:
+def halve(budget: int, lr: float, start: int, workloads: Workloads | None = None) -> Choice:
     """HF Trainer's auto_find_batch_size: start high, halve on every out-of-memory error. Its
     last attempt is the real training run (measured with the finals), not search cost."""
+    workloads = workloads or Workloads()
     started, batch, tried = time.perf_counter(), start, []
-    while not _fits(batch, budget):
+    while not _fits(batch, budget, workloads):
         tried.append(batch)
         batch //= 2
         if batch < 1:
@@ -162,8 +167,9 @@ def batchfit(budget: int, trials: int, epochs: int, seed: int, tmp: str) -> Choi
     )
     spent = time.perf_counter() - started
     best = study.best_trial
-    trained = sum(counts_as_trained(t) for t in study.trials)
-    predicted = sum(t.user_attrs.get(record.REASON) == record.PREDICTED_OOM for t in study.trials)
+    kept = records(study.trials)
+    trained = num_trained(kept)
+    predicted = sum(t.reason == PREDICTED_OOM for t in kept)
     return Choice(
         "batchfit",
         dict(best.params),
@@ -195,7 +201,7 @@ def final(
     (trial,) = study.trials
     if trial.state not in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED):
         raise SystemExit(f"the final run of {choice.approach} failed: {trial.user_attrs}")
-    figures = trial.user_attrs.get(record.METRICS, {})
+    figures = TrialRecord.of(trial).metrics
     return figures.get("time/to_target_s", float("inf")), figures.get("val/acc", float("nan"))
 
 
@@ -228,9 +234,10 @@ def main() -> None:
             f"budget {budget / 2**20:.2f} MiB; target {TARGET}; heuristics: fp32, no "
             f"accumulation, optimizer.lr={lr:g} at batch 128 scaled linearly"
         )
+        workloads = Workloads()  # the heuristics' data, built once for both
         choices = [
-            grow(budget, lr),
-            halve(budget, lr, args.start_batch),
+            grow(budget, lr, workloads),
+            halve(budget, lr, args.start_batch, workloads),
             batchfit(budget, args.trials, args.epochs, args.seed, tmp),
         ]
         for c in choices:

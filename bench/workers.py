@@ -39,6 +39,9 @@ from rich.console import Console
 from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from search.record import records  # noqa: E402
+
 STUDY = [
     "model=small_cnn",
     "model.width=8",
@@ -86,6 +89,7 @@ def run_study(workers: int, trials: int, storage: str | None, workdir: Path) -> 
         storage = optuna.storages.JournalStorage(backend)
     study = optuna.load_study(study_name="bench", storage=storage)
     finished = [t for t in study.trials if t.state in FINISHED]
+    kept = records(finished)
     span_s = (
         max(t.datetime_complete for t in finished) - min(t.datetime_start for t in finished)
     ).total_seconds()
@@ -94,12 +98,10 @@ def run_study(workers: int, trials: int, storage: str | None, workdir: Path) -> 
         "trials": len(study.trials),
         "wall_s": wall_s,
         "per_min": 60 * len(finished) / span_s,
-        "trial_s": statistics.median(t.user_attrs["seconds"] for t in finished),
-        "storage_s": statistics.median(t.user_attrs["storage_s"] for t in finished),
-        "tracking_s": statistics.median(t.user_attrs["tracking_s"] for t in finished),
-        "coordination_s": statistics.median(
-            t.user_attrs["storage_s"] + t.user_attrs["tracking_s"] for t in finished
-        ),
+        "trial_s": statistics.median(t.seconds for t in kept),
+        "storage_s": statistics.median(t.storage_s for t in kept),
+        "tracking_s": statistics.median(t.tracking_s for t in kept),
+        "coordination_s": statistics.median(t.storage_s + t.tracking_s for t in kept),
     }
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import signal
 import sys
-import traceback
 import warnings
 from pathlib import Path
 
@@ -23,12 +22,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
-from rich.markup import escape  # messages carry [...]: not markup
 
 from search.compose import task_overrides
-from search.driver import StudyDriver, TrackingIncomplete
+from search.driver import StudyDriver
 from search.storage import JournalWriteError
-from tracking.redact import redact, redact_logging
+from search.tracking_state import TrackingIncomplete
+from tracking.console import config_error, crashed, stopped
+from tracking.redact import redact_logging
 from tracking.runs import http_defaults, quiet_logging
 from train.config import ConfigError
 from train.threads import plan_threads
@@ -116,37 +116,22 @@ def main(cfg: DictConfig) -> float | None:
             output_dir=Path(hydra_cfg.runtime.output_dir),
         )
     except ConfigError as error:
-        errors.print(
-            f"[bold red]Configuration error[/bold red]\n{escape(redact(str(error)))}",
-            soft_wrap=True,  # one problem per line, whole, in logs too
-        )
-        sys.exit(2)
+        config_error(errors, error)
     except KeyboardInterrupt:
         errors.print("[yellow]Interrupted before the study started[/yellow]; nothing was trained")
         sys.exit(130)
     except JournalWriteError as error:
-        errors.print(f"[bold red]Storage error[/bold red]\n{escape(redact(str(error)))}")
-        sys.exit(1)
+        stopped(errors, "Storage error", str(error))
     except Exception as error:  # escaping, Hydra would print the overrides, passwords and all
-        errors.print(redact(traceback.format_exc()), markup=False, highlight=False)
-        errors.print(
-            f"[bold red]The study did not start[/bold red]: {type(error).__name__} while "
-            "preparing it (above); nothing was trained",
-            soft_wrap=True,
-        )
-        sys.exit(1)
+        what = f"{type(error).__name__} while preparing it (above); nothing was trained"
+        crashed(errors, "The study did not start", what)
     try:
         return driver.run()
     except ConfigError as error:  # a trial met a config problem the checks could not see
         driver.parent.log.finish("FAILED")
-        errors.print(
-            f"[bold red]Configuration error[/bold red]\n{escape(redact(str(error)))}",
-            soft_wrap=True,  # one problem per line, whole, in logs too
-        )
-        sys.exit(2)
+        config_error(errors, error)
     except TrackingIncomplete as error:
-        errors.print(f"[bold red]MLflow records incomplete[/bold red]\n{escape(str(error))}")
-        sys.exit(1)
+        stopped(errors, "MLflow records incomplete", str(error))
     except KeyboardInterrupt as interrupt:
         driver.interrupted(type(interrupt).__name__)
         sys.exit(143 if isinstance(interrupt, Terminated) else 130)
@@ -154,10 +139,8 @@ def main(cfg: DictConfig) -> float | None:
         journal = journal_failure(error)
         if journal is not None:  # a full disk: the journal is intact, the study resumes later
             driver.storage_failed()
-            errors.print(f"[bold red]Storage error[/bold red]\n{escape(redact(str(journal)))}")
-            sys.exit(1)
-        errors.print(redact(traceback.format_exc()), markup=False, highlight=False)
-        sys.exit(1)
+            stopped(errors, "Storage error", str(journal))
+        crashed(errors, "The study stopped", f"{type(error).__name__} while running it (above)")
 
 
 if __name__ == "__main__":

@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial
 
-from search import record
 from search.fit import FitReport
-from train.run import ACCUM_KEY, BATCH_KEY, CHECKPOINTING_KEY, PRECISION_KEY
+from search.record import OOM_REASONS, PREDICTED_OOM, TrialRecord, records
+from train.params import ACCUM_KEY, BATCH_KEY, CHECKPOINTING_KEY, PRECISION_KEY
 
 FIT_ATTR = "fit_report"  # the study's user attr: the fit report's cells (fit_cells)
 CELL_KEYS = (PRECISION_KEY, ACCUM_KEY)  # then the reports' other keys (`at`, checkpointing)
@@ -63,9 +62,9 @@ def _key_of(values: Mapping[str, Any], keys: Sequence[str]) -> tuple:
     return tuple(str(values.get(k)) for k in keys)
 
 
-def _trial_values(trial: FrozenTrial) -> dict[str, Any]:
-    """A trial's cell coordinates: what it trained with (user attrs), searched keys."""
-    values = {**trial.params, **trial.user_attrs}
+def _trial_values(trial: TrialRecord) -> dict[str, Any]:
+    """A trial's cell coordinates: its searched keys and what it trained with."""
+    values = {**trial.params, **trial.run}
     values.setdefault(CHECKPOINTING_KEY, "none")
     return values
 
@@ -87,16 +86,19 @@ def rows(study: optuna.Study) -> tuple[list[str], list[Row]]:
             row.largest = max(batch, row.largest or batch)
         else:
             row.smallest_oom = min(batch, row.smallest_oom or batch)
-    for trial in trials:
-        _add_trial(found, keys, _trial_values(trial), predicted=bool(cells))
+    for trial in records(trials):
+        _add_trial(found, keys, trial, predicted=bool(cells))
     ordered = sorted(found.values(), key=lambda r: _key_of(r.key, keys))
     return keys, ordered
 
 
-def _add_trial(found: dict[tuple, Row], keys: list[str], values: dict, predicted: bool) -> None:
-    batch, reason = values.get(BATCH_KEY), values.get(record.REASON)
+def _add_trial(
+    found: dict[tuple, Row], keys: list[str], trial: TrialRecord, predicted: bool
+) -> None:
+    values = _trial_values(trial)
+    batch, reason = values.get(BATCH_KEY), trial.reason
     oom = reason_oom(reason)
-    trained = record.PEAK in values and not oom
+    trained = trial.peak_bytes is not None and not oom
     if batch is None or values.get(PRECISION_KEY) is None or not (oom or trained):
         return  # failed before its memory was known: no evidence either way
     key = _key_of(values, keys)
@@ -107,7 +109,7 @@ def _add_trial(found: dict[tuple, Row], keys: list[str], values: dict, predicted
     row, batch = found[key], int(batch)
     geometry = (batch, int(values.get(ACCUM_KEY) or 1))
     if oom:
-        if reason != "oom_predicted" and predicted:
+        if reason != PREDICTED_OOM and predicted:
             row.measured_oom.add(geometry)
         if not predicted:
             row.smallest_oom = min(batch, row.smallest_oom or batch)
@@ -118,7 +120,7 @@ def _add_trial(found: dict[tuple, Row], keys: list[str], values: dict, predicted
 
 
 def reason_oom(reason: object) -> bool:
-    return reason in record.OOM_REASONS
+    return reason in OOM_REASONS
 
 
 def grouped(keys: list[str], found: list[Row]) -> list[tuple[dict[str, Any], Row]]:

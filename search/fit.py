@@ -39,8 +39,10 @@ from search.compose import task_overrides
 from search.config import SearchConfig
 from search.levers import with_default_space
 from search.space import SearchSpace, parse_space
+from tracking.console import config_error
 from train.config import ConfigError, TrainerConfig
 from train.memory import format_bytes
+from train.params import ACCUM_KEY, BATCH_KEY, CHECKPOINTING_KEY, EFFECTIVE_KEY, PRECISION_KEY
 from train.precision import unsupported_reason
 from train.predict import (
     MemoryPredictor,
@@ -48,16 +50,8 @@ from train.predict import (
     fits_budget,
     largest_fitting_batch,
 )
-from train.run import (
-    ACCUM_KEY,
-    BATCH_KEY,
-    CHECKPOINTING_KEY,
-    EFFECTIVE_KEY,
-    PRECISION_KEY,
-    RunSpec,
-    memory_predictor,
-    train_samples,
-)
+from train.run import RunSpec
+from train.workload import Workloads
 
 
 @dataclass
@@ -154,10 +148,15 @@ def _space_values(space: SearchSpace, key: str, default: object) -> list:
 
 
 def fit_report(
-    cfg: DictConfig, space: SearchSpace, spec: RunSpec, settings: SearchConfig
+    cfg: DictConfig,
+    space: SearchSpace,
+    spec: RunSpec,
+    settings: SearchConfig,
+    workloads: Workloads | None = None,
 ) -> FitReport:
-    """Predict every (precision, row, accumulation) of the space; PredictionUnsupported when
-    the model cannot run on fake tensors."""
+    """Predict every (precision, row, accumulation) of the space with the predictor of
+    `workloads` (a study's: its trials then predict with the same one); PredictionUnsupported
+    when the model cannot run on fake tensors."""
     started = time.perf_counter()
     derived = settings.accumulation == "derived"
     trainer = spec.trainer
@@ -189,8 +188,9 @@ def fit_report(
         for key in space.distributions
         if key not in geometry_keys and OmegaConf.select(cfg, key) is not None
     }
-    predictor = memory_predictor(cfg, spec)
-    num_train = train_samples(cfg)
+    workload = (workloads or Workloads()).of(cfg)
+    predictor = workload.predictor(spec, cfg.optimizer)
+    num_train = workload.num_train
     for precision in precisions:
         for row in report.batch_sizes:
             for accum in accums:
@@ -235,11 +235,17 @@ def layouts(cfg: DictConfig, space: SearchSpace, spec: RunSpec) -> list[dict[str
 
 
 def fit_reports(
-    cfg: DictConfig, space: SearchSpace, spec: RunSpec, settings: SearchConfig
+    cfg: DictConfig,
+    space: SearchSpace,
+    spec: RunSpec,
+    settings: SearchConfig,
+    workloads: Workloads | None = None,
 ) -> list[FitReport]:
     """fit_report per layout (`layouts`): trainer.activation_checkpointing and the other
     discrete keys the space searches, side by side, so that the report has the cells a
-    trial can land in (a trial at seq_len 256 is not predicted at the configured 64)."""
+    trial can land in (a trial at seq_len 256 is not predicted at the configured 64). The
+    predictors stay in `workloads` (a study's) for its trials."""
+    workloads = workloads or Workloads()
     reports = []
     for layout in layouts(cfg, space, spec):
         layout_cfg = copy.deepcopy(cfg)
@@ -248,7 +254,8 @@ def fit_reports(
                 OmegaConf.update(layout_cfg, key, value, force_add=True)
         mode = str(layout[CHECKPOINTING_KEY])
         trainer = dataclasses.replace(spec.trainer, activation_checkpointing=mode)
-        report = fit_report(layout_cfg, space, dataclasses.replace(spec, trainer=trainer), settings)
+        layout_spec = dataclasses.replace(spec, trainer=trainer)
+        report = fit_report(layout_cfg, space, layout_spec, settings, workloads)
         report.at = {k: v for k, v in layout.items() if k != CHECKPOINTING_KEY}
         report.held = {k: v for k, v in report.held.items() if k not in layout}
         reports.append(report)
@@ -372,17 +379,15 @@ def main(cfg: DictConfig) -> None:
     def compose(trial_overrides: list[str]) -> DictConfig:
         return hydra.compose(config_name="config", overrides=base + trial_overrides)
 
-    space_note = with_default_space(cfg)
+    workloads = Workloads()  # one data set and predictor for the checks and the report
+    space_note = with_default_space(cfg, workloads)
     if space_note:
         console.print(f"[yellow]note[/yellow] {escape(space_note)}", soft_wrap=True)
     try:
-        checked = validate(cfg, name, compose, open_store=False)
-        reports = fit_reports(cfg, checked.space, checked.spec, checked.settings)
+        checked = validate(cfg, name, compose, open_store=False, workloads=workloads)
+        reports = fit_reports(cfg, checked.space, checked.spec, checked.settings, workloads)
     except ConfigError as error:
-        Console(stderr=True).print(
-            f"[bold red]Configuration error[/bold red]\n{escape(str(error))}"
-        )
-        sys.exit(2)
+        config_error(Console(stderr=True), error)
     except PredictionUnsupported as error:
         Console(stderr=True).print(
             f"[bold red]Memory cannot be predicted for this model[/bold red]: it does not run "

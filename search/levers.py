@@ -23,7 +23,8 @@ from omegaconf import DictConfig, open_dict
 from train.config import ConfigError
 from train.precision import unsupported_reason
 from train.predict import PredictionUnsupported, fits_budget
-from train.run import memory_predictor, plan, train_samples
+from train.run import plan
+from train.workload import Workloads
 
 BATCH_CHOICES = 5
 MAX_BATCH = 1024
@@ -41,14 +42,15 @@ def _power_below(n: int) -> int:
     return 1 << max(n.bit_length() - 1, 0)
 
 
-def largest_batch(cfg: DictConfig, precision: str) -> tuple[int, str]:
+def largest_batch(cfg: DictConfig, precision: str, workloads: Workloads) -> tuple[int, str]:
     """The largest power-of-two batch predicted to fit at accumulation 1, and why it stops
     there (the budget, or the cap)."""
     spec = plan(cfg, cfg.search.memory_budget)
-    num_train = train_samples(cfg)
+    workload = workloads.of(cfg)
+    num_train = workload.num_train
     cap = min(MAX_BATCH, _power_below(max(num_train // 4, 1)))
     try:
-        predictor = memory_predictor(cfg, spec)
+        predictor = workload.predictor(spec, cfg.optimizer)
     except PredictionUnsupported:
         guess = min(cap, _power_below(4 * spec.trainer.batch_size))
         return guess, "4x trainer.batch_size (memory cannot be predicted for this model)"
@@ -70,12 +72,15 @@ def largest_batch(cfg: DictConfig, precision: str) -> tuple[int, str]:
     return fitting, f"{why}, in {precision}"
 
 
-def default_params(cfg: DictConfig) -> tuple[dict[str, str], str]:
-    """The space (search.params grammar) and a note that says what it is and why."""
+def default_params(
+    cfg: DictConfig, workloads: Workloads | None = None
+) -> tuple[dict[str, str], str]:
+    """The space (search.params grammar) and a note that says what it is and why; the
+    predictor comes from `workloads` (a study's, shared with its fit report and trials)."""
     spec = plan(cfg, cfg.search.memory_budget)
     kept = precisions(spec.device)
     frugal = "bf16" if "bf16" in kept else "fp32"
-    largest, why = largest_batch(cfg, frugal)
+    largest, why = largest_batch(cfg, frugal, workloads or Workloads())
     smallest = max(1, largest >> (BATCH_CHOICES - 1))
     batches = [b for b in (1 << k for k in range(11)) if smallest <= b <= largest]
     lr = float(spec.base_lr)
@@ -94,16 +99,17 @@ def default_params(cfg: DictConfig) -> tuple[dict[str, str], str]:
     return params, note
 
 
-def with_default_space(cfg: DictConfig) -> str | None:
+def with_default_space(cfg: DictConfig, workloads: Workloads | None = None) -> str | None:
     """Fill an empty search.params with default_params; the note, or None when the config
-    has its own space (or cannot be planned: validation then says why)."""
+    has its own space (or cannot be planned: validation then says why). `workloads`: the
+    study's, which keeps the data and predictor built here for what follows."""
     search = cfg.search
     if search.get("params") or search.get("accumulation") == "derived":
         return None
     if search.get("default_space") is not True:
         return None
     try:
-        params, note = default_params(cfg)
+        params, note = default_params(cfg, workloads)
     except ConfigError:
         return None
     with open_dict(cfg):

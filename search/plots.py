@@ -39,16 +39,13 @@ from matplotlib.figure import Figure  # without pyplot: no backend, no global fi
 from matplotlib.transforms import Bbox
 from optuna.trial import FrozenTrial, TrialState
 
-from search import record
 from search.recommend import metric_value
-from search.study import SURPLUS_ATTR, is_repeat
-from train.run import (
+from search.record import OOM_REASONS, SLOW, TrialRecord
+from train.params import (
     ACCUM_KEY,
     BATCH_KEY,
     CHECKPOINTING_KEY,
     EFFECTIVE_KEY,
-    EFFECTIVE_PARAM,
-    LR_PARAM,
     PRECISION_KEY,
 )
 
@@ -95,50 +92,50 @@ class Point:
 
     @property
     def oom(self) -> bool:
-        return self.reason in record.OOM_REASONS
+        return self.reason in OOM_REASONS
 
     @property
     def slow(self) -> bool:
-        return self.reason == "slow"
+        return self.reason == SLOW
 
     @property
     def config(self) -> str:
         return f"#{self.number} {self.batch_size}x{self.accum_steps} {self.precision}"
 
 
-def _point(t: FrozenTrial) -> Point:
-    a = t.user_attrs
-    complete = t.state == TrialState.COMPLETE
+def _point(t: TrialRecord) -> Point:
+    complete = t.state == "COMPLETE"
     return Point(
         number=t.number,
-        state=t.state.name,
-        reason=a.get(record.REASON),
-        precision=str(a.get(PRECISION_KEY)),
-        batch_size=a.get(BATCH_KEY),
-        accum_steps=a.get(ACCUM_KEY),
-        effective_batch_size=a.get(EFFECTIVE_PARAM),
-        lr=a.get(LR_PARAM),
-        throughput=a.get(record.THROUGHPUT) if complete else None,
-        unit=a.get(record.UNIT, "samples"),
-        val_acc=a.get(record.VAL_ACC) if complete else None,
-        peak_bytes=a.get(record.PEAK),
-        predicted_bytes=a.get(record.PREDICTED),
-        budget_bytes=a.get(record.BUDGET),
+        state=t.state,
+        reason=t.reason,
+        precision=str(t.precision),
+        batch_size=t.batch_size,
+        accum_steps=t.accum_steps,
+        effective_batch_size=t.effective_batch_size,
+        lr=t.lr,
+        throughput=t.throughput if complete else None,
+        unit=t.unit or "samples",
+        val_acc=t.val_acc if complete else None,
+        peak_bytes=t.peak_bytes,
+        predicted_bytes=t.predicted_bytes,
+        budget_bytes=t.budget_bytes,
         seq_len=t.params.get(SEQ_LEN_KEY),
-        probe_s_per_sample=a.get(record.PROBE),
-        projected_s=a.get(record.PROJECTED),
-        time_budget_s=a.get(record.TIME_BUDGET),
+        probe_s_per_sample=t.probe_s_per_sample,
+        projected_s=t.projected_s,
+        time_budget_s=t.time_budget_s,
     )
 
 
 def points(trials: Sequence[FrozenTrial]) -> list[Point]:
+    kept = (TrialRecord.of(t) for t in trials)
     return [
         _point(t)
-        for t in trials
-        if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+        for t in kept
+        if t.state in ("COMPLETE", "PRUNED", "FAIL")
         # never configured: a surplus trial, a repeat, or one killed before its config
-        and BATCH_KEY in t.user_attrs
-        and SURPLUS_ATTR not in t.user_attrs
+        and t.configured
+        and not t.surplus
     ]
 
 
@@ -404,8 +401,8 @@ def _pareto(ax: Axes, study: optuna.Study, metrics: Sequence[str], complete: lis
     """Objective 0 on x and objective 1 on y, as Optuna's plot_pareto_front in study.html."""
     x_name, y_name = metrics[0], metrics[1]
     on_front = {t.number for t in study.best_trials}  # Optuna's front, all objectives
-    xs = [metric_value(t, x_name, metrics) for t in complete]
-    ys = [metric_value(t, y_name, metrics) for t in complete]
+    xs = [metric_value(t, x_name) for t in complete]
+    ys = [metric_value(t, y_name) for t in complete]
     colors = ["tab:red" if t.number in on_front else "tab:blue" for t in complete]
     ax.scatter(xs, ys, c=colors, s=40)
     line = sorted((x, y) for t, x, y in zip(complete, xs, ys, strict=True) if t.number in on_front)
@@ -435,7 +432,7 @@ def _history(ax: Axes, study: optuna.Study, metric: str, complete: list) -> None
 def _star(ax: Axes, complete: list, recommended: int | None, metrics: Sequence[str]) -> None:
     for t in (t for t in complete if t.number == recommended):
         xy = (t.number, t.values[0]) if len(metrics) < 2 else (
-            metric_value(t, metrics[0], metrics), metric_value(t, metrics[1], metrics))  # fmt: skip
+            metric_value(t, metrics[0]), metric_value(t, metrics[1]))  # fmt: skip
         ax.plot(*xy, "*", markersize=18, color="gold", markeredgecolor="black",
                 label=f"recommended (trial {t.number})")  # fmt: skip
 
@@ -447,7 +444,7 @@ def front(
     complete = [
         t
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        if not is_repeat(t)
+        if not TrialRecord.of(t).is_repeat
     ]
     pareto = len(metrics) >= 2
     fig, ax = _figure(

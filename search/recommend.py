@@ -22,20 +22,16 @@ from typing import Any
 from omegaconf import OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
-from search import record, speed
+from search import speed
 from search.config import RecommendRule
-from search.study import is_repeat
+from search.record import TrialRecord
 from train.overrides import BEST_KEY
 from train.speed import Speed
 
 
-def metric_value(trial: FrozenTrial, name: str, objectives: Sequence[str] = ()) -> float | None:
-    """A completed trial's figure by metric name (from its objective values for trials
-    recorded before the figures were kept by name)."""
-    value = trial.user_attrs.get(record.METRICS, {}).get(name)
-    if value is None and name in objectives and trial.values:
-        value = trial.values[list(objectives).index(name)]
-    return None if value is None or value != value else float(value)
+def metric_value(trial: FrozenTrial, name: str) -> float | None:
+    """A completed trial's figure by metric name (search/record.py)."""
+    return TrialRecord.of(trial).figure(name)
 
 
 def within(rule: RecommendRule, value: float, best: float) -> bool:
@@ -114,14 +110,14 @@ Scored = tuple[FrozenTrial, float, float | None]  # a trial, its `metric`, its `
 
 
 def candidates(
-    trials: Sequence[FrozenTrial], rule: RecommendRule, objectives: Sequence[str] = ()
+    trials: Sequence[FrozenTrial], rule: RecommendRule
 ) -> tuple[Scored | None, list[Scored]]:
     """The completed trial best in `metric`, and the completed trials within the tolerance
     of it that have a `prefer` value."""
     scored = [
-        (t, metric_value(t, rule.metric, objectives), metric_value(t, rule.prefer, objectives))
+        (t, metric_value(t, rule.metric), metric_value(t, rule.prefer))
         for t in trials
-        if t.state == TrialState.COMPLETE and not is_repeat(t)
+        if t.state == TrialState.COMPLETE and not TrialRecord.of(t).is_repeat
     ]
     scored = [(t, m, p) for t, m, p in scored if m is not None]
     if not scored:
@@ -172,7 +168,6 @@ def _by_speed_check(
 def recommend(
     trials: Sequence[FrozenTrial],
     rule: RecommendRule,
-    objectives: Sequence[str] = (),
     speeds: Mapping[str, Speed] | None = None,
 ) -> Recommendation | None:
     """The trial the rule picks among the completed ones; None before any has `metric`.
@@ -181,7 +176,7 @@ def recommend(
     one, the best `metric` is the answer. With a speed check (`speeds`, geometry label ->
     Speed) and a throughput to prefer, a faster geometry is preferred only when it is
     faster beyond the noise (`_by_speed_check`)."""
-    top, within_tolerance = candidates(trials, rule, objectives)
+    top, within_tolerance = candidates(trials, rule)
     if top is None:
         return None
     if not within_tolerance:
@@ -196,14 +191,12 @@ def recommend(
     return Recommendation(trial, rule, top[1], n, value, preferred)
 
 
-def best_document(
-    rec: Recommendation, study_name: str, overrides: Sequence[str], objectives: Sequence[str]
-) -> str:
+def best_document(rec: Recommendation, study_name: str, overrides: Sequence[str]) -> str:
     """best.yaml: which trial, why, its figures, and the overrides that train it."""
     figures = {
-        name: metric_value(rec.trial, name, objectives)
+        name: metric_value(rec.trial, name)
         for name in rec.rule.known
-        if metric_value(rec.trial, name, objectives) is not None
+        if metric_value(rec.trial, name) is not None
     }
     body: dict[str, Any] = {
         "study": study_name,

@@ -1,23 +1,275 @@
-"""What a trial records in Optuna, by name: the user attrs that search/objective.py writes
-and the report, the plots, the recommendation and the sampler read. (The run's own params,
-batch size to scaled lr, are named in train/run.py.)"""
+"""One trial's record: what a trial of the study trained with and how it ended, as a value.
+
+The objective writes it into the Optuna trial (`to_attrs`: user attrs, the only place
+their names appear) and logs it to the trial's MLflow run (search/outcome.py); everything
+that reads a trial afterwards (the report, the plots, the recommendation, the sampler, the
+trial budget of search/budget.py) reads `TrialRecord.of(trial)`.
+
+Which trials count is decided here too, once: `is_finished` (ended with a result of its
+own), `is_unbilled` (answered without training), `is_trained` (one of search.n_trials) and
+`is_settled` (a new run of its configuration would repeat it).
+"""
 
 from __future__ import annotations
 
-STATE = "state"  # COMPLETE, PRUNED or FAIL, as the trial ended
-REASON = "reason"  # why a trial was pruned: OOM_REASONS, diverged, slow, pruner
-MESSAGE = "message"  # what happened, in words
-PEAK = "peak_bytes"  # measured peak memory (past the memory check)
-PREDICTED = "predicted_bytes"  # the preflight prediction
-BUDGET = "budget_bytes"
-THROUGHPUT = "throughput"  # UNIT/s of a completed trial
-UNIT = "unit"  # what THROUGHPUT counts: the task's unit, samples or tokens
-VAL_ACC = "val_acc"
-METRICS = "metrics"  # a completed trial's figures by metric name
-PROBE = "probe_s_per_sample"  # the slow-trial probe's seconds per sample (search/objective.py)
-PROJECTED = "projected_s"  # a `slow` trial's projected training seconds ...
-TIME_BUDGET = "time_budget_s"  # ... and the search.trial_time_budget_s it was held to
-MFU_NOTE = "mfu_note"  # why a completed trial's perf/mfu is above 1 (train/flops.py)
-PREDICTED_OOM = "oom_predicted"  # the reason of a trial whose step was predicted not to fit
-OOM_REASONS = ("oom", PREDICTED_OOM)
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from optuna.trial import FrozenTrial
+
+from train.params import ACCUM_KEY, BATCH_KEY, EFFECTIVE_PARAM, LR_PARAM, PRECISION_KEY
+
+# Why a trial was pruned (`reason`), besides the study pruner's "pruner".
+PREDICTED_OOM = "oom_predicted"  # its step was predicted not to fit, before training
+OOM = "oom"  # over the budget as it trained
+OOM_REASONS = (OOM, PREDICTED_OOM)
+DIVERGED = "diverged"  # NaN or infinite loss
+SLOW = "slow"  # its measured speed cannot finish within search.trial_time_budget_s
+PRUNER = "pruner"  # search.pruner, on a validation metric
 MISSED_TARGET = "missed_target"  # pruned at the end of its budget short of search.target
+ERROR = "error"  # the reason of a FAIL: an exception of its own
+
+# Outcomes that training the same configuration again would repeat: training is seeded, and
+# on CPU the memory check is exact. A prediction is made again (the margin may have changed
+# on resume; it is cheap and takes no slot), and `slow` (timing noise), `pruner` (depends on
+# the other trials), failures and a CUDA OOM (fragmentation, other processes) train again.
+SETTLED_REASONS = (DIVERGED, MISSED_TARGET)
+CONSTRAINT = "memory"  # the Optuna constraint: (peak - budget) / budget, > 0 did not fit
+MESSAGE_CHARS = 1000  # of a message kept in the study (the MLflow run has 5000)
+
+# conf/search/default.yaml's objectives, for a run name made without the study's
+RUN_NAME_OBJECTIVES = ("val/acc",)
+
+
+def _attr(name: str, default: Any = None) -> Any:
+    """A field stored as the user attr `name`."""
+    factory = {"default_factory": dict} if default is dict else {"default": default}
+    return field(metadata={"attr": name}, **factory)
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """A trial as the study recorded it. `run` holds what it trained with, as
+    train/run.py's RunSpec.params names it (batch size to the scaled lr and the device);
+    the other fields are None until known."""
+
+    number: int
+    state: str  # Optuna's: COMPLETE, PRUNED, FAIL, RUNNING, WAITING
+    params: Mapping[str, Any] = field(default_factory=dict)  # the sampled values
+    values: tuple[float, ...] | None = None  # the objectives of a COMPLETE trial
+    memory_violation: float | None = None  # the constraint CONSTRAINT, when known
+    run: Mapping[str, Any] = field(default_factory=dict)
+    # How it ended: `ended` is the state it was recorded with (a trial that died mid-way
+    # has none), `reason` why it was pruned, `message` what happened in words.
+    ended: str | None = _attr("state")
+    reason: str | None = _attr("reason")
+    message: str | None = _attr("message")
+    error: str | None = _attr("error")  # a FAIL's own exception, in words
+    repeat_of: int | None = _attr("repeat_of")  # the trial whose record answered this one
+    surplus: bool = _attr("surplus", False)  # started past search.n_trials: never ran
+    run_id: str | None = _attr("mlflow_run_id")
+    # Seconds of the whole trial, and of its storage and MLflow calls (tracking/overhead.py).
+    seconds: float | None = _attr("seconds")
+    storage_s: float | None = _attr("storage_s")
+    tracking_s: float | None = _attr("tracking_s")
+    # Memory: measured peak (past the memory check, or when it ran out), prediction, budget.
+    peak_bytes: int | None = _attr("peak_bytes")
+    predicted_bytes: int | None = _attr("predicted_bytes")
+    budget_bytes: int | None = _attr("budget_bytes")
+    prediction_error: float | None = _attr("prediction_error")
+    # A completed (or missed-target) run's figures: its throughput in `unit`/s, its
+    # figures by metric name, what the throughput clock timed.
+    throughput: float | None = _attr("throughput")
+    unit: str | None = _attr("unit")
+    val_acc: float | None = _attr("val_acc")
+    metrics: Mapping[str, float] = _attr("metrics", dict)
+    step_ms: float | None = _attr("step_ms")
+    timed_steps: int | None = _attr("timed_steps")
+    timed_samples: int | None = _attr("timed_samples")
+    mfu_note: str | None = _attr("mfu_note")  # why its perf/mfu is above 1 (train/flops.py)
+    # Time: the slow-trial probe's seconds per sample (the yardstick of later trials); a
+    # `slow` trial's projected training and the search.trial_time_budget_s it was held to.
+    probe_s_per_sample: float | None = _attr("probe_s_per_sample")
+    projected_s: float | None = _attr("projected_s")
+    time_budget_s: float | None = _attr("time_budget_s")
+
+    @classmethod
+    def of(cls, trial: FrozenTrial) -> TrialRecord:
+        values = tuple(trial.values) if trial.values is not None else None
+        return cls.from_attrs(
+            trial.number,
+            trial.user_attrs,
+            state=trial.state.name,
+            params=trial.params,
+            values=values,
+            memory_violation=trial.constraints.get(CONSTRAINT),
+        )
+
+    @classmethod
+    def from_attrs(cls, number: int, attrs: Mapping[str, Any], **known: Any) -> TrialRecord:
+        """The record stored as user attrs `attrs` (what `to_attrs` wrote), with what Optuna
+        keeps itself (`state`, `params`, `values`, `memory_violation`) given by name."""
+        rest = dict(attrs)
+        stored = {
+            f.name: rest.pop(f.metadata["attr"]) for f in _STORED if f.metadata["attr"] in rest
+        }
+        known.setdefault("state", stored.get("ended") or "RUNNING")
+        # what is left is what the objective wrote first: the run's params
+        return cls(number=number, run=rest, **known, **stored)
+
+    def to_attrs(self) -> dict[str, Any]:
+        """The user attrs that store this record (the run's params, then what is known)."""
+        attrs = dict(self.run)
+        for f in _STORED:
+            value = getattr(self, f.name)
+            if value is not None and value != f.default and value != {}:
+                attrs[f.metadata["attr"]] = value
+        return attrs
+
+    def replace(self, **changes: Any) -> TrialRecord:
+        return dataclasses.replace(self, **changes)
+
+    # What it trained with (None until configured).
+    @property
+    def batch_size(self) -> int | None:
+        return self.run.get(BATCH_KEY)
+
+    @property
+    def accum_steps(self) -> int | None:
+        return self.run.get(ACCUM_KEY)
+
+    @property
+    def precision(self) -> str | None:
+        return self.run.get(PRECISION_KEY)
+
+    @property
+    def effective_batch_size(self) -> int | None:
+        return self.run.get(EFFECTIVE_PARAM)
+
+    @property
+    def lr(self) -> float | None:
+        return self.run.get(LR_PARAM)
+
+    @property
+    def device(self) -> str | None:
+        return self.run.get("device")
+
+    @property
+    def configured(self) -> bool:
+        """Whether it got as far as its config (a surplus or a repeat never does)."""
+        return BATCH_KEY in self.run
+
+    # Which trials count (one definition each; search/budget.py counts with them).
+    @property
+    def is_repeat(self) -> bool:
+        return self.repeat_of is not None
+
+    @property
+    def is_finished(self) -> bool:
+        """Complete, pruned, or failed with an error of its own; not a trial that was
+        interrupted (Ctrl-C, or a worker that died), which is run again, nor a surplus."""
+        if self.state in ("COMPLETE", "PRUNED"):
+            return True
+        return self.state == "FAIL" and self.error is not None
+
+    @property
+    def is_unbilled(self) -> bool:
+        """A proposal answered without training: predicted not to fit (the fit report knew
+        it), or a configuration already trained, answered from its record. Optuna has it,
+        so the sampler learns from it; search.n_trials does not count it."""
+        return self.is_repeat or self.reason == PREDICTED_OOM
+
+    @property
+    def is_trained(self) -> bool:
+        """Finished, and not unbilled: one of the search.n_trials the user asked for."""
+        return self.is_finished and not self.is_unbilled
+
+    @property
+    def is_settled(self) -> bool:
+        """Finished with an outcome that a new run of its configuration would repeat, so
+        that such a proposal is answered from this record (SETTLED_REASONS)."""
+        if self.is_repeat or self.state not in ("COMPLETE", "PRUNED"):
+            return False
+        if self.state == "COMPLETE":
+            return True
+        if self.reason == OOM:
+            return self.device == "cpu"  # exact there; a CUDA OOM may not happen again
+        return self.reason in SETTLED_REASONS
+
+    @property
+    def infeasible(self) -> bool:
+        """Known not to fit: its memory constraint is positive (an OOM, real or predicted)."""
+        return self.memory_violation is not None and self.memory_violation > 0
+
+    @property
+    def trained_its_budget(self) -> bool:
+        """Trained all it was to train: completed, or ended short of search.target."""
+        return not self.is_repeat and (
+            self.state == "COMPLETE" or (self.state == "PRUNED" and self.reason == MISSED_TARGET)
+        )
+
+    @property
+    def label(self) -> str:
+        """'COMPLETE', 'PRUNED (oom)', 'REPEAT', 'FAIL'."""
+        if self.is_repeat:
+            return "REPEAT"
+        if self.state == "PRUNED":
+            return f"PRUNED ({self.reason or PRUNER})"
+        return self.state
+
+    def figure(self, metric: str) -> float | None:
+        """A completed trial's figure by metric name (NaN and unknown: None)."""
+        value = self.metrics.get(metric)
+        return None if value is None or value != value else float(value)
+
+    def run_name(self, objectives: Sequence[str] = RUN_NAME_OBJECTIVES) -> str:
+        """Its MLflow run name, the first thing the runs table shows: its configuration,
+        and once it has ended its outcome (pruned and failed ones say so, a slow one with
+        its projection) and key figures: the study's objectives, its throughput in its
+        unit and its peak memory."""
+        name = f"trial-{self.number} · {self.batch_size}x{self.accum_steps} {self.precision}"
+        if self.ended == "COMPLETE":
+            throughput = f"throughput/{self.unit or 'samples'}_per_sec"
+            metrics = [m for m in dict.fromkeys([*objectives, throughput]) if m != PEAK_METRIC]
+            figures = [(m, self.figure(m)) for m in metrics]
+            words = [_figure_words(m, v) for m, v in figures if v is not None]
+            if self.peak_bytes:
+                words.append(f"{mib(self.peak_bytes)} MiB")
+            return " · ".join([name, *words])
+        if self.ended == "PRUNED":
+            reason = self.reason or PRUNER
+            if reason == SLOW and self.projected_s is not None and self.time_budget_s:
+                reason += f" (projected {self.projected_s:.0f} s, budget {self.time_budget_s:g} s)"
+            return f"{name} · PRUNED {reason}"
+        if self.ended == "FAIL":
+            return f"{name} · FAILED"
+        return name
+
+
+_STORED = tuple(f for f in dataclasses.fields(TrialRecord) if "attr" in f.metadata)
+PEAK_METRIC = "memory/peak_bytes"  # in a run name in MiB, last
+
+
+def mib(num_bytes: float | None) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / 2**20:.1f}"
+
+
+def _figure_words(metric: str, value: float) -> str:
+    """'acc 0.951', 'loss 2.310', '412/s' (samples), '9120 tokens/s', 'mfu 0.412'."""
+    name = metric.rsplit("/", 1)[-1]
+    if metric.startswith("throughput/") and name.endswith("_per_sec"):
+        unit = name.removesuffix("_per_sec")
+        return f"{value:.0f}/s" if unit == "samples" else f"{value:.0f} {unit}/s"
+    if metric.startswith("val/"):
+        return f"{name} {value:.3f}"
+    return f"{name} {value:.4g}"
+
+
+def records(trials: Sequence[FrozenTrial]) -> list[TrialRecord]:
+    return [TrialRecord.of(t) for t in trials]
+
+
+def by_number(trials: Sequence[FrozenTrial]) -> Mapping[int, TrialRecord]:
+    return {t.number: TrialRecord.of(t) for t in trials}

@@ -11,7 +11,6 @@ import shlex
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -27,23 +26,16 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from search import boundary, record, speed
+from search import boundary, speed
+from search.budget import num_trained
 from search.recommend import Recommendation
+from search.record import PRUNER, TrialRecord, mib, records
 from search.space import override_value
-from search.study import counts_as_finished, counts_as_trained, is_repeat, is_unbilled
 from tracking.redact import redact
 from train.memory import format_bytes
 from train.overrides import BEST_KEY, override_key
-from train.run import ACCUM_KEY, BATCH_KEY, EFFECTIVE_PARAM, LR_PARAM, PRECISION_KEY
+from train.params import ACCUM_KEY, BATCH_KEY
 from train.threads import usable_cores
-
-
-def state_label(trial: FrozenTrial) -> str:
-    if is_repeat(trial):
-        return "REPEAT"
-    if trial.state == TrialState.PRUNED:
-        return f"PRUNED ({trial.user_attrs.get(record.REASON, 'pruner')})"
-    return trial.state.name
 
 
 def _short(key: str) -> str:
@@ -59,41 +51,40 @@ def _fmt(value: object) -> str:
 STARVED_SHARE = 0.2
 
 
-def spread_note(attrs: Mapping[str, Any]) -> str:
+def spread_note(t: TrialRecord) -> str:
     """' (±6%)': half the range of a trial's throughput over its logging intervals (how
     steady the machine was while it ran), when it has enough of them."""
-    spread = attrs.get(record.METRICS, {}).get("throughput/spread")
+    spread = t.metrics.get("throughput/spread")
     return "" if spread is None else f" (±{spread / 2:.0%})"
 
 
 def trial_line(trial: FrozenTrial) -> str:
-    attrs = trial.user_attrs
-    params = " ".join(f"{_short(k)}={_fmt(v)}" for k, v in trial.params.items())
-    parts = [f"#{trial.number:<3} {state_label(trial):<18} {params}"]
-    if record.THROUGHPUT in attrs:
-        unit = attrs.get(record.UNIT, "samples")
-        parts.append(f"{attrs[record.THROUGHPUT]:.0f} {unit}/s{spread_note(attrs)}")
-    if record.PEAK in attrs:
-        parts.append(f"peak {format_bytes(attrs[record.PEAK])}")
-    if record.PREDICTED in attrs:
-        error = attrs.get("prediction_error")
+    t = TrialRecord.of(trial)
+    params = " ".join(f"{_short(k)}={_fmt(v)}" for k, v in t.params.items())
+    parts = [f"#{t.number:<3} {t.label:<18} {params}"]
+    if t.throughput is not None:
+        parts.append(f"{t.throughput:.0f} {t.unit or 'samples'}/s{spread_note(t)}")
+    if t.peak_bytes is not None:
+        parts.append(f"peak {format_bytes(t.peak_bytes)}")
+    if t.predicted_bytes is not None:
+        error = t.prediction_error
         parts.append(
-            f"predicted {format_bytes(attrs['predicted_bytes'])}"
+            f"predicted {format_bytes(t.predicted_bytes)}"
             + (f" ({error:+.1%})" if error is not None else "")
         )
-    if attrs.get(record.VAL_ACC) is not None:
-        parts.append(f"val acc {attrs[record.VAL_ACC]:.3f}")
-    to_target = attrs.get(record.METRICS, {}).get("time/to_target_s")
+    if t.val_acc is not None:
+        parts.append(f"val acc {t.val_acc:.3f}")
+    to_target = t.metrics.get("time/to_target_s")
     if to_target is not None:
         parts.append(f"target in {to_target:.1f} s")
-    wait = attrs.get(record.METRICS, {}).get("time/data_wait_share")
+    wait = t.metrics.get("time/data_wait_share")
     if wait is not None and wait >= STARVED_SHARE:
         parts.append(f"waiting for data {wait:.0%} of the time")
-    if "seconds" in attrs:
-        parts.append(f"{attrs['seconds']:.1f} s")
-    if (trial.state != TrialState.COMPLETE or is_repeat(trial)) and record.MESSAGE in attrs:
-        parts.append(f"[dim]{escape(attrs[record.MESSAGE][:120])}[/dim]")
-    if is_unbilled(trial):
+    if t.seconds is not None:
+        parts.append(f"{t.seconds:.1f} s")
+    if (t.state != "COMPLETE" or t.is_repeat) and t.message is not None:
+        parts.append(f"[dim]{escape(t.message[:120])}[/dim]")
+    if t.is_unbilled:
         parts.append("[dim]not counted in search.n_trials[/dim]")
     return " | ".join(parts)
 
@@ -147,7 +138,7 @@ class StudyProgress:
         if self._epochs is not None:
             self._progress.remove_task(self._epochs)
             self._epochs = None
-        done = sum(1 for t in study.get_trials(deepcopy=False) if counts_as_trained(t))
+        done = num_trained(records(study.get_trials(deepcopy=False)))
         best = best_trials(study, limit=1)
         if best:
             self.best = f"best {self.metric} {_fmt(best[0].values[0])} (#{best[0].number})"
@@ -193,12 +184,12 @@ def _clock(seconds: float) -> str:
 def best_trials(study: optuna.Study, limit: int = 5) -> list[FrozenTrial]:
     """The Pareto front (several objectives) or the top trials (one), best first."""
     if len(study.directions) > 1:
-        front = [t for t in study.best_trials if not is_repeat(t)]
+        front = [t for t in study.best_trials if not TrialRecord.of(t).is_repeat]
     else:
         front = [
             t
             for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if not is_repeat(t)
+            if not TrialRecord.of(t).is_repeat
         ]
     sign = 1 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else -1
     return sorted(front, key=lambda t: -sign * t.values[0])[:limit]
@@ -212,9 +203,10 @@ def rerun_overrides(
     out, except the memory budget, which `python -m train` honours."""
     values = {**(fixed or {}), **{k: override_value(v) for k, v in trial.params.items()}}
     if "trainer.effective_batch_size" in values:  # derived accumulation: what the trial used
+        run = TrialRecord.of(trial).run
         for key in (BATCH_KEY, ACCUM_KEY):
-            if key in trial.user_attrs:
-                values[key] = override_value(trial.user_attrs[key])
+            if key in run:
+                values[key] = override_value(run[key])
     kept = []
     for override in base:
         key = override_key(override)
@@ -252,7 +244,7 @@ def summary(
     for t in best:
         cells = [str(t.number), *(_fmt(v) for v in t.params.values())]
         cells += [_fmt(v) for v in t.values]
-        table.add_row(*cells, format_bytes(t.user_attrs.get(record.PEAK)))
+        table.add_row(*cells, format_bytes(TrialRecord.of(t).peak_bytes))
     console.print(table)
     header, cells = boundary.table(study)
     if cells:
@@ -313,7 +305,7 @@ ADVICE = {
     "PRUNED (diverged)": "the loss diverged: lower the optimizer.lr range in search.params",
     "PRUNED (missed_target)": "ended short of search.target: raise trainer.max_epochs or lower "
     "the target",
-    "PRUNED (pruner)": "stopped by search.pruner below the median of the completed trials",
+    f"PRUNED ({PRUNER})": "stopped by search.pruner below the median of the completed trials",
     "FAIL": "an error in training: its line above says which, its MLflow run's error.txt "
     "has the traceback",
 }
@@ -323,8 +315,8 @@ def none_completed(trials: Sequence[FrozenTrial]) -> str:
     """Why a study has no completed trial, with counts and what to change. When every trial
     it trained was pruned as slow, the machine or the budget is the problem, not the
     configurations: by how much."""
-    counted = [t for t in trials if counts_as_trained(t)]
-    slow = [t for t in counted if record.PROJECTED in t.user_attrs]
+    counted = [t for t in records(trials) if t.is_trained]
+    slow = [t for t in counted if t.projected_s is not None]
     if counted and len(slow) == len(counted):
         return _all_slow(slow)
     by_state = counts_by_state(trials)
@@ -337,9 +329,9 @@ def none_completed(trials: Sequence[FrozenTrial]) -> str:
     return f"No trial completed. The trials ended as: {reasons}."
 
 
-def _all_slow(slow: Sequence[FrozenTrial]) -> str:
-    projected = sorted(t.user_attrs[record.PROJECTED] for t in slow)
-    budget = slow[-1].user_attrs[record.TIME_BUDGET]
+def _all_slow(slow: Sequence[TrialRecord]) -> str:
+    projected = sorted(t.projected_s for t in slow)
+    budget = slow[-1].time_budget_s
     low, high = projected[0], projected[-1]
     span = f"{low:.0f}-{high:.0f} s ({low / budget:.1f}-{high / budget:.1f}x)"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -359,84 +351,26 @@ def _all_slow(slow: Sequence[FrozenTrial]) -> str:
 def counts_by_state(trials: Sequence[FrozenTrial]) -> dict[str, int]:
     """Finished trials per state label ('COMPLETE', 'PRUNED (oom_predicted)', ...)."""
     by_state: dict[str, int] = defaultdict(int)
-    for t in trials:
-        if counts_as_finished(t):
-            by_state[state_label(t)] += 1
+    for t in records(trials):
+        if t.is_finished:
+            by_state[t.label] += 1
     return dict(by_state)
 
 
 def counts_line(trials: Sequence[FrozenTrial]) -> str:
     """'12 finished trials: 11 COMPLETE, 1 PRUNED (slow); not counted: 5 PRUNED
     (oom_predicted), 1 REPEAT'."""
-    counted = counts_by_state([t for t in trials if not is_unbilled(t)])
+    unbilled = {t.number for t in records(trials) if t.is_unbilled}
+    counted = counts_by_state([t for t in trials if t.number not in unbilled])
     line = f"{sum(counted.values())} finished trials: " + ", ".join(
         f"{n} {label}" for label, n in sorted(counted.items())
     )
-    free = counts_by_state([t for t in trials if is_unbilled(t)])
+    free = counts_by_state([t for t in trials if t.number in unbilled])
     if free:
         line += "; not counted, answered without training: " + ", ".join(
             f"{n} {label}" for label, n in sorted(free.items())
         )
     return line
-
-
-def mib(num_bytes: float | None) -> str:
-    return "-" if num_bytes is None else f"{num_bytes / 2**20:.1f}"
-
-
-# conf/search/default.yaml's objectives, for a name made without the study's
-RUN_NAME_OBJECTIVES = ("val/acc",)
-PEAK_METRIC = "memory/peak_bytes"  # named in MiB, last
-
-
-def _figure(attrs: Mapping[str, Any], metric: str) -> float | None:
-    """A completed trial's figure by metric name (val/acc and its throughput from their own
-    attrs for trials recorded before the figures were kept by name)."""
-    value = attrs.get(record.METRICS, {}).get(metric)
-    if value is None and metric == "val/acc":
-        value = attrs.get(record.VAL_ACC)
-    if value is None and metric == f"throughput/{attrs.get(record.UNIT, 'samples')}_per_sec":
-        value = attrs.get(record.THROUGHPUT)
-    return None if value is None or value != value else float(value)
-
-
-def _figure_words(metric: str, value: float) -> str:
-    """'acc 0.951', 'loss 2.310', '412/s' (samples), '9120 tokens/s', 'mfu 0.412'."""
-    name = metric.rsplit("/", 1)[-1]
-    if metric.startswith("throughput/") and name.endswith("_per_sec"):
-        unit = name.removesuffix("_per_sec")
-        return f"{value:.0f}/s" if unit == "samples" else f"{value:.0f} {unit}/s"
-    if metric.startswith("val/"):
-        return f"{name} {value:.3f}"
-    return f"{name} {value:.4g}"
-
-
-def run_name(
-    number: int, attrs: Mapping[str, Any], objectives: Sequence[str] = RUN_NAME_OBJECTIVES
-) -> str:
-    """A trial's MLflow run name, the first thing the runs table shows: its configuration,
-    and once it has ended (attrs has its `state`) its outcome (pruned and failed ones say
-    so, a slow one with its projection) and key figures: the study's objectives, its
-    throughput in its unit and its peak memory."""
-    config = f"{attrs.get(BATCH_KEY)}x{attrs.get(ACCUM_KEY)} {attrs.get(PRECISION_KEY)}"
-    name = f"trial-{number} · {config}"
-    if attrs.get(record.STATE) == "COMPLETE":
-        throughput = f"throughput/{attrs.get(record.UNIT, 'samples')}_per_sec"
-        metrics = [m for m in dict.fromkeys([*objectives, throughput]) if m != PEAK_METRIC]
-        figures = [(m, _figure(attrs, m)) for m in metrics]
-        words = [_figure_words(m, v) for m, v in figures if v is not None]
-        if attrs.get(record.PEAK):
-            words.append(f"{mib(attrs[record.PEAK])} MiB")
-        return " · ".join([name, *words])
-    if attrs.get(record.STATE) == "PRUNED":
-        reason = attrs.get(record.REASON, "pruner")
-        projected, budget = attrs.get(record.PROJECTED), attrs.get(record.TIME_BUDGET)
-        if reason == "slow" and projected is not None and budget:
-            reason += f" (projected {projected:.0f} s, budget {budget:g} s)"
-        return f"{name} · PRUNED {reason}"
-    if attrs.get(record.STATE) == "FAIL":
-        return f"{name} · FAILED"
-    return name
 
 
 def _md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -453,19 +387,19 @@ TRIAL_COLUMNS = (
 
 def trial_columns(trials: Sequence[FrozenTrial]) -> tuple[str, ...]:
     """TRIAL_COLUMNS, the throughput in the unit the trials counted (tokens for an LM)."""
-    unit = next((t.user_attrs[record.UNIT] for t in trials if record.UNIT in t.user_attrs), None)
+    unit = next((t.unit for t in records(trials) if t.unit is not None), None)
     return tuple(f"{unit}/s" if c == "samples/s" and unit else c for c in TRIAL_COLUMNS)
 
 
-def trial_row(t: FrozenTrial) -> list[str]:
-    a = t.user_attrs
-    throughput = a.get(record.THROUGHPUT) if t.state == TrialState.COMPLETE else None
+def trial_row(trial: FrozenTrial) -> list[str]:
+    t = TrialRecord.of(trial)
+    complete = t.state == "COMPLETE"
+    throughput = t.throughput if complete else None
     return [
-        str(t.number), _fmt(a.get(BATCH_KEY)), _fmt(a.get(ACCUM_KEY)),
-        _fmt(a.get(EFFECTIVE_PARAM)), _fmt(a.get(PRECISION_KEY)), _fmt(a.get(LR_PARAM)),
-        _fmt(a.get(record.VAL_ACC)) if t.state == TrialState.COMPLETE else "-",
-        f"{throughput:.0f}{spread_note(a)}" if throughput else "-", mib(a.get(record.PEAK)),
-        mib(a.get(record.PREDICTED)),
+        str(t.number), _fmt(t.batch_size), _fmt(t.accum_steps), _fmt(t.effective_batch_size),
+        _fmt(t.precision), _fmt(t.lr), _fmt(t.val_acc) if complete else "-",
+        f"{throughput:.0f}{spread_note(t)}" if throughput else "-", mib(t.peak_bytes),
+        mib(t.predicted_bytes),
     ]  # fmt: skip
 
 
@@ -504,10 +438,7 @@ def summary_markdown(
         parts += ["## Speed check (the candidates timed side by side)", _md_table(header, rows)]
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     if pruned:
-        rows = [
-            (t.number, *trial_row(t)[1:5], t.user_attrs.get(record.REASON, "pruner"))
-            for t in pruned
-        ]
+        rows = [(t.number, *trial_row(t)[1:5], TrialRecord.of(t).reason or PRUNER) for t in pruned]
         parts += [
             "## Pruned trials",
             _md_table(("trial", "batch", "accum", "effective batch", "precision", "reason"), rows),

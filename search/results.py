@@ -19,9 +19,10 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from search import plots, report, speed
+from search.budget import num_trained
 from search.config import RecommendRule
 from search.recommend import Recommendation, best_document, recommend
-from search.study import counts_as_finished, counts_as_trained, is_unbilled
+from search.record import records
 from tracking.redact import redact
 from tracking.runs import RECOMMENDED_TAG, RunLog
 from train.overrides import BEST_FILE
@@ -66,7 +67,7 @@ class Results:
 
     def recommendation(self, study: optuna.Study) -> Recommendation | None:
         trials = study.get_trials(deepcopy=False)
-        return recommend(trials, self.rule, self.metrics, speed.stored(study))
+        return recommend(trials, self.rule, speed.stored(study))
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         """Optuna callback: publish, unless that was done less than PUBLISH_EVERY_S ago."""
@@ -81,7 +82,7 @@ class Results:
         if rec is not None:
             # Masked in both copies, like everything batchfit writes: a password in a URL
             # comes back from its environment variable (see redact.py) on a rerun.
-            document = redact(best_document(rec, study.study_name, overrides, self.metrics))
+            document = redact(best_document(rec, study.study_name, overrides))
             files[BEST_FILE] = document
             if self.best_path is not None:
                 self.best_path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,8 +115,9 @@ class StudyRun:
             "trials/" + label.lower().replace(" (", "_").rstrip(")"): n
             for label, n in report.counts_by_state(trials).items()
         }
-        counts["trials/finished"] = sum(counts_as_trained(t) for t in trials)  # search.n_trials
-        counts["trials/unbilled"] = sum(counts_as_finished(t) and is_unbilled(t) for t in trials)
+        kept = records(trials)
+        counts["trials/trained"] = num_trained(kept)  # what search.n_trials counts
+        counts["trials/unbilled"] = sum(t.is_finished and t.is_unbilled for t in kept)
         complete = [t for t in trials if t.state == TrialState.COMPLETE and t.values]
         for i, (metric, direction) in enumerate(zip(self.metrics, study.directions, strict=True)):
             values = [t.values[i] for t in complete]

@@ -1,16 +1,17 @@
 """Keep the study's sampler from proposing what is already known not to fit.
 
 Every OOM trial, real or predicted, is recorded with the Optuna constraint `memory` > 0
-(search/objective.py). Optuna's samplers use that only weakly: TPE ranks infeasible trials
+(search/outcome.py). Optuna's samplers use that only weakly: TPE ranks infeasible trials
 after all others, where a pruned trial without intermediate values already sits (so its
 proposals do not change), and GPSampler and NSGA-II read only COMPLETE trials. Peak memory,
 though, only grows with the batch: a configuration is sure not to fit if an infeasible trial
 had the same precision and other memory-relevant values with a batch size no larger and an
 accumulation pattern no lighter. `FeasibilityFilter` wraps any sampler and redraws such
 proposals, so the OOM boundary found by one trial holds for later ones; a proposal of a
-configuration already tried is redrawn too (a repeat teaches nothing). It acts on joint
-(relative) proposals: not during the base sampler's independent start-up trials, nor for
-samplers that only sample independently (RandomSampler, TPE without multivariate).
+configuration already settled is redrawn too (a repeat teaches nothing: search/budget.py).
+It acts on joint (relative) proposals: not during the base sampler's independent start-up
+trials, nor for samplers that only sample independently (RandomSampler, TPE without
+multivariate).
 """
 
 from __future__ import annotations
@@ -32,20 +33,15 @@ from optuna.distributions import (
 from optuna.samplers import BaseSampler, GridSampler, TPESampler
 from optuna.trial import FrozenTrial, TrialState
 
+from search.budget import configuration, settled, study_records
 from search.space import SearchSpace
-from search.study import is_settled
 from train.config import ConfigError
-from train.run import ACCUM_KEY, BATCH_KEY
+from train.params import ACCUM_KEY, BATCH_KEY
 
-CONSTRAINT = "memory"
 # Memory grows with the micro-batch. Not with trainer.effective_batch_size (derived
 # accumulation): a larger one may train a smaller micro-batch, so it is compared for equality.
 BATCH_KEYS = (BATCH_KEY,)
 # ACCUM_KEY (train/run.py) counts as 1 micro-batch, or 2 or more: the same peak from 2 on.
-
-
-def is_infeasible(trial: FrozenTrial) -> bool:
-    return trial.constraints.get(CONSTRAINT, 0.0) > 0
 
 
 def dominated(params: Mapping[str, Any], oom: Mapping[str, Any], floats: set[str]) -> bool:
@@ -87,17 +83,21 @@ class FeasibilityFilter(BaseSampler):
         params = self.base.sample_relative(study, trial, search_space)
         if not params:  # the base sampler's start-up phase: independent sampling
             return params
-        finished = study.get_trials(deepcopy=False, states=(TrialState.PRUNED, TrialState.COMPLETE))
-        infeasible = [t.params for t in finished if is_infeasible(t)]
-        # trained, or training in another worker now: a second run of it would repeat it
-        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-        known = [t.params for t in finished if is_settled(t)]
-        known += [t.params for t in running if t.number != trial.number]
+        trials = study_records(study)
+        finished = [t for t in trials if t.state in ("PRUNED", "COMPLETE")]
+        infeasible = [t.params for t in finished if t.infeasible]
+        # settled, or training in another worker now: a second run of it would repeat it
+        known = set(settled(finished))
+        known |= {
+            configuration(t.params)
+            for t in trials
+            if t.state == "RUNNING" and t.number != trial.number
+        }
         floats = {k for k, d in search_space.items() if isinstance(d, FloatDistribution)}
         for _ in range(self.max_redraws):
             if any(dominated(params, oom, floats) for oom in infeasible):
                 self.num_redrawn += 1
-            elif any(params == earlier for earlier in known):
+            elif configuration(params) in known:
                 self.num_repeats_redrawn += 1
             else:
                 break

@@ -26,8 +26,11 @@ import optuna
 from omegaconf import DictConfig
 from optuna.trial import FrozenTrial
 
-from train.run import ACCUM_KEY, BATCH_KEY, CHECKPOINTING_KEY, PRECISION_KEY, RunSpec
+from search.record import TrialRecord
+from train.params import ACCUM_KEY, BATCH_KEY, CHECKPOINTING_KEY, PRECISION_KEY
+from train.run import RunSpec
 from train.speed import ROUNDS, Speed, measure
+from train.workload import Workloads
 
 SPEED_ATTR = "speed_check"
 MAX_GEOMETRIES = 4  # candidates timed side by side: a few seconds each, ROUNDS times
@@ -43,7 +46,8 @@ def geometry(trial: FrozenTrial) -> Geometry:
     """What a trial's speed depends on: its batch geometry and precision as it trained
     (derived accumulation included) and every other searched key that is not a number of
     the optimizer or the schedule."""
-    values = {key: trial.user_attrs.get(key) for key in GEOMETRY_KEYS}
+    run = TrialRecord.of(trial).run
+    values = {key: run.get(key) for key in GEOMETRY_KEYS}
     for key, value in trial.params.items():
         neutral = key.startswith(SPEED_NEUTRAL) and isinstance(value, int | float)
         if key not in values and not neutral and key != "trainer.effective_batch_size":
@@ -88,6 +92,7 @@ def check(
     trials: Sequence[FrozenTrial],
     configure: Callable[[FrozenTrial], tuple[DictConfig, RunSpec]],
     say: Callable[[str], None],
+    workloads: Workloads | None = None,
 ) -> dict[str, Speed]:
     """Time the geometries of `trials` side by side, unless the study's last check timed
     exactly these; keep the result in the study and say it."""
@@ -101,7 +106,8 @@ def check(
         "each trial happened to run)"
     )
     started = time.perf_counter()
-    speeds = dict(zip(names, measure([configure(t) for t in trials]), strict=True))
+    runs = [configure(t) for t in trials]
+    speeds = dict(zip(names, measure(runs, workloads=workloads), strict=True))
     study.set_user_attr(
         SPEED_ATTR,
         {
@@ -139,7 +145,8 @@ def speeds_by_trial(trials: Sequence[FrozenTrial], speeds: Mapping[str, Speed]) 
     """Trial number -> the speed check of its geometry, for the trials whose was timed."""
     found = {}
     for t in trials:
-        name = label(geometry(t)) if all(k in t.user_attrs for k in GEOMETRY_KEYS[:3]) else None
+        configured = TrialRecord.of(t).configured
+        name = label(geometry(t)) if configured else None
         if name in speeds:
             found[t.number] = speeds[name]
     return found

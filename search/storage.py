@@ -37,6 +37,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+# optuna.storages._heartbeat and optuna.storages.journal._file are private (no public name);
+# what this module relies on (the heartbeat base class, for which Optuna beats and fails stale
+# trials; the journal lock's base class and context) is pinned by tests/test_private_apis.py.
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
@@ -45,7 +48,7 @@ from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 from optuna.storages.journal._file import BaseJournalFileLock, get_lock_file
 from optuna.trial import FrozenTrial, TrialState
 
-from search.study import interrupted_numbers
+from search.budget import interrupted_numbers
 from tracking.redact import redact
 from train.config import ConfigError
 
@@ -315,17 +318,18 @@ class SafeJournalFileBackend(JournalFileBackend):
             else JournalFileSymlinkLock(str(journal))
         )
         super().__init__(str(journal), lock_obj=lock)
+        self.lock = lock  # our own reference: the backend's (`_lock`) is private
         self.path = journal
         self.notes: list[str] = []
         self._opened = False
         _remove_dangling_link(Path(f"{journal}.lock"), self.notes)
-        with get_lock_file(self._lock):
+        with get_lock_file(self.lock):
             self._repair()
         self._opened = True
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
         data = ("\n".join(json.dumps(log, separators=(",", ":")) for log in logs) + "\n").encode()
-        with get_lock_file(self._lock), open(self.path, "a+b") as f:
+        with get_lock_file(self.lock), open(self.path, "a+b") as f:
             end = f.seek(0, os.SEEK_END)
             try:
                 if end and _byte_at(f, end - 1) != b"\n":

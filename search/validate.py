@@ -37,19 +37,12 @@ from search.sampler import build_sampler
 from search.space import SearchSpace, parse_space
 from search.storage import open_storage
 from tracking.runs import MlflowConfig
+from train.build import build_task
 from train.config import ConfigError, unknown_keys
+from train.params import ACCUM_KEY, BATCH_KEY, EFFECTIVE_KEY, PRECISION_KEY
 from train.precision import unsupported_reason
-from train.run import (
-    ACCUM_KEY,
-    BATCH_KEY,
-    EFFECTIVE_KEY,
-    PRECISION_KEY,
-    RunSpec,
-    build_task,
-    check_builds,
-    plan,
-    resolve_device,
-)
+from train.run import RunSpec, check_builds, plan, resolve_device
+from train.workload import Workloads
 
 _MISSING = object()
 
@@ -140,9 +133,11 @@ def validate(
     compose: Callable[[list[str]], DictConfig],
     open_store: bool = True,
     multirun: bool | None = None,
+    workloads: Workloads | None = None,
 ) -> Checked:
     """Every problem of the composed config, at once. `multirun`: whether this process is a
-    job of a --multirun (None: not known, not checked)."""
+    job of a --multirun (None: not known, not checked). `workloads`: the study's, which keeps
+    the data and predictor the checks build for the fit report and the trials."""
     problems: list[str] = []
     notes: list[str] = []
     settings = _collect(problems, lambda: search_config(cfg, study_name))
@@ -164,7 +159,7 @@ def validate(
         for key in space.distributions:
             problems += _check_key(cfg, key, space, problems, derived)
     if spec is not None and not problems:
-        note = _collect(problems, lambda: check_builds(cfg, spec))
+        note = _collect(problems, lambda: check_builds(cfg, spec, workloads))
         if note and derived:
             problems.append(
                 f"search.accumulation=derived chooses each micro-batch from the memory "

@@ -79,7 +79,7 @@ def check_stores(
         if t.number in by_trial or "mlflow_run_id" in t.user_attrs:
             assert by_trial[t.number].info.status == "KILLED"
             assert by_trial[t.number].data.tags["batchfit.state"] == "KILLED"
-    assert parents[0].data.metrics["trials/finished"] == n_trials
+    assert parents[0].data.metrics["trials/trained"] == n_trials
     assert sum(by_trial[t.number].data.metrics["time/tracking_s"] for t in finished) > 0
 
 

@@ -7,15 +7,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra.utils import instantiate
 from torch import nn
 
 from search.sampler import build_sampler
 from search.space import parse_space
 from search.validate import validate
+from train.build import (
+    build_data,
+    build_model,
+    build_optimizer,
+    build_pipeline,
+    build_scheduler,
+    build_task,
+)
 from train.config import ConfigError
 from train.data import Datasets, Splits, split
-from train.run import build_data, build_model, build_pipeline, build_task, plan, run
+from train.run import plan, run
 
 CPU = torch.device("cpu")
 
@@ -73,9 +80,9 @@ def test_every_option_composes_and_instantiates(hydra_conf, group: str, option: 
         sampler, _ = build_sampler(cfg.search.sampler, space)
         assert type(sampler).__name__.lower().startswith(option)
         return
-    model = build_model(cfg, pipeline, task)
-    optimizer = instantiate(cfg.optimizer, lr=spec.lr)(model.parameters())
-    scheduler = instantiate(cfg.scheduler)(optimizer, total_steps=10)
+    model = build_model(cfg, pipeline, task, spec.trainer.activation_checkpointing)
+    optimizer = build_optimizer(cfg, model.parameters(), spec.lr)
+    scheduler = build_scheduler(cfg, optimizer, total_steps=10)
     assert isinstance(optimizer, torch.optim.Optimizer)
     assert scheduler.get_last_lr()[0] > 0
     batch = pipeline.example(2)

@@ -65,7 +65,7 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
     nested = {f"trial-{r.data.tags['batchfit.trial']}": r for r in runs if r is not parent}
     assert parent.info.run_id == study.user_attrs["mlflow_parent_run_id"]
     assert parent.data.params["model.width"] == "4"
-    assert parent.data.metrics["trials/finished"] == 6
+    assert parent.data.metrics["trials/trained"] == 6
     assert parent.data.metrics["trials/pruned_oom_predicted"] == len(oom)
     assert "best/val/acc" in parent.data.metrics
     assert sorted(nested) == sorted(f"trial-{t.number}" for t in trials)

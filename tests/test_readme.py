@@ -142,6 +142,9 @@ TABLE: dict[str, Check] = {
     'pip install -e ".[dev]"': Check(".ci/run", "needs PyPI; CI installs exactly this"),
     "pytest": Check(".ci/run", "the whole suite, this module included"),
     'pytest -m "not slow"': Check("test_pytest_markers", "a second pytest run of the suite"),
+    'pytest -m "not study and not slow"': Check(
+        "test_pytest_markers", "a second pytest run of the suite"
+    ),
     "pytest -m gpu": Check("test_pytest_markers", "a second pytest run of the suite"),
     "tests/cluster/services.sh install": Check(".ci/run", "as root: installs Debian packages"),
     'eval "$(tests/cluster/services.sh up)"': Check(".ci/run", "as root: starts system services"),
@@ -537,13 +540,14 @@ def test_time_to_target(quick_starts: dict[str, Ran], workdir: Path) -> None:
 
 
 def test_pytest_markers() -> None:
-    # `pytest -m "not slow"` and `pytest -m gpu` select by markers that --strict-markers
-    # requires to be registered; each marks tests.
+    # `pytest -m "not slow"`, `-m "not study and not slow"` and `-m gpu` select by markers
+    # that --strict-markers requires to be registered; each marks tests.
     config = (REPO / "pyproject.toml").read_text()
     for command in commands_of("test_pytest_markers"):
-        marker = command.split()[-1].strip('"')
-        assert re.search(rf'^\s*"{marker}: ', config, re.M), marker
-        marked = [
-            p for p in (REPO / "tests").rglob("test_*.py") if f"mark.{marker}" in p.read_text()
-        ]
-        assert marked, f"no test is marked {marker}"
+        expression = command.split(" -m ", 1)[1].strip('"')
+        for marker in set(expression.split()) - {"not", "and", "or"}:
+            assert re.search(rf'^\s*"{marker}: ', config, re.M), marker
+            marked = [
+                p for p in (REPO / "tests").rglob("test_*.py") if f"mark.{marker}" in p.read_text()
+            ]
+            assert marked, f"no test is marked {marker}"

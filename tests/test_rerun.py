@@ -25,11 +25,13 @@ from omegaconf import DictConfig
 from optuna.trial import FrozenTrial
 
 from tests.sweeps import run_module
+from train.build import build_pipeline, build_task
 from train.loop import evaluate
 from train.model_file import load, rebuild
 from train.precision import Precision
 from train.predict import fits_budget
-from train.run import build_pipeline, build_task, plan, predict
+from train.run import plan
+from train.workload import Workloads
 
 pytestmark = pytest.mark.slow
 
@@ -321,7 +323,8 @@ def test_train_refuses_a_run_predicted_not_to_fit(
     assert int(batch) * int(accum) == 128  # first: the same effective batch
     cfg = hydra_conf([*ISSUE, f"trainer.batch_size={batch}", f"trainer.accum_steps={accum}"])
     spec = plan(cfg, cfg.search.memory_budget)
-    assert fits_budget(predict(cfg, spec).peak_bytes, spec.budget_bytes, 0.05)
+    predicted = Workloads().of(cfg).predict(spec, cfg.optimizer).peak_bytes
+    assert fits_budget(predicted, spec.budget_bytes, 0.05)
 
 
 def test_train_forced_past_the_check_says_so_and_meets_the_real_oom(tmp_path: Path) -> None:

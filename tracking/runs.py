@@ -3,7 +3,7 @@
 Uses `MlflowClient` with explicit run ids (no fluent active-run stack), and batches: a trial
 buffers its interval metrics and writes them with one `log_batch` per validation.
 
-Several workers write to one store. Every write goes through an `Outbox` (search/outbox.py),
+Several workers write to one store. Every write goes through an `Outbox` (tracking/outbox.py),
 in order, retried while the store is away: the study goes on meanwhile, and nothing is lost
 unless the store is still unreachable `mlflow.outage_wait_s` after the last trial.
 The study's parent run is created once, by the worker that created the study's MLflow
@@ -43,6 +43,7 @@ ROLE_TAG = "batchfit.role"
 STUDY_TAG = "batchfit.study"
 TRIAL_TAG = "batchfit.trial"
 STATE_TAG = "batchfit.state"
+PRUNE_REASON_TAG = "batchfit.prune_reason"  # why a trial was pruned (search/record.py)
 NOTE_TAG = "mlflow.note.content"  # a run's description in the MLflow UI (markdown)
 
 RECOMMENDED_TAG = "batchfit.recommended"  # the parent's: the trial's number; its run's: true
@@ -369,6 +370,14 @@ class RunLog:
         self._pending += [Metric(k, float(v), now, step) for k, v in values.items()]
         if flush:
             self.flush()
+
+    def validation(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """A validation's figures (the `/`-named ones of the training loop's on_eval) at
+        `step`, written now; with the epoch as a metric of its own, which the UI's charts
+        can use as their x-axis to compare runs of different step sizes."""
+        figures = {k: v for k, v in metrics.items() if "/" in k}
+        figures["train/epoch"] = metrics["epoch"]
+        self.metrics(figures, step, flush=True)
 
     def flush(self) -> None:
         if self._pending:

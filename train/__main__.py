@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import gc
 import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import TypeVar
 
 import hydra
 import torch
@@ -33,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
 
+from tracking.console import config_error, crashed
 from tracking.outputs import cannot_create
 from tracking.redact import redact, redact_logging, redact_tree
 from tracking.runs import (
@@ -48,23 +48,15 @@ from tracking.runs import (
 )
 from train import model_file
 from train.config import ConfigError
-from train.flops import MFU_NOTE_TAG, perf_metrics
+from train.flops import MFU_NOTE_TAG
 from train.loop import Diverged, Hooks, RunResult
 from train.memory import OutOfMemory, format_bytes
 from train.overrides import BEST_KEY, load_overrides, merge_overrides, override_key
 from train.predict import Prediction, PredictionUnsupported
 from train.preflight import PreflightConfig, misfit
-from train.run import (
-    RunSpec,
-    check_builds,
-    data_params,
-    memory_predictor,
-    plan,
-    predict,
-    run,
-    train_samples,
-)
+from train.run import RunSpec, check_builds, memory_figures, perf_figures, plan, run
 from train.threads import plan_threads
+from train.workload import Workload, Workloads
 
 # The entry point is the composition root: it wires MLflow (tracking.runs) to the training
 # loop's hooks. The train/ library modules themselves know nothing of MLflow.
@@ -91,6 +83,7 @@ class Prepared:
     cfg: DictConfig
     overrides: list[str]  # that composed cfg (best.yaml's, then the command line's)
     spec: RunSpec
+    workload: Workload  # its data, task and memory predictor, built once
     prediction: Prediction | None
     retrain: Retrain | None
     save_path: Path | None
@@ -106,9 +99,10 @@ def main(cfg: DictConfig) -> None:
     try:
         ready = _prepare(cfg, console)
     except ConfigError as error:
-        _config_error(errors, error)
+        config_error(errors, error)
     except Exception as error:  # escaping, Hydra would print the overrides, passwords and all
-        _crashed(errors, f"{type(error).__name__} while preparing it (above); nothing was trained")
+        what = f"{type(error).__name__} while preparing it (above); nothing was trained"
+        crashed(errors, "The run failed", what)
     log = _start_run(ready)
     console.print(_training_line(ready, log.run_id), soft_wrap=True)
     result, model = _fit_logged(ready, log, console, errors)
@@ -142,10 +136,12 @@ def _prepare(cfg: DictConfig, console: Console) -> Prepared:
     save_path = _collected(problems, lambda: _save_path(cfg))
     if problems:
         raise ConfigError(problems)
-    prediction = _fitting_prediction(cfg, spec, preflight, console)
+    workloads = Workloads()
+    prediction = _fitting_prediction(cfg, spec, preflight, console, workloads)
     experiment = retrain.study if retrain else EXPERIMENT
     tracker = Tracker.from_config(cfg.mlflow, experiment)
-    return Prepared(cfg, overrides, spec, prediction, retrain, save_path, tracker)
+    workload = workloads.of(cfg)
+    return Prepared(cfg, overrides, spec, workload, prediction, retrain, save_path, tracker)
 
 
 def _collected(problems: list[str], check: Callable[[], T]) -> T:
@@ -158,15 +154,20 @@ def _collected(problems: list[str], check: Callable[[], T]) -> T:
 
 
 def _fitting_prediction(
-    cfg: DictConfig, spec: RunSpec, preflight: PreflightConfig, console: Console
+    cfg: DictConfig,
+    spec: RunSpec,
+    preflight: PreflightConfig,
+    console: Console,
+    workloads: Workloads,
 ) -> Prediction | None:
     """The run's predicted peak, once data and model build; a ConfigError, with what fits
     instead, when it is over the budget by a trial's rule (search/objective.py), unless
     search.preflight=false. None: the model cannot be predicted, its memory is measured."""
-    note = check_builds(cfg, spec)
+    note = check_builds(cfg, spec, workloads)
+    workload = workloads.of(cfg)
     prediction = None
     try:
-        prediction = predict(cfg, spec)
+        prediction = workload.predict(spec, cfg.optimizer)
     except PredictionUnsupported as error:
         note = f"memory is not predicted for this model ({error}); it is measured as it trains"
     if note:
@@ -174,9 +175,9 @@ def _fitting_prediction(
     if prediction is None:
         return None
     found = misfit(
-        memory_predictor(cfg, spec),
+        workload.predictor(spec, cfg.optimizer),
         spec.trainer,
-        train_samples(cfg),
+        workload.num_train,
         prediction,
         spec.budget_bytes,
         preflight.preflight_margin,
@@ -249,7 +250,7 @@ def _start_run(ready: Prepared) -> RunLog:
             f"Trains trial {retrain.trial} of study `{retrain.study}` again, from "
             f"`{retrain.path}` (`python -m train +{BEST_KEY}={retrain.path}`)."
         )
-    log.params({**ready.spec.params(), **data_params(ready.cfg)})
+    log.params({**ready.spec.params(), **ready.workload.data_params()})
     log.text(OmegaConf.to_yaml(ready.cfg, resolve=True), "config.yaml")
     return log
 
@@ -285,7 +286,7 @@ def _fit_logged(
     """Train with the loop's hooks logging to the run; a failure ends the run and the process."""
 
     def on_eval(step: int, metrics: dict) -> None:
-        log.metrics({k: v for k, v in metrics.items() if "/" in k}, step, flush=True)
+        log.validation(step, metrics)
         values = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val/"))
         console.print(f"step {step} epoch {metrics['epoch']:.2f}: {values}")
 
@@ -297,7 +298,7 @@ def _fit_logged(
     )
     try:
         with ready.tracker.system_metrics(log.run_id):
-            return run(ready.cfg, ready.spec, hooks), trained[0]
+            return run(ready.cfg, ready.spec, hooks, ready.workload), trained[0]
     except (OutOfMemory, Diverged) as error:
         reason = "oom" if isinstance(error, OutOfMemory) else "diverged"
         log.tags({STATE_TAG: "PRUNED", "batchfit.prune_reason": reason})
@@ -306,10 +307,10 @@ def _fit_logged(
         sys.exit(1)
     except ConfigError as error:
         log.finish("FAILED")
-        _config_error(errors, error)
+        config_error(errors, error)
     except Exception as error:
         log.finish("FAILED")
-        _crashed(errors, f"{type(error).__name__} while training (above)")
+        crashed(errors, "The run failed", f"{type(error).__name__} while training (above)")
     except BaseException:
         log.finish("FAILED")
         raise
@@ -317,28 +318,12 @@ def _fit_logged(
 
 def _logged_figures(ready: Prepared, log: RunLog, result: RunResult, console: Console) -> str:
     """The run's final figures, logged; and as one line to print."""
-    spec, prediction, cfg = ready.spec, ready.prediction, ready.cfg
-    extra = {"memory/budget_bytes": spec.budget_bytes} if spec.budget_bytes else {}
-    if prediction is not None:
-        measured = result.reserved_bytes or result.peak_bytes
-        extra["memory/predicted_bytes"] = prediction.peak_bytes
-        extra["memory/prediction_error"] = (prediction.peak_bytes - measured) / measured
-    try:  # MFU, from the FLOPs the predictor's fake model counts (train/flops.py)
-        flops = memory_predictor(cfg, spec).flops_per_sample(spec.trainer.batch_size)
-        perf, mfu_note = perf_metrics(
-            flops,
-            result.throughput_samples_per_sec,
-            spec.device,
-            spec.trainer.precision,
-            spec.trainer.peak_flops,
-        )
-        extra.update(perf)
-        if mfu_note:
-            log.tags({MFU_NOTE_TAG: mfu_note})
-            console.print(f"[yellow]note[/yellow] {escape(mfu_note)}", soft_wrap=True)
-    except PredictionUnsupported:
-        pass
-    log.metrics({**result.metrics(), **extra}, step=result.num_steps)
+    extra = memory_figures(ready.spec, ready.prediction, result)
+    perf, mfu_note = perf_figures(ready.workload, ready.cfg, ready.spec, result)
+    if mfu_note:
+        log.tags({MFU_NOTE_TAG: mfu_note})
+        console.print(f"[yellow]note[/yellow] {escape(mfu_note)}", soft_wrap=True)
+    log.metrics({**result.metrics(), **extra, **perf}, step=result.num_steps)
     figures = result.figures()
     spread = figures.get("throughput/spread")
     steady = "" if spread is None else f" (±{spread / 2:.0%})"  # over the logging intervals
@@ -370,22 +355,6 @@ def _save(ready: Prepared, log: RunLog, model: torch.nn.Module) -> str:
         ready.save_path.write_bytes(saved)
         where += f" and {ready.save_path}"
     return where
-
-
-def _config_error(errors: Console, error: ConfigError) -> NoReturn:
-    """The one printer of configuration errors, passwords masked (tracking/redact.py)."""
-    errors.print(
-        f"[bold red]Configuration error[/bold red]\n{escape(redact(str(error)))}",
-        soft_wrap=True,  # one problem per line, whole, in logs too
-    )
-    sys.exit(2)
-
-
-def _crashed(errors: Console, what: str) -> NoReturn:
-    """An unexpected error: its traceback, redacted (it may hold the overrides' passwords)."""
-    errors.print(redact(traceback.format_exc()), markup=False, highlight=False)
-    errors.print(f"[bold red]The run failed[/bold red]: {escape(what)}", soft_wrap=True)
-    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,19 @@
-"""The training loop: accumulation, mixed precision, timing, memory measurement, hooks.
+"""The training loop: accumulation, mixed precision, memory measurement, hooks; timed by
+train/throughput.py's clock.
 
 One optimizer step = up to `accum_steps` micro-batches of `batch_size` samples. The task's
 loss is summed over its units (samples, or tokens for a language model) and divided by the
 units of the whole step, so a ragged last step, or sequences with unequal numbers of tokens,
 give exactly the full-batch gradient. No host sync in the hot loop: losses accumulate on the
 device and are read at logging intervals, where the clock is also read.
+
+`_fit` tells a run's story; `_measured_step`, `_log` and `_validate` do its parts.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +34,7 @@ from train.memory import (
 )
 from train.precision import Precision
 from train.tasks import Classification, Task, batch_size_of
+from train.throughput import Stopwatch, ThroughputClock
 
 Metrics = dict[str, float]
 __all__ = ["steps_plan"]  # re-exported: planning belongs with the batches it plans
@@ -177,46 +180,7 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[to
     return tensors
 
 
-class _Clock:
-    """Seconds of training, excluding validation; synchronises the device before reading."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.seconds = 0.0
-        self._started: float | None = None
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def start(self) -> None:
-        self._sync()
-        self._started = time.perf_counter()
-
-    def stop(self) -> None:
-        if self._started is not None:
-            self._sync()
-            self.seconds += time.perf_counter() - self._started
-            self._started = None
-
-    def read(self) -> float:
-        self.stop()
-        self.start()
-        return self.seconds
-
-
 PROBE_SAMPLES = 8
-
-
-def _train_seconds(timed_s: float, steps: int, first_timed: int, untimed_wall: float) -> float:
-    """Training seconds of the first `steps` steps, validation excluded, by the throughput
-    clock: the timed steps as timed, and the steps it leaves out (warm-up, memory-measured)
-    at the timed steps' mean (their own time is kernel selection and tracking, not
-    training); before any timed step, their wall time."""
-    timed = steps - first_timed
-    if timed <= 0:
-        return untimed_wall
-    return timed_s + first_timed * timed_s / timed
 
 
 def probe_seconds_per_sample(
@@ -241,7 +205,7 @@ def probe_seconds_per_sample(
     saved = [b.clone() for b in model.buffers()]  # BatchNorm statistics must not see the probe
     batch = to_device(pipeline.example(min(cfg.batch_size, PROBE_SAMPLES)), device)
     n = batch_size_of(batch)
-    clock = _Clock(device)
+    clock = Stopwatch(device)
     for _ in range(2):
         clock.seconds = 0.0
         clock.start()
@@ -356,131 +320,184 @@ def fit(
     raise OutOfMemory(oom_message, meter.stats().peak_bytes, meter.budget_bytes)
 
 
+@dataclass
+class _Run:
+    """One run's parts and plan, fixed before its first step: what its steps, logging and
+    validations share."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    pipeline: Pipeline
+    cfg: TrainerConfig
+    device: torch.device
+    meter: MemoryMeter
+    hooks: Hooks
+    task: Task
+    precision: Precision = field(init=False)
+    scaler: torch.amp.GradScaler = field(init=False)
+    steps_per_epoch: int = field(init=False)
+    num_steps: int = field(init=False)
+    measured_steps: list[int] = field(init=False)  # run under the CPU memory tracker
+    memory_checked_step: int = field(init=False)  # past it, the run fits its budget
+    first_timed_step: int = field(init=False)  # warm-up and measured steps stay off the clock
+
+    def __post_init__(self) -> None:
+        cfg, num_train = self.cfg, self.pipeline.num_train
+        self.precision = Precision(cfg.precision, self.device.type)
+        self.scaler = self.precision.grad_scaler()
+        self.steps_per_epoch, self.num_steps = steps_plan(num_train, cfg)
+        tracked = self.meter.needs_tracker
+        self.measured_steps = memory_steps(num_train, cfg, self.num_steps) if tracked else []
+        self.memory_checked_step = max(self.measured_steps, default=0)
+        timed_from = max([cfg.warmup_steps, *(s + 1 for s in self.measured_steps)])
+        self.first_timed_step = min(timed_from, self.num_steps - 1)
+
+    def epoch(self, step: int) -> float:
+        """Epochs done after `step`, fractional."""
+        epoch, index_in_epoch = divmod(step, self.steps_per_epoch)
+        return epoch + (index_in_epoch + 1) / self.steps_per_epoch
+
+    def log_due(self, step: int) -> bool:
+        return (step + 1) % self.cfg.log_every_steps == 0 or step + 1 == self.num_steps
+
+    def validation_due(self, step: int) -> bool:
+        """Every trainer.val_every_steps, else at each epoch's end; and after the last step."""
+        every = self.cfg.val_every_steps or self.steps_per_epoch
+        return (step + 1) % every == 0 or step + 1 == self.num_steps
+
+    def optimizer_step(self, micro_batches: Iterable[Any], num_units: int) -> torch.Tensor:
+        return optimizer_step(
+            self.model, self.optimizer, self.scaler, self.precision, micro_batches,
+            self.cfg.grad_clip_norm, num_units, self.task,
+        )  # fmt: skip
+
+
 def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task) -> RunResult:  # noqa: ANN001
-    precision = Precision(cfg.precision, device.type)
-    scaler = precision.grad_scaler()
-    num_train = pipeline.num_train
-    steps_per_epoch, num_steps = steps_plan(num_train, cfg)
-    measured_steps = memory_steps(num_train, cfg, num_steps) if meter.needs_tracker else []
-    memory_checked_step = max(measured_steps, default=0)  # past it, the run fits its budget
-    timed_from = max([cfg.warmup_steps, *(s + 1 for s in measured_steps)])
-    first_timed_step = min(timed_from, num_steps - 1)
+    run = _Run(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task)
     if hooks.on_probe:
-        seconds = probe_seconds_per_sample(model, pipeline, cfg, precision, device, task)
-        hooks.on_probe(seconds, samples_planned(num_train, cfg))
-    clock = _Clock(device)
-    started = time.perf_counter()
-    loss_sum = torch.zeros((), device=device)
-    interval_steps, last_loss, num_samples = 0, math.nan, 0
-    timed_samples, timed_units, data_wait = 0, 0, 0.0
-    interval_rates: list[float] = []
-    last_read = (0, 0.0)  # timed samples and seconds at the previous logging interval
-    evals: list[Metrics] = []
-    done_steps, untimed_wall, train_s = num_steps, 0.0, 0.0
+        seconds = probe_seconds_per_sample(model, pipeline, cfg, run.precision, device, task)
+        hooks.on_probe(seconds, samples_planned(pipeline.num_train, cfg))
+    clock = ThroughputClock(device, run.first_timed_step, task.unit)
+    interval_loss = _IntervalLoss(device)
+    train_loss, num_samples, evals, done_steps = math.nan, 0, [], run.num_steps
     model.train()
-    steps = pipeline.train_steps(cfg, num_steps)
-    with precision.matmul_mode():
-        for step in range(num_steps):
-            epoch, index_in_epoch = divmod(step, steps_per_epoch)
-            if step == first_timed_step:
-                clock.start()
+    steps = pipeline.train_steps(cfg, run.num_steps)
+    with run.precision.matmul_mode():
+        for step in range(run.num_steps):
+            clock.begin(step)
             host_batches, samples, waited = next(steps)
             units = sum(task.units(batch) for batch in host_batches)
-            if step in measured_steps:
-                tracker = TensorMemoryTracker()
-                tracker.register(state_tensors(model, optimizer))
-                with tracker:  # the micro-batches count too: on a GPU they live on the device
-                    micro = (to_device(b, device, copy=True) for b in host_batches)
-                    step_loss = optimizer_step(
-                        model, optimizer, scaler, precision, micro, cfg.grad_clip_norm, units, task
-                    )
-                meter.record_tracked_peak(tracker)
+            if step in run.measured_steps:
+                step_loss = _measured_step(run, host_batches, units)
             else:
-                micro = (to_device(b, device) for b in host_batches)
-                step_loss = optimizer_step(
-                    model, optimizer, scaler, precision, micro, cfg.grad_clip_norm, units, task
-                )
-            del host_batches, micro
-            if hooks.on_memory and step == memory_checked_step:
+                step_loss = run.optimizer_step((to_device(b, device) for b in host_batches), units)
+            del host_batches  # this step's batches go before the next step's arrive
+            if hooks.on_memory and step == run.memory_checked_step:
                 hooks.on_memory(meter.stats())
             step_lr = scheduler.get_last_lr()[0]  # the rate this step used
             scheduler.step()
-            loss_sum += step_loss
-            interval_steps += 1
+            interval_loss.add(step_loss)
             num_samples += samples
-            if step >= first_timed_step:
-                timed_samples += samples
-                timed_units += units
-                data_wait += waited
-            if step < first_timed_step:  # wall time of the steps the clock leaves out
-                untimed_wall = time.perf_counter() - started
+            clock.step(step, samples, units, waited)
             if hooks.on_step:
-                hooks.on_step(step + 1, num_steps, time.perf_counter() - started)
-            last_step = step + 1 == num_steps
-            if (step + 1) % cfg.log_every_steps == 0 or last_step:
-                last_loss = loss_sum.item() / interval_steps  # host sync: once per interval
-                if not math.isfinite(last_loss):
-                    raise Diverged(step + 1, last_loss)
-                loss_sum.zero_()
-                interval_steps = 0
-                if step >= first_timed_step and clock.read() > last_read[1]:
-                    interval_rates.append(
-                        (timed_samples - last_read[0]) / (clock.seconds - last_read[1])
-                    )
-                    last_read = (timed_samples, clock.seconds)
-                if hooks.on_log:
-                    metrics = {
-                        "train/loss": last_loss,
-                        "train/lr": step_lr,
-                        "train/epoch": epoch + (index_in_epoch + 1) / steps_per_epoch,
-                    }
-                    if step >= first_timed_step and clock.read() > 0:
-                        metrics["throughput/samples_per_sec"] = timed_samples / clock.seconds
-                        if task.unit != "samples":
-                            metrics[f"throughput/{task.unit}_per_sec"] = timed_units / clock.seconds
-                        metrics["time/data_wait_share"] = data_wait / clock.seconds
-                    hooks.on_log(step + 1, metrics)
-            end_of_epoch = index_in_epoch + 1 == steps_per_epoch
-            due = cfg.val_every_steps and (step + 1) % cfg.val_every_steps == 0
-            if (due if cfg.val_every_steps else end_of_epoch) or last_step:
-                clock.stop()
-                metrics = evaluate(model, pipeline, cfg.batch_size, precision, device, task)
-                metrics.update(
-                    step=step + 1,
-                    epoch=epoch + (index_in_epoch + 1) / steps_per_epoch,
-                    num_epochs=num_steps / steps_per_epoch,
-                )
-                # Never less than at the previous validation: the estimate of the steps off
-                # the clock moves with the timed mean.
-                train_s = max(
-                    train_s, _train_seconds(clock.seconds, step + 1, first_timed_step, untimed_wall)
-                )
-                metrics["time/train_s"] = train_s
-                evals.append(metrics)
-                if hooks.on_eval and hooks.on_eval(step + 1, metrics):
-                    done_steps = step + 1
-                    break
-                if step >= first_timed_step and not last_step:
-                    clock.start()
+                hooks.on_step(step + 1, run.num_steps, clock.elapsed())
+            if run.log_due(step):
+                train_loss = _log(run, clock, step, interval_loss.read(), step_lr)
+            if run.validation_due(step) and _validate(run, clock, step, evals):
+                done_steps = step + 1  # on_eval ended the run here
+                break
     clock.stop()
-    num_steps = done_steps
-    timed_steps = max(num_steps - first_timed_step, 0)
-    memory = meter.stats()
+    return _result(run, clock, done_steps, num_samples, train_loss, evals)
+
+
+def _measured_step(run: _Run, host_batches: list[Any], num_units: int) -> torch.Tensor:
+    """An optimizer step under the CPU tensor tracker, its peak recorded in the meter."""
+    tracker = TensorMemoryTracker()
+    tracker.register(state_tensors(run.model, run.optimizer))
+    with tracker:  # the micro-batches count too: on a GPU they live on the device
+        micro = (to_device(b, run.device, copy=True) for b in host_batches)
+        step_loss = run.optimizer_step(micro, num_units)
+    run.meter.record_tracked_peak(tracker)
+    return step_loss
+
+
+class _IntervalLoss:
+    """The train loss summed on the device over a logging interval's steps: read, a host
+    sync, only at the interval's end."""
+
+    def __init__(self, device: torch.device):
+        self._sum = torch.zeros((), device=device)
+        self._num_steps = 0
+
+    def add(self, step_loss: torch.Tensor) -> None:
+        self._sum += step_loss
+        self._num_steps += 1
+
+    def read(self) -> float:
+        """The interval's mean step loss; starts the next interval."""
+        mean = self._sum.item() / self._num_steps  # host sync: once per interval
+        self._sum.zero_()
+        self._num_steps = 0
+        return mean
+
+
+def _log(run: _Run, clock: ThroughputClock, step: int, train_loss: float, lr: float) -> float:
+    """Ends a logging interval: raises Diverged on a loss that is not finite, reads the
+    clock, and reports both to on_log. Returns the loss."""
+    if not math.isfinite(train_loss):
+        raise Diverged(step + 1, train_loss)
+    throughput = clock.interval(step)  # read even without on_log: the result's rates need it
+    if run.hooks.on_log:
+        metrics = {"train/loss": train_loss, "train/lr": lr, "train/epoch": run.epoch(step)}
+        run.hooks.on_log(step + 1, {**metrics, **throughput})
+    return train_loss
+
+
+def _validate(run: _Run, clock: ThroughputClock, step: int, evals: list[Metrics]) -> bool:
+    """Evaluates after `step` off the clock and appends the metrics to `evals`; True when
+    on_eval ends the run here."""
+    clock.pause()
+    metrics = evaluate(
+        run.model, run.pipeline, run.cfg.batch_size, run.precision, run.device, run.task
+    )
+    metrics.update(
+        step=step + 1, epoch=run.epoch(step), num_epochs=run.num_steps / run.steps_per_epoch
+    )
+    metrics["time/train_s"] = clock.train_seconds(step + 1)
+    evals.append(metrics)
+    if run.hooks.on_eval and run.hooks.on_eval(step + 1, metrics):
+        return True
+    if step + 1 < run.num_steps:  # after the last step the clock stays stopped
+        clock.resume(step)
+    return False
+
+
+def _result(
+    run: _Run,
+    clock: ThroughputClock,
+    num_steps: int,
+    num_samples: int,
+    train_loss: float,
+    evals: list[Metrics],
+) -> RunResult:
+    seconds, timed_steps = clock.seconds, clock.timed_steps(num_steps)
+    memory = run.meter.stats()
     return RunResult(
         num_steps=num_steps,
         num_samples=num_samples,
-        throughput_samples_per_sec=timed_samples / clock.seconds if clock.seconds else math.nan,
-        step_ms=1000 * clock.seconds / timed_steps if timed_steps else math.nan,
+        throughput_samples_per_sec=clock.timed_samples / seconds if seconds else math.nan,
+        step_ms=1000 * seconds / timed_steps if timed_steps else math.nan,
         peak_bytes=memory.peak_bytes,
         reserved_bytes=memory.reserved_bytes,
-        train_loss=last_loss,
+        train_loss=train_loss,
         val={k: v for k, v in evals[-1].items() if k.startswith("val/")},
         evals=evals,
         timed_steps=timed_steps,
-        timed_samples=timed_samples,
-        timed_seconds=clock.seconds,
-        unit=task.unit,
-        timed_units=timed_units,
-        data_wait_s=data_wait,
-        interval_rates=interval_rates,
+        timed_samples=clock.timed_samples,
+        timed_seconds=seconds,
+        unit=run.task.unit,
+        timed_units=clock.timed_units,
+        data_wait_s=clock.data_wait_s,
+        interval_rates=clock.interval_rates,
     )

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from train.run import build_model, build_pipeline, build_task
+from train.build import build_model, build_pipeline, build_task
 
 FILE_NAME = "model.pt"
 ARTIFACT_PATH = "model"  # the MLflow run's artifact directory holding FILE_NAME
@@ -56,6 +56,6 @@ def rebuild(saved: SavedModel, device: str = "cpu") -> torch.nn.Module:
     lazy layers and the builder's `info` arguments), with the saved weights."""
     cfg = saved.config
     pipeline = build_pipeline(cfg, torch.device(device))
-    model = build_model(cfg, pipeline, build_task(cfg))
+    model = build_model(cfg, pipeline, build_task(cfg), cfg.trainer.activation_checkpointing)
     model.load_state_dict(saved.state_dict)
     return model.to(device)

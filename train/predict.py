@@ -29,8 +29,8 @@ from torch.utils._pytree import tree_map
 from train.allocator import cuda_reserved_bytes
 from train.config import TrainerConfig
 from train.flops import count_flops
-from train.loop import optimizer_step, state_tensors, step_micro_batch_sizes
-from train.memory import TensorMemoryTracker
+from train.loop import RunResult, optimizer_step, state_tensors, step_micro_batch_sizes
+from train.memory import MemoryStats, TensorMemoryTracker
 from train.precision import Precision
 from train.tasks import Classification, Task, batch_size_of
 
@@ -44,6 +44,12 @@ class Prediction:
     peak_bytes: int  # to compare with the budget: live tensors (CPU), allocator reserve (CUDA)
     tensor_bytes: int  # peak of live tensor bytes during the step
     seconds: float  # time the prediction took
+
+    def error(self, measured: MemoryStats | RunResult) -> float:
+        """(predicted - measured) / measured, against what runs out: the caching
+        allocator's reserve on CUDA, the peak of live tensors on CPU."""
+        actual = measured.reserved_bytes or measured.peak_bytes
+        return (self.peak_bytes - actual) / actual
 
 
 class _FakeGradScaler(torch.amp.GradScaler):

@@ -1,6 +1,6 @@
 """The memory check before a run trains: its predicted peak x (1 + search.preflight_margin)
-against the budget, the rule a search trial applies (search/objective.py prunes it as
-oom_predicted), and for a run that fails it, the configurations that pass.
+against the budget, the rule a search trial applies (search/configure.py; such a trial is
+pruned as oom_predicted), and for a run that fails it, the configurations that pass.
 
 `python -m train` refuses such a run before anything trains, with these numbers and
 configurations in the message, unless `search.preflight=false` forces it.

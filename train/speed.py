@@ -18,14 +18,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from train.batches import to_device
-from train.loop import _Clock, optimizer_step
+from train.build import build_model, build_optimizer
+from train.loop import optimizer_step
 from train.memory import release_memory
 from train.precision import Precision
-from train.run import RunSpec, build_model, build_pipeline, build_task
+from train.run import RunSpec
+from train.throughput import Stopwatch
+from train.workload import Workload, Workloads
 
 ROUNDS = 3  # visits per configuration: the spread needs more than one
 WARMUP_STEPS = 1  # per visit, untimed: kernel selection and allocator warm-up for the shapes
@@ -59,16 +61,18 @@ class Speed:
         return min(self.rates(unit)) > max(other.rates(unit))
 
 
-def _visit(cfg: DictConfig, spec: RunSpec) -> tuple[float, float]:
-    """Build the run, warm it up, and time optimizer steps: (samples/s, units/s)."""
+def _visit(cfg: DictConfig, spec: RunSpec, workload: Workload) -> tuple[float, float]:
+    """Build the run on the workload's data, warm it up, and time optimizer steps:
+    (samples/s, units/s)."""
     torch.manual_seed(spec.trainer.seed)
-    pipeline = build_pipeline(cfg, spec.device)
-    task = build_task(cfg)
-    model = build_model(cfg, pipeline, task).to(spec.device)
-    optimizer = instantiate(cfg.optimizer, lr=spec.lr)(model.parameters())
+    pipeline = workload.pipeline(spec.device)
+    task = workload.task
+    model = build_model(cfg, pipeline, task, spec.trainer.activation_checkpointing)
+    model = model.to(spec.device)
+    optimizer = build_optimizer(cfg, model.parameters(), spec.lr)
     precision = Precision(spec.trainer.precision, spec.device.type)
     scaler = precision.grad_scaler()
-    clock = _Clock(spec.device)
+    clock = Stopwatch(spec.device)
     samples = units = steps = 0
     model.train()
     try:
@@ -96,20 +100,27 @@ def _visit(cfg: DictConfig, spec: RunSpec) -> tuple[float, float]:
     return samples / clock.seconds, units / clock.seconds
 
 
-def measure(runs: Sequence[tuple[DictConfig, RunSpec]], rounds: int = ROUNDS) -> list[Speed]:
+def measure(
+    runs: Sequence[tuple[DictConfig, RunSpec]],
+    rounds: int = ROUNDS,
+    workloads: Workloads | None = None,
+) -> list[Speed]:
     """Each run's throughput over `rounds` rounds; in each round every run is visited once,
-    the order rotating so that none is always first (or last) after a change of load."""
+    the order rotating so that none is always first (or last) after a change of load. The
+    runs' data comes from `workloads` (a study's: built once; else a new one's)."""
+    workloads = workloads or Workloads()
+    of = [workloads.of(cfg) for cfg, _ in runs]
     samples: list[list[float]] = [[] for _ in runs]
     units: list[list[float]] = [[] for _ in runs]
     if runs:  # untimed: what the process pays once (thread pools, allocator, first kernels)
-        _visit(*runs[0])
+        _visit(*runs[0], of[0])
     for round_index in range(rounds):
         for offset in range(len(runs)):
             i = (round_index + offset) % len(runs)
-            per_sample, per_unit = _visit(*runs[i])
+            per_sample, per_unit = _visit(*runs[i], of[i])
             samples[i].append(per_sample)
             units[i].append(per_unit)
     return [
-        Speed(tuple(s), tuple(u), build_task(cfg).unit)
-        for (cfg, _), s, u in zip(runs, samples, units, strict=True)
+        Speed(tuple(s), tuple(u), workload.task.unit)
+        for workload, s, u in zip(of, samples, units, strict=True)
     ]

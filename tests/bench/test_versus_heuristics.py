@@ -4,13 +4,14 @@ originals do: grown from 2 (Lightning) and halved from a start (Hugging Face).""
 from __future__ import annotations
 
 from bench import versus_heuristics as bench
-from train.run import plan, predict
+from train.run import plan
+from train.workload import Workloads
 
 
 def _peak(hydra_conf, batch: int) -> int:
     """The step's peak at `batch` in fp32: on CPU the prediction is the measurement."""
     cfg = hydra_conf([*bench.WORKLOAD, f"trainer.batch_size={batch}", "trainer.precision=fp32"])
-    return predict(cfg, plan(cfg, None)).peak_bytes
+    return Workloads().of(cfg).predict(plan(cfg, None), cfg.optimizer).peak_bytes
 
 
 def test_both_heuristics_find_the_largest_batch_that_fits(hydra_conf) -> None:

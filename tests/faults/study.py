@@ -108,7 +108,7 @@ def check_recovered(cwd: Path, n_trials: int) -> None:
     runs = client.search_runs([experiment.experiment_id])
     (parent,) = [r for r in runs if r.data.tags.get("batchfit.role") == "study"]
     assert parent.info.status == "FINISHED" and parent.data.tags["batchfit.setup"] == "complete"
-    assert parent.data.metrics["trials/finished"] == n_trials
+    assert parent.data.metrics["trials/trained"] == n_trials
     assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
     by_trial = {}
     for run in runs:

@@ -102,7 +102,7 @@ _HOLDER = textwrap.dedent(
     import sys, time
     from search.storage import SafeJournalFileBackend
     backend = SafeJournalFileBackend(sys.argv[1])
-    backend._lock.acquire()
+    backend.lock.acquire()
     print("holding", flush=True)
     time.sleep(60)
     """

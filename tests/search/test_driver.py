@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 from rich.console import Console
 
 from search.driver import PARENT_ATTR, StudyDriver
-from search.objective import PROBE_MARGIN, Prune, TimeBudget
+from search.stopping import PROBE_MARGIN, Prune, TimeBudget
 from train.config import ConfigError
 
 FAST = [
@@ -46,6 +46,7 @@ def _mlflow_runs(stores: dict, experiment: str) -> list:
     return client.search_runs([exp.experiment_id], max_results=1000)
 
 
+@pytest.mark.study
 def test_oom_trials_are_pruned_with_reason_and_memory_figures(hydra_conf, stores) -> None:
     # small_cnn(width=4) on digits peaks at ~0.66 MB at batch 64 and ~2.6 MB at 256
     # (measured by the CPU tracker), so a 1 MiB budget fits 16/64 and not 256/512.
@@ -67,6 +68,9 @@ def test_oom_trials_are_pruned_with_reason_and_memory_figures(hydra_conf, stores
     repeats = [t for t in study.get_trials() if "repeat_of" in t.user_attrs]
     trials = [t for t in study.get_trials() if "repeat_of" not in t.user_attrs]
     assert sorted(t.params["trainer.batch_size"] for t in trials) == [16, 64, 256, 512]
+    # The seeded random sampler (seed 0) draws a configuration again before it has drawn all
+    # 4: without a repeat the loop below checks nothing.
+    assert repeats, "no trial repeated an earlier configuration: the repeat path went untested"
     for repeat in repeats:  # same configuration, same outcome, nothing trained
         earlier = study.trials[repeat.user_attrs["repeat_of"]]
         assert earlier.params == repeat.params and earlier.state == repeat.state
@@ -94,7 +98,7 @@ def test_oom_trials_are_pruned_with_reason_and_memory_figures(hydra_conf, stores
     }  # fmt: skip
     parent = runs.pop("t")
     assert study.user_attrs[PARENT_ATTR] == parent.info.run_id
-    assert parent.data.metrics["trials/finished"] == 4
+    assert parent.data.metrics["trials/trained"] == 4
     assert parent.data.metrics["trials/unbilled"] == len(repeats)
     assert parent.data.params["search.memory_budget"] == "1MiB"
     assert len(runs) == 4  # a repeat has no run of its own
@@ -126,6 +130,7 @@ def _live_tensor_bytes() -> int:
     return total
 
 
+@pytest.mark.study
 def test_twenty_oom_trials_in_a_row_leave_memory_at_baseline(hydra_conf, stores) -> None:
     driver = _driver(
         hydra_conf,
@@ -164,6 +169,7 @@ def test_twenty_oom_trials_in_a_row_leave_memory_at_baseline(hydra_conf, stores)
     assert states == {TrialState.PRUNED}
 
 
+@pytest.mark.study
 def test_a_failing_trial_is_recorded_and_the_study_goes_on(hydra_conf, stores) -> None:
     # model.width=0 makes the model builder fail at build time (Conv2d with 0 channels).
     driver = _driver(
@@ -190,6 +196,7 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(hydra_conf, stores) -
         assert run.data.tags["batchfit.state"] == "FAIL"
 
 
+@pytest.mark.study
 def test_diverged_and_slow_trials_are_pruned_with_their_reason(hydra_conf, stores) -> None:
     driver = _driver(
         hydra_conf,
@@ -224,6 +231,7 @@ def test_diverged_and_slow_trials_are_pruned_with_their_reason(hydra_conf, store
     assert "peak_bytes" not in trial.user_attrs
 
 
+@pytest.mark.study
 def test_resume_runs_to_n_trials_without_duplicates(hydra_conf, stores) -> None:
     common = [
         *stores["overrides"],
@@ -246,10 +254,11 @@ def test_resume_runs_to_n_trials_without_duplicates(hydra_conf, stores) -> None:
     parents = [r for r in runs if r.data.tags.get("batchfit.role") == "study"]
     assert len(parents) == 1
     assert len(runs) == 1 + 5
-    assert parents[0].data.metrics["trials/finished"] == 5
+    assert parents[0].data.metrics["trials/trained"] == 5
     assert parents[0].info.status == "FINISHED"
 
 
+@pytest.mark.study
 def test_resume_with_another_fixed_config_is_refused(hydra_conf, stores) -> None:
     _driver(hydra_conf, [*stores["overrides"], "search.n_trials=1"], name="fixed").run()
     with pytest.raises(
@@ -262,6 +271,7 @@ def test_resume_with_another_fixed_config_is_refused(hydra_conf, stores) -> None
         )
 
 
+@pytest.mark.study
 def test_group_choices_are_searched_by_recomposing(hydra_conf, stores) -> None:
     driver = _driver(
         hydra_conf,
@@ -281,6 +291,7 @@ def test_group_choices_are_searched_by_recomposing(hydra_conf, stores) -> None:
         assert f"_target_: {target}" in Path(path).read_text()
 
 
+@pytest.mark.study
 def test_single_objective_studies_use_the_pruner_on_val_acc(hydra_conf, stores) -> None:
     # ThresholdPruner prunes any trial whose reported val/acc is below `lower`: no trial of
     # a 2-epoch small CNN reaches 0.999, so each is pruned at its first validation.

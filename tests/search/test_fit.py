@@ -16,7 +16,8 @@ from rich.console import Console
 from search.fit import FitReport, fit_report, render
 from search.validate import validate
 from train.precision import unsupported_reason
-from train.run import build_data, memory_predictor, plan
+from train.run import plan
+from train.workload import Workloads
 
 SMALL = [
     "model=small_cnn",
@@ -43,8 +44,9 @@ def _peak(cfg, batch: int, accum: int, precision: str = "fp32") -> int:
         effective_batch_size=None,
         precision=precision,
     )
-    predictor = memory_predictor(cfg, spec)
-    return predictor.predict(trainer, len(build_data(cfg).train_y)).peak_bytes
+    workload = Workloads().of(cfg)
+    predictor = workload.predictor(spec, cfg.optimizer)
+    return predictor.predict(trainer, workload.num_train).peak_bytes
 
 
 def _report(hydra_conf, overrides: list[str]) -> FitReport:

@@ -87,6 +87,7 @@ def test_validate_refuses_a_grid_over_an_interval_before_any_trial(hydra_conf, t
 
 
 @pytest.mark.parametrize("sampler", ["grid", "random"])
+@pytest.mark.study
 def test_a_study_runs_with_the_sampler_from_config(hydra_conf, stores, sampler: str) -> None:
     overrides = [
         *FAST,

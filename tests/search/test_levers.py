@@ -4,6 +4,7 @@ fitting batches; search.timeout_s ends a study on time, with a recommendation.""
 
 from __future__ import annotations
 
+import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState
 
@@ -69,6 +70,7 @@ def test_the_first_trials_are_the_fit_reports_largest_per_precision(prepare_stud
     assert not fresh.study.get_trials(states=(TrialState.WAITING,))
 
 
+@pytest.mark.study
 def test_a_timeout_ends_the_study_after_a_completed_trial(prepare_study, stores) -> None:
     overrides = [
         *FAST, "search.n_trials=5", "search.timeout_s=0.001", "search.study_name=timeout",

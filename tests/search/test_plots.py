@@ -39,7 +39,7 @@ def _trial(
     budget: int | None = BUDGET,
     **attrs: object,
 ) -> FrozenTrial:
-    """A trial as search/objective.py records it: the run's params (RunSpec.params), the
+    """A trial as search/outcome.py records it: the run's params (RunSpec.params), the
     budget, then what its outcome adds (`attrs`)."""
     params = {
         "trainer.batch_size": batch,
@@ -98,7 +98,7 @@ def _oom_predicted(batch: int, precision: str = "fp32", accum: int = 1, mib: flo
 
 
 def _slow(batch: int, precision: str = "fp16", probe_s: float = 0.02, **kw: object):
-    """Pruned as slow by its probe (search/objective.py records the probe first)."""
+    """Pruned as slow by its probe (search/outcome.py records its probe)."""
     return _trial(
         TrialState.PRUNED,
         batch,

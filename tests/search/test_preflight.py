@@ -15,16 +15,17 @@ from optuna.trial import TrialState
 from rich.console import Console
 from torch import nn
 
-from search import driver as driver_module
+from search import budget as budget_module
+from search.budget import num_trained, study_records
 from search.driver import StudyDriver
 from search.fit import fit_report
 from search.sampler import FeasibilityFilter
-from search.study import num_finished
 from search.validate import validate
 from train.config import ConfigError
 from train.memory import format_bytes
 from train.predict import PredictionUnsupported, largest_fitting_batch
-from train.run import build_data, memory_predictor, plan
+from train.run import plan
+from train.workload import Workloads
 
 FAST = [
     "model=small_cnn",
@@ -86,6 +87,7 @@ def _runs(stores: dict, experiment: str) -> dict[str, object]:
     }  # fmt: skip
 
 
+@pytest.mark.study
 def test_trials_predicted_not_to_fit_are_pruned_before_training(hydra_conf, stores) -> None:
     driver = _driver(
         hydra_conf,
@@ -100,7 +102,7 @@ def test_trials_predicted_not_to_fit_are_pruned_before_training(hydra_conf, stor
     predicted_oom = [t for t in trials if t.params["trainer.batch_size"] >= 256]
     trained = [t for t in trials if t.params["trainer.batch_size"] < 256]
     assert sorted(t.params["trainer.batch_size"] for t in trained) == [16, 64]
-    assert num_finished(driver.study) == len(trained) == 2
+    assert num_trained(study_records(driver.study)) == len(trained) == 2
     shown = driver.console.export_text()
     assert "every one of the 4 configurations of search.params has been tried" in shown
     assert "2 trials trained of search.n_trials=6" in shown
@@ -140,12 +142,13 @@ def test_trials_predicted_not_to_fit_are_pruned_before_training(hydra_conf, stor
     text = Path(client.download_artifacts(parent.info.run_id, "fit_report.txt")).read_text()
     assert "Fit report" in text and "largest that fits" in text
     assert "OOM" in text  # 256 and 512 are marked
-    assert parent.data.metrics["trials/finished"] == 2
+    assert parent.data.metrics["trials/trained"] == 2
     assert parent.data.metrics["trials/pruned_oom_predicted"] == len(predicted_oom)
     # The console shows the same table before the first trial.
     assert shown.index("Fit report") < shown.index("#0 ")
 
 
+@pytest.mark.study
 def test_without_preflight_the_oom_is_measured(hydra_conf, stores) -> None:
     driver = _driver(
         hydra_conf,
@@ -174,6 +177,7 @@ def test_without_preflight_the_oom_is_measured(hydra_conf, stores) -> None:
         assert "memory/predicted_bytes" not in run.data.metrics, name
 
 
+@pytest.mark.study
 def test_without_the_oom_constraint_the_sampler_is_not_told(hydra_conf, stores) -> None:
     driver = _driver(
         hydra_conf,
@@ -217,6 +221,7 @@ ITEM_MODEL = "model._target_=tests.search.test_preflight.ItemModel"
 NOT_PREDICTED = "memory is not predicted for this model"
 
 
+@pytest.mark.study
 def test_a_model_that_cannot_be_predicted_is_measured(hydra_conf, stores) -> None:
     driver = _driver(
         hydra_conf,
@@ -257,9 +262,11 @@ def _predicted(cfg, batch: int) -> int:
     trainer = dataclasses.replace(
         spec.trainer, batch_size=batch, accum_steps=1, effective_batch_size=None
     )
-    return memory_predictor(cfg, spec).predict(trainer, len(build_data(cfg).train_y)).peak_bytes
+    workload = Workloads().of(cfg)
+    return workload.predictor(spec, cfg.optimizer).predict(trainer, workload.num_train).peak_bytes
 
 
+@pytest.mark.study
 def test_derived_accumulation_splits_the_effective_batch_to_fit(hydra_conf, stores) -> None:
     overrides = [
         *stores["overrides"],
@@ -287,9 +294,9 @@ def test_derived_accumulation_splits_the_effective_batch_to_fit(hydra_conf, stor
             [*FAST, *overrides, f"trainer.batch_size={effective}", "trainer.accum_steps=1"]
         )
         spec = plan(cfg, MiB)
-        found = largest_fitting_batch(
-            memory_predictor(cfg, spec), spec.trainer, len(build_data(cfg).train_y), MiB, 0.05
-        )
+        workload = Workloads().of(cfg)
+        predictor = workload.predictor(spec, cfg.optimizer)
+        found = largest_fitting_batch(predictor, spec.trainer, workload.num_train, MiB, 0.05)
         assert found is not None and found[0] == batch
         assert t.user_attrs["predicted_bytes"] == found[1].peak_bytes
         if effective == 64:
@@ -334,7 +341,8 @@ def test_a_budget_below_the_training_state_stops_before_the_first_trial(hydra_co
     overrides = [*stores["overrides"], "search.n_trials=2", "search.memory_budget=2KiB"]
     cfg = hydra_conf([*FAST, *overrides])
     spec = plan(cfg, None)
-    state = memory_predictor(cfg, spec).state_bytes  # parameters, gradients, momentum
+    predictor = Workloads().of(cfg).predictor(spec, cfg.optimizer)
+    state = predictor.state_bytes  # parameters, gradients, momentum
     assert 2048 < state < 20_000
     smallest = _predicted(hydra_conf([*FAST, *overrides, "trainer.batch_size=1"]), 1)
     with pytest.raises(ConfigError) as error:
@@ -352,6 +360,7 @@ def test_a_budget_below_the_training_state_stops_before_the_first_trial(hydra_co
 LR = "optimizer.lr:'interval(0.01,0.1)'"  # a continuous key: no two proposals repeat
 
 
+@pytest.mark.study
 def test_proposals_predicted_not_to_fit_take_no_trial_slot(hydra_conf, stores) -> None:
     driver = _driver(
         hydra_conf,
@@ -373,7 +382,7 @@ def test_proposals_predicted_not_to_fit_take_no_trial_slot(hydra_conf, stores) -
     for t in unbilled:
         assert t.params["trainer.batch_size"] >= 256 and t.constraints["memory"] > 0
     parent = _runs(stores, "t")["t"]
-    assert parent.data.metrics["trials/finished"] == 5
+    assert parent.data.metrics["trials/trained"] == 5
     assert parent.data.metrics["trials/unbilled"] == len(unbilled)
     shown = driver.console.export_text()
     assert (
@@ -383,8 +392,9 @@ def test_proposals_predicted_not_to_fit_take_no_trial_slot(hydra_conf, stores) -
     assert shown.count("not counted in search.n_trials") == len(unbilled)
 
 
+@pytest.mark.study
 def test_a_space_where_nothing_fits_ends_with_a_message(hydra_conf, stores, monkeypatch) -> None:
-    monkeypatch.setattr(driver_module, "MAX_UNBILLED_IN_A_ROW", 6)
+    monkeypatch.setattr(budget_module, "MAX_UNBILLED_IN_A_ROW", 6)
     driver = _driver(
         hydra_conf,
         [
@@ -396,7 +406,7 @@ def test_a_space_where_nothing_fits_ends_with_a_message(hydra_conf, stores, monk
     )
     driver.run()
     trials = driver.study.get_trials()
-    assert len(trials) == 6 and num_finished(driver.study) == 0
+    assert len(trials) == 6 and num_trained(study_records(driver.study)) == 0
     assert all(t.user_attrs["reason"] == "oom_predicted" for t in trials)
     shown = driver.console.export_text()
     assert "the last 6 proposals were all predicted not to fit or trained before" in shown

@@ -10,6 +10,8 @@ from optuna.trial import TrialState
 
 from search.driver import StudyDriver
 
+pytestmark = pytest.mark.study
+
 GOOD_LR, BAD_LR = 0.1, 1e-6
 FAST = [
     "model=small_cnn",

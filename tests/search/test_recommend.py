@@ -30,13 +30,10 @@ def _complete(
     speed: float,
     loss: float = 0.3,
     peak: float = 1e6,
-    with_metrics: bool = True,
 ) -> FrozenTrial:
-    """A completed trial of a (val/acc, throughput) study, as search/objective.py records
-    it; `with_metrics=False`: as recorded before the figures were kept by name."""
+    """A completed trial of a (val/acc, throughput) study, as search/outcome.py records it."""
     attrs: dict = {"trainer.batch_size": batch, "val_acc": acc, "throughput": speed}
-    if with_metrics:
-        attrs["metrics"] = {ACC: acc, LOSS: loss, SPEED: speed, PEAK: peak}
+    attrs["metrics"] = {ACC: acc, LOSS: loss, SPEED: speed, PEAK: peak}
     return create_trial(
         state=TrialState.COMPLETE,
         values=[acc, speed],
@@ -107,6 +104,23 @@ def test_minimized_metric_tolerance_is_above_the_lowest() -> None:
     assert recommend(trials, RecommendRule(LOSS, 0.0, SPEED)).trial.number == 3
 
 
+def test_the_tolerance_is_relative_to_the_best_value() -> None:
+    # Lowest loss 2.0 (trial 0); within 1% relative: loss <= 2.0 * 1.01 = 2.02 -> trial 1
+    # (2.015) is a candidate, trial 2 (2.03) is not. Read as an absolute slack (2.0 + 0.01 =
+    # 2.01) trial 1 would be out too; losses below 1 (the cases above) cannot tell the two apart.
+    trials = _numbered(
+        [
+            _complete(64, 0.9, 100.0, loss=2.0),
+            _complete(128, 0.9, 900.0, loss=2.015),
+            _complete(256, 0.9, 2000.0, loss=2.03),
+        ]
+    )
+    rec = recommend(trials, RecommendRule(LOSS, 0.01, SPEED))
+    assert rec.best_value == 2.0
+    assert rec.num_candidates == 2  # trials 0 and 1
+    assert rec.trial.number == 1  # the faster candidate; trial 2 is faster but out
+
+
 def test_minimized_prefer_picks_the_smallest_peak() -> None:
     trials = _numbered(
         [_complete(64, 0.95, 300.0, peak=9e5), _complete(128, 0.95, 900.0, peak=5e5)]
@@ -157,25 +171,6 @@ def test_no_completed_trial_recommends_nothing() -> None:
     assert recommend([], RecommendRule()) is None
     pruned = create_trial(state=TrialState.PRUNED, user_attrs={"reason": "oom_predicted"})
     assert recommend(_numbered([pruned]), RecommendRule()) is None
-
-
-def test_old_trials_fall_back_to_their_objective_values() -> None:
-    old = _numbered(
-        [
-            _complete(64, 0.950, 300.0, with_metrics=False),
-            _complete(128, 0.945, 900.0, with_metrics=False),
-            _complete(256, 0.930, 2000.0),  # a newer one, with its figures by name
-            _complete(32, 0.951, 100.0, with_metrics=False),
-        ]
-    )
-    rule = RecommendRule(ACC, 0.01, SPEED)
-    assert recommend(old, rule, objectives=[ACC, SPEED]).trial.number == 1
-    # The objective order names each value.
-    assert metric_value(old[1], ACC, [ACC, SPEED]) == 0.945
-    assert metric_value(old[1], ACC, [SPEED, ACC]) == 900.0
-    assert metric_value(old[1], LOSS, [ACC, SPEED]) is None  # neither kept nor an objective
-    # Without the objectives the old trials have no figures: only the new one remains.
-    assert recommend(old, rule).trial.number == 2
 
 
 @pytest.mark.parametrize("key", ["metric", "prefer"])
@@ -245,7 +240,7 @@ OVERRIDES = [
 
 def test_best_yaml_round_trip(tmp_path: Path) -> None:
     rec = recommend(_four(), RecommendRule(ACC, 0.01, SPEED))
-    document = best_document(rec, "study-a", OVERRIDES, [ACC, SPEED])
+    document = best_document(rec, "study-a", OVERRIDES)
     path = tmp_path / "best.yaml"
     path.write_text(document)
     assert load_overrides(path) == OVERRIDES
@@ -310,7 +305,7 @@ def test_best_yaml_round_trip_keeps_interpolations(tmp_path: Path) -> None:
     overrides = ["model.num_classes=${data.num_classes}", "trainer.batch_size=64"]
     rec = recommend(_four(), RecommendRule())
     path = tmp_path / "best.yaml"
-    path.write_text(best_document(rec, "s", overrides, [ACC, SPEED]))
+    path.write_text(best_document(rec, "s", overrides))
     assert load_overrides(path) == overrides
 
 
@@ -333,18 +328,6 @@ def test_a_trial_without_a_prefer_value_does_not_move_the_best() -> None:
     rec = recommend(trials[:2], RecommendRule())
     assert rec.trial.number == 0 and rec.preferred is None
     assert rec.describe() == "trial 0, the best val/acc (0.95)"
-
-
-def test_old_trials_are_described_from_their_objective_values() -> None:
-    old = _numbered(
-        [
-            _complete(64, acc=0.9, speed=500.0, with_metrics=False),
-            _complete(64, acc=0.895, speed=900.0, with_metrics=False),
-        ]
-    )
-    rec = recommend(old, RecommendRule(), [ACC, SPEED])
-    assert rec.trial.number == 1
-    assert rec.describe().startswith("trial 1, the best throughput/samples_per_sec (900)")
 
 
 # The speed check (search/speed.py): geometries timed side by side, round after round.
@@ -380,7 +363,7 @@ def test_a_geometry_faster_only_within_the_noise_does_not_win() -> None:
         "64x1 fp32": Speed((400.0, 420.0, 440.0), (400.0, 420.0, 440.0)),
         "128x1 fp32": Speed((415.0, 437.0, 450.0), (415.0, 437.0, 450.0)),
     }
-    rec = recommend(_geometries(), _rule(), [ACC, SPEED], speeds)
+    rec = recommend(_geometries(), _rule(), speeds)
     assert rec.trial.number == 0  # the most accurate of the most accurate's geometry
     assert rec.verdict is not None and not rec.verdict.faster and not rec.verdict.beyond_noise
     assert rec.verdict.runner_up == "128x1 fp32" and rec.verdict.ratio < 1
@@ -388,7 +371,7 @@ def test_a_geometry_faster_only_within_the_noise_does_not_win() -> None:
     assert "the most accurate" in text and "no configuration among them is faster" in text
     assert "within the measured spread" in text
     # Without the check, the trial that ran while the machine was idle wins.
-    assert recommend(_geometries(), _rule(), [ACC, SPEED]).trial.number == 1
+    assert recommend(_geometries(), _rule()).trial.number == 1
 
 
 def test_a_geometry_faster_in_every_round_wins_and_says_by_how_much() -> None:
@@ -396,7 +379,7 @@ def test_a_geometry_faster_in_every_round_wins_and_says_by_how_much() -> None:
         "64x1 fp32": Speed((400.0, 410.0, 420.0), (400.0, 410.0, 420.0)),
         "128x1 fp32": Speed((600.0, 615.0, 640.0), (600.0, 615.0, 640.0)),
     }
-    rec = recommend(_geometries(), _rule(), [ACC, SPEED], speeds)
+    rec = recommend(_geometries(), _rule(), speeds)
     assert rec.trial.number == 1 and rec.preferred == 615.0
     assert rec.verdict.faster and rec.verdict.beyond_noise
     assert rec.verdict.ratio == pytest.approx(615 / 410)

@@ -8,8 +8,10 @@ import pytest
 from optuna.distributions import CategoricalDistribution, IntDistribution
 from optuna.trial import TrialState, create_trial
 
+from search.budget import answer_for, known_configurations, study_records
+from search.objective import answer_from_record
+from search.record import TrialRecord
 from search.sampler import FeasibilityFilter
-from search.study import is_settled, known_configurations
 
 B = "trainer.batch_size"
 SIZES = {B: CategoricalDistribution([16, 32, 64, 256])}
@@ -37,16 +39,16 @@ def _pruned(reason: str, device: str = "cpu", batch: int = 16) -> optuna.trial.F
     ],
 )
 def test_which_outcomes_a_repeat_is_answered_with(reason, device, settled) -> None:
-    assert is_settled(_pruned(reason, device)) is settled
+    assert TrialRecord.of(_pruned(reason, device)).is_settled is settled
 
 
 def test_complete_trials_settle_and_repeats_do_not() -> None:
     done = create_trial(params={B: 16}, distributions=SIZES, value=1.0)
-    assert is_settled(done)
+    assert TrialRecord.of(done).is_settled
     repeat = create_trial(
         params={B: 16}, distributions=SIZES, value=1.0, user_attrs={"repeat_of": 0}
     )
-    assert not is_settled(repeat)
+    assert not TrialRecord.of(repeat).is_settled
 
 
 def test_known_configurations_are_those_of_the_current_space() -> None:
@@ -61,9 +63,14 @@ def test_known_configurations_are_those_of_the_current_space() -> None:
         )
     )  # fmt: skip
     # Resumed with range(4, 10): 1 is out of it, 5 would train again, 4 and 7 are known.
-    assert known_configurations(study, {"n": IntDistribution(4, 10)}) == {(("n", 4),), (("n", 7),)}
+    assert known_configurations(study_records(study), {"n": IntDistribution(4, 10)}) == {
+        (("n", 4),),
+        (("n", 7),),
+    }
     assert (
-        known_configurations(study, {"n": IntDistribution(4, 10), "m": IntDistribution(1, 2)})
+        known_configurations(
+            study_records(study), {"n": IntDistribution(4, 10), "m": IntDistribution(1, 2)}
+        )
         == set()
     )
 
@@ -109,3 +116,40 @@ def test_the_filter_redraws_known_configurations_and_infeasible_ones() -> None:
     # 16 was trained (a repeat teaches nothing), 256 is larger than 64, which did not fit.
     assert sampler.sample_relative(study, mine, SIZES) == {B: 32}
     assert (sampler.num_repeats_redrawn, sampler.num_redrawn) == (1, 1)
+
+
+@pytest.mark.parametrize("state", [TrialState.COMPLETE, TrialState.PRUNED])
+def test_a_repeat_is_answered_with_the_earlier_state_values_reason_and_constraint(state) -> None:
+    """The answer is what the sampler learns from: the same state, values and memory
+    constraint as the trial that settled the configuration, unbilled, naming it."""
+    study = optuna.create_study()
+    pruned = state == TrialState.PRUNED
+    study.add_trial(
+        create_trial(
+            params={B: 32},
+            distributions=SIZES,
+            state=state,
+            value=None if pruned else 0.9,
+            user_attrs=TrialRecord(
+                0, state.name, ended=state.name, reason="diverged" if pruned else None
+            ).to_attrs(),
+            system_attrs={"constraints:memory": -0.25},
+        )
+    )
+    earlier = answer_for(study_records(study), 1, {B: 32})
+    assert earlier is not None and earlier.number == 0
+    assert answer_for(study_records(study), 1, {B: 64}) is None  # not trained: no answer
+    trial = study.ask()
+    trial.suggest_categorical(B, SIZES[B].choices)
+    if pruned:
+        with pytest.raises(optuna.TrialPruned, match="the configuration of trial 0"):
+            answer_from_record(trial, earlier)
+        study.tell(trial, state=TrialState.PRUNED)
+    else:
+        study.tell(trial, answer_from_record(trial, earlier))
+    answer = TrialRecord.of(study.trials[1])
+    assert answer.state == state.name and answer.repeat_of == 0
+    assert answer.memory_violation == -0.25  # the constraint is copied
+    assert answer.reason == ("diverged" if pruned else None)
+    assert answer.values == (None if pruned else (0.9,))
+    assert answer.is_unbilled and not answer.is_trained and not answer.is_settled

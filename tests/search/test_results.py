@@ -21,7 +21,8 @@ from search import plots, report
 from search.config import RecommendRule
 from search.plots import MIN_IMPORTANCE_TRIALS
 from search.recommend import recommend
-from search.report import EPOCH_LINES_AFTER_S, StudyProgress, run_name, summary_markdown
+from search.record import TrialRecord
+from search.report import EPOCH_LINES_AFTER_S, StudyProgress, summary_markdown
 from search.results import PUBLISH_EVERY_S, RECOMMENDED_TAG, Results
 from tracking.runs import NOTE_TAG, Tracker
 from train.overrides import load_overrides
@@ -216,7 +217,7 @@ OVERRIDES = [
 
 def test_summary_markdown() -> None:
     study = _study()
-    rec = recommend(study.get_trials(), RecommendRule(), METRICS)
+    rec = recommend(study.get_trials(), RecommendRule())
     text = summary_markdown(study, METRICS, rec, OVERRIDES)
     assert (
         "5 finished trials: 4 COMPLETE, 1 FAIL; not counted, answered without training: "
@@ -257,7 +258,11 @@ CONFIG = {"trainer.batch_size": 64, "trainer.accum_steps": 2, "trainer.precision
     [
         ({}, "trial-3 · 64x2 bf16"),  # before the end: the configuration only
         (
-            {"state": "COMPLETE", "val_acc": 0.9456, "throughput": 912.4, "peak_bytes": 678996},
+            {
+                "state": "COMPLETE",
+                "peak_bytes": 678996,
+                "metrics": {"val/acc": 0.9456, "throughput/samples_per_sec": 912.4},
+            },
             "trial-3 · 64x2 bf16 · acc 0.946 · 912/s · 0.6 MiB",
         ),
         (
@@ -269,7 +274,7 @@ CONFIG = {"trainer.batch_size": 64, "trainer.accum_steps": 2, "trainer.precision
     ],
 )
 def test_run_name(attrs: dict, name: str) -> None:
-    assert run_name(3, CONFIG | attrs) == name
+    assert TrialRecord.from_attrs(3, CONFIG | attrs).run_name() == name
 
 
 # --- progress lines ----------------------------------------------------------------------

@@ -10,7 +10,8 @@ import pytest
 from optuna.samplers import TPESampler
 from optuna.trial import TrialState, create_trial
 
-from search.sampler import FeasibilityFilter, dominated, is_infeasible
+from search.record import TrialRecord
+from search.sampler import FeasibilityFilter, dominated
 
 BATCH, ACCUM, PRECISION = "trainer.batch_size", "trainer.accum_steps", "trainer.precision"
 EFFECTIVE, LR = "trainer.effective_batch_size", "optimizer.lr"
@@ -72,10 +73,10 @@ def test_is_infeasible_reads_the_memory_constraint():
     def trial(constraints: dict | None) -> optuna.trial.FrozenTrial:
         return create_trial(state=TrialState.PRUNED, params={}, constraints=constraints)
 
-    assert is_infeasible(trial({"memory": 0.2}))
-    assert not is_infeasible(trial({"memory": -0.5}))
-    assert not is_infeasible(trial({"memory": 0.0}))
-    assert not is_infeasible(trial(None))
+    assert TrialRecord.of(trial({"memory": 0.2})).infeasible
+    assert not TrialRecord.of(trial({"memory": -0.5})).infeasible
+    assert not TrialRecord.of(trial({"memory": 0.0})).infeasible
+    assert not TrialRecord.of(trial(None)).infeasible
 
 
 # ------------------------------------------------------------------------------ the direction
@@ -111,7 +112,7 @@ def _late_oom_count(seed: int, with_filter: bool) -> tuple[int, int]:
         accum = trial.suggest_categorical(ACCUM, [1, 2, 4])
         lr = trial.suggest_float(LR, 1e-4, 1e-1, log=True)
         excess = (100 + batch * BYTES_PER_SAMPLE[precision] - BUDGET) / BUDGET
-        trial.set_constraint("memory", excess)  # as search/objective.py records every trial
+        trial.set_constraint("memory", excess)  # as search/outcome.py records every trial
         if excess > 0:
             study.tell(trial, state=TrialState.PRUNED)
         else:

@@ -12,15 +12,15 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 from rich.console import Console
 
-from search import record
-from search.objective import (
+from search.record import TrialRecord
+from search.report import none_completed, summary
+from search.stopping import (
     PROBE_MARGIN,
     SETTLE_STEPS,
     Prune,
     TimeBudget,
     Yardstick,
 )
-from search.report import none_completed, summary
 from tests.conftest import FAST
 
 # ResNet-18/digits on a 2-core AVX2 CPU, 2876 samples (2 epochs), a 60 s budget. fp32 trials
@@ -29,6 +29,10 @@ from tests.conftest import FAST
 # runs 36x slower than fp32 there (no native kernels): 12.5 vs 453 ms per probe sample idle.
 BUSY_FP32_S, NO_KERNELS_IDLE_S = 1587.0, 1302.0
 IDLE_FP32_PROBE, IDLE_BF16_PROBE = 0.0125, 0.453
+
+
+def _records(study: optuna.Study) -> list[TrialRecord]:
+    return [TrialRecord.of(t) for t in study.get_trials()]
 
 
 def _steps(budget: TimeBudget, seconds: list[float], num_steps: int) -> None:
@@ -105,24 +109,26 @@ def _slow(number: int, projected_s: float) -> optuna.trial.FrozenTrial:
         state=TrialState.PRUNED,
         params={"trainer.batch_size": 16 * (number + 1)},
         distributions={"trainer.batch_size": CategoricalDistribution([16, 32, 48, 64])},
-        user_attrs={
-            record.REASON: "slow",
-            record.PROJECTED: projected_s,
-            record.TIME_BUDGET: 60.0,
-            record.STATE: "PRUNED",
-        },
+        user_attrs=TrialRecord(
+            number,
+            "PRUNED",
+            ended="PRUNED",
+            reason="slow",
+            projected_s=projected_s,
+            time_budget_s=60.0,
+        ).to_attrs(),
     )
 
 
 def test_the_yardstick_is_the_median_of_the_completed_trials() -> None:
     study = optuna.create_study(directions=["maximize"])
-    assert Yardstick.of(study) == Yardstick(None, None)
+    assert Yardstick.of(_records(study)) == Yardstick(None, None)
     for seconds, probe in ((30.0, 0.03), (10.0, 0.01), (20.0, None)):
-        attrs = {"seconds": seconds, **({record.PROBE: probe} if probe else {})}
+        attrs = {"seconds": seconds, **({"probe_s_per_sample": probe} if probe else {})}
         study.add_trial(create_trial(value=0.5, user_attrs=attrs))
     study.add_trial(create_trial(value=0.5, user_attrs={"seconds": 99.0, "repeat_of": 0}))
     study.add_trial(_slow(0, 500.0))
-    assert Yardstick.of(study) == Yardstick(20.0, 0.03)
+    assert Yardstick.of(_records(study)) == Yardstick(20.0, 0.03)
 
 
 def test_trials_that_missed_the_target_are_a_yardstick_too() -> None:
@@ -130,13 +136,13 @@ def test_trials_that_missed_the_target_are_a_yardstick_too() -> None:
     trained their whole budget, so their time judges the next trial (a bf16 trial 30x
     slower than fp32 on a CPU must not get 10 x the budget for want of a COMPLETE one)."""
     study = optuna.create_study(directions=["minimize"])
-    missed = {"seconds": 40.0, record.PROBE: 0.02, record.REASON: "missed_target"}
+    missed = {"seconds": 40.0, "probe_s_per_sample": 0.02, "reason": "missed_target"}
     study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs=missed))
     study.add_trial(_slow(1, 900.0))  # pruned early: not a whole budget's time
-    assert Yardstick.of(study) == Yardstick(40.0, 0.02)
+    assert Yardstick.of(_records(study)) == Yardstick(40.0, 0.02)
     settle = [1.0] * SETTLE_STEPS
     with pytest.raises(Prune, match=r"4 x the 40 s of the study's completed trials"):
-        _steps(TimeBudget(60.0, Yardstick.of(study)), settle + [2.0] * 97, num_steps=100)
+        _steps(TimeBudget(60.0, Yardstick.of(_records(study))), settle + [2.0] * 97, num_steps=100)
 
 
 def test_when_every_trial_is_slow_the_summary_blames_the_machine_or_the_budget() -> None:
@@ -155,7 +161,7 @@ def test_when_every_trial_is_slow_the_summary_blames_the_machine_or_the_budget()
     )
     assert "see the reasons above" not in text
     # One trial pruned for another reason: the configurations may be the problem.
-    study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={record.REASON: "diverged"}))
+    study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"reason": "diverged"}))
     assert none_completed(study.get_trials()) == (
         "No trial completed. The trials ended as: 3 PRUNED (slow); 1 PRUNED (diverged) (the "
         "loss diverged: lower the optimizer.lr range in search.params)."
@@ -166,6 +172,7 @@ def test_when_every_trial_is_slow_the_summary_blames_the_machine_or_the_budget()
     )
 
 
+@pytest.mark.study
 def test_a_study_of_slow_trials_records_their_projection_and_says_so(prepare_study, stores):
     overrides = [
         *FAST,  # small_cnn(4) on digits, one epoch, on the CPU

@@ -106,6 +106,7 @@ def test_one_command_line_form_narrows_widens_adds_and_drops_searched_keys(hydra
     }
 
 
+@pytest.mark.study
 def test_a_dropped_key_is_not_searched_by_a_study(hydra_conf, stores) -> None:
     from rich.console import Console
 

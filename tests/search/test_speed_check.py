@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from search import speed
 from tests.conftest import FAST
+
+pytestmark = pytest.mark.study
 
 
 def test_a_study_times_its_candidates_and_recommends_by_that(prepare_study, stores) -> None:

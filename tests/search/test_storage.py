@@ -1,4 +1,4 @@
-"""search/storage.py and the trial counting of search/study.py, on real journal files and
+"""search/storage.py and the trial counting of search/budget.py, on real journal files and
 SQLite databases, with real processes that are really killed."""
 
 from __future__ import annotations
@@ -15,6 +15,13 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from search.budget import (
+    claims_slot,
+    interrupted_numbers,
+    num_trained,
+    should_start_trial,
+    study_records,
+)
 from search.config import SearchConfig
 from search.storage import (
     BEAT_ATTR,
@@ -26,7 +33,6 @@ from search.storage import (
     owner_is_gone,
     this_owner,
 )
-from search.study import claims_slot, interrupted_numbers, num_finished, should_start_trial
 from train.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -179,7 +185,7 @@ def test_trial_counting_across_workers() -> None:
     _add(study, TrialState.FAIL, error="ValueError: bad")  # its own error: counts
     _add(study, TrialState.FAIL)  # its worker died: does not count
     _add(study, TrialState.PRUNED)
-    assert num_finished(study) == 3
+    assert num_trained(study_records(study)) == 3
     assert should_start_trial(study, 3) is False
     assert should_start_trial(study, 4) is True
     _add(study, TrialState.RUNNING)  # another worker's: it would complete a study of 4

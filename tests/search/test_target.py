@@ -13,7 +13,7 @@ from search.config import OBJECTIVE_METRICS, SearchConfig, Target
 from search.driver import StudyDriver
 from train.config import ConfigError, TrainerConfig
 from train.data import Splits
-from train.loop import Hooks, _train_seconds, fit
+from train.loop import Hooks, fit
 from train.lr import constant
 from train.memory import MemoryMeter
 
@@ -38,12 +38,6 @@ def test_a_target_is_parsed_and_checked_against_the_task() -> None:
 def test_time_to_target_as_an_objective_needs_a_target() -> None:
     with pytest.raises(ConfigError, match="time/to_target_s needs search.target"):
         SearchConfig("s", "sqlite://", 1, None, ("time/to_target_s",), None, None)
-
-
-def test_training_seconds_extrapolate_the_steps_the_clock_leaves_out() -> None:
-    # 10 steps, the first 2 untimed: 8 timed in 4 s, so 0.5 s a step, 5 s in all.
-    assert _train_seconds(4.0, 10, 2, untimed_wall=99.0) == 5.0
-    assert _train_seconds(0.0, 2, 2, untimed_wall=1.5) == 1.5  # no timed step yet
 
 
 def test_a_validation_hook_can_end_the_run() -> None:
@@ -71,6 +65,7 @@ def test_a_validation_hook_can_end_the_run() -> None:
     assert result.timed_steps == 9 - 2
 
 
+@pytest.mark.study
 def test_a_study_stops_each_trial_at_the_target_and_prunes_those_that_miss(
     hydra_conf, stores
 ) -> None:

@@ -205,6 +205,7 @@ def test_every_problem_is_reported_at_once(hydra_conf, stores) -> None:
     assert len(error.value.problems) == 3
 
 
+@pytest.mark.study
 def test_bad_input_loses_nothing_already_recorded(hydra_conf, stores) -> None:
     _prepare(hydra_conf, [*stores["overrides"], "search.n_trials=1"]).run()
     db = Path(stores["optuna"].removeprefix("sqlite:///"))

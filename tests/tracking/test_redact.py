@@ -1,4 +1,4 @@
-"""search/redact.py: passwords in URLs are masked wherever batchfit writes text."""
+"""tracking/redact.py: passwords in URLs are masked wherever batchfit writes text."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from tracking.redact import RedactingFilter, redact, redact_file, redact_tree
         ("postgresql://bf:pa55@db:5432/optuna", "postgresql://bf:***@db:5432/optuna"),
         ("postgresql+psycopg://bf:p%40ss@db/x", "postgresql+psycopg://bf:***@db/x"),
         ("http://user:s3cret@127.0.0.1:5000", "http://user:***@127.0.0.1:5000"),
+        # An unescaped @ inside the password: the password ends at the last @ before the host.
+        ("postgresql://bf:p@ss@db/x", "postgresql://bf:***@db/x"),
         (
             "storage=mysql://a:b@h/db, uri=http://u:v@h:1",
             "storage=mysql://a:***@h/db, uri=http://u:***@h:1",

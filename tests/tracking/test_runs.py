@@ -1,4 +1,4 @@
-"""search/tracking.py against real MLflow stores: the outbox's retries, workers opening one
+"""tracking/runs.py against real MLflow stores: the outbox's retries, workers opening one
 new SQLite store together, and the parent run created once."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from search.report import run_name
+from search.record import TrialRecord
 from tests.sweeps import free_port
 from tracking.outbox import Outbox
 from tracking.runs import (
@@ -70,6 +70,7 @@ def _open(uri: str, queue: multiprocessing.Queue) -> None:
     queue.put((tracker.created_experiment, created, run.run_id))
 
 
+@pytest.mark.slow  # fresh Python processes: a minute on 2 busy cores
 def test_workers_opening_one_new_sqlite_store_together(tmp_path: Path) -> None:
     """Three processes create the store, the experiment and the parent run at once: MLflow's
     schema migrations must not collide, and one experiment and one parent run result."""
@@ -355,8 +356,7 @@ def test_the_recommended_mark_moves_to_the_new_recommendation(tmp_path: Path) ->
     assert RECOMMENDED_TAG not in MlflowClient(uri).get_run(stranger.run_id).data.tags
 
 
-# --- trial run names (search/report.py run_name: the runs table's first column) -----------
-# (Beside tests/search/test_results.py's test_run_name, which this session could not edit.)
+# --- trial run names (search/record.py TrialRecord.run_name: the runs table's first column)
 
 CONFIG = {"trainer.batch_size": 64, "trainer.accum_steps": 2, "trainer.precision": "bf16"}
 
@@ -374,17 +374,19 @@ CONFIG = {"trainer.batch_size": 64, "trainer.accum_steps": 2, "trainer.precision
         (  # one objective: its throughput anyway; a memory objective is the MiB at the end
             ["val/acc", "memory/peak_bytes", "perf/mfu"],
             {"unit": "samples", "throughput": 912.4, "peak_bytes": 678996,
-             "metrics": {"val/acc": 0.9456, "perf/mfu": 0.41234}},
+             "metrics": {"val/acc": 0.9456, "perf/mfu": 0.41234,
+                         "throughput/samples_per_sec": 912.4}},
             "trial-3 · 64x2 bf16 · acc 0.946 · mfu 0.4123 · 912/s · 0.6 MiB",
         ),
     ],
 )  # fmt: skip
 def test_a_trials_name_gives_the_studys_objectives(objectives, attrs, name) -> None:
-    assert run_name(3, CONFIG | {"state": "COMPLETE"} | attrs, objectives) == name
+    record = TrialRecord.from_attrs(3, CONFIG | {"state": "COMPLETE"} | attrs)
+    assert record.run_name(objectives) == name
 
 
 def test_a_slow_trials_name_gives_its_projection() -> None:
     attrs = {"state": "PRUNED", "reason": "slow", "projected_s": 412.3, "time_budget_s": 60.0}
-    assert run_name(3, CONFIG | attrs) == (
+    assert TrialRecord.from_attrs(3, CONFIG | attrs).run_name() == (
         "trial-3 · 64x2 bf16 · PRUNED slow (projected 412 s, budget 60 s)"
     )

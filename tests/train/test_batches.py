@@ -20,6 +20,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.transforms import ToTensor
 
 from train.batches import SHAPE_SAMPLES, Pipeline, StepSampler, steps_plan
+from train.build import build_data, build_loader
 from train.config import ConfigError, LoaderConfig, TrainerConfig
 from train.data import Datasets, Splits, synthetic
 from train.loop import RunResult, fit, memory_steps, step_micro_batch_sizes
@@ -27,7 +28,6 @@ from train.lr import constant
 from train.memory import MemoryMeter
 from train.models import small_cnn
 from train.predict import MemoryPredictor
-from train.run import build_data, build_loader
 from train.tasks import Classification, Task
 
 CPU = torch.device("cpu")

@@ -11,9 +11,11 @@ from torch import nn
 from search.fit import fit_reports
 from search.validate import validate
 from train import checkpointing
+from train.build import build_task
 from train.config import ConfigError, TrainerConfig
 from train.models import resnet18
-from train.run import build_task, plan, predict, run
+from train.run import plan, run
+from train.workload import Workloads
 
 GPT = [
     "+experiment=gpt",
@@ -30,15 +32,20 @@ GPT = [
 def test_prediction_is_the_measured_peak(hydra_conf, mode: str) -> None:
     cfg = hydra_conf([*GPT, f"trainer.activation_checkpointing={mode}"])
     spec = plan(cfg, None)
-    assert predict(cfg, spec).peak_bytes == run(cfg, spec).peak_bytes
+    workload = Workloads().of(cfg)
+    predicted = workload.predict(spec, cfg.optimizer).peak_bytes
+    assert predicted == run(cfg, spec, workload=workload).peak_bytes
 
 
 def test_blocks_train_the_same_model_for_less_memory(hydra_conf) -> None:
     results = {}
+    workloads = Workloads()  # one data set; a predictor per mode
     for mode in ("none", "blocks"):
         cfg = hydra_conf([*GPT, f"trainer.activation_checkpointing={mode}"])
         spec = plan(cfg, None)
-        results[mode] = (predict(cfg, spec).peak_bytes, run(cfg, spec))
+        workload = workloads.of(cfg)
+        predicted = workload.predict(spec, cfg.optimizer).peak_bytes
+        results[mode] = (predicted, run(cfg, spec, workload=workload))
     (peak_none, plain), (peak_blocks, checkpointed) = results["none"], results["blocks"]
     assert peak_blocks < 0.8 * peak_none  # the two blocks' activations are not kept
     # Recomputed activations are the same numbers: the same losses and validation.

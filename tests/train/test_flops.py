@@ -11,7 +11,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch import nn
 
-from search.study import REPEAT_ATTR, is_repeat
+from search.record import TrialRecord
 from tests.conftest import FAST
 from train import flops as flops_module
 from train.flops import (
@@ -154,6 +154,7 @@ def test_mfu_is_achieved_over_peak() -> None:
     assert "perf/mfu" not in mfu_metrics(2e6, 500.0, None)  # an unknown GPU: no MFU
 
 
+@pytest.mark.study
 def test_trials_log_mfu_and_it_can_be_an_objective(prepare_study, stores) -> None:
     overrides = [
         *FAST,  # small_cnn(4) on digits, one epoch, on the CPU
@@ -170,11 +171,12 @@ def test_trials_log_mfu_and_it_can_be_an_objective(prepare_study, stores) -> Non
     driver.run()
     # The trials that trained (a proposal of a batch already trained is answered from its
     # record, a REPEAT, with the values of the trial it repeats).
-    trained = [t for t in driver.study.get_trials() if not is_repeat(t)]
+    trained = [t for t in driver.study.get_trials() if not TrialRecord.of(t).is_repeat]
     assert len(trained) == 2
     for t in driver.study.get_trials():
-        if is_repeat(t):
-            assert t.values == driver.study.trials[t.user_attrs[REPEAT_ATTR]].values
+        repeat_of = TrialRecord.of(t).repeat_of
+        if repeat_of is not None:
+            assert t.values == driver.study.trials[repeat_of].values
     for t in trained:
         figures = t.user_attrs["metrics"]
         achieved = figures["perf/flops_per_sample"] * figures["throughput/samples_per_sec"]
@@ -183,6 +185,7 @@ def test_trials_log_mfu_and_it_can_be_an_objective(prepare_study, stores) -> Non
         assert t.values[0] == figures["perf/mfu"] > 0
 
 
+@pytest.mark.study
 def test_a_trial_whose_mfu_stays_above_one_says_why_in_mlflow(
     prepare_study, stores, tmp_path, monkeypatch
 ) -> None:

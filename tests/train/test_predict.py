@@ -8,7 +8,6 @@ import statistics
 
 import pytest
 import torch
-from hydra.utils import instantiate
 from torch import nn
 
 from train.allocator import (
@@ -17,19 +16,12 @@ from train.allocator import (
     cuda_reserved_bytes,
     expandable_segments,
 )
+from train.build import build_data, build_model, build_optimizer, build_pipeline, build_task
 from train.config import ConfigError, TrainerConfig
 from train.loop import memory_steps, step_micro_batch_sizes
 from train.predict import MemoryPredictor, PredictionUnsupported, largest_fitting_batch
-from train.run import (
-    build_data,
-    build_model,
-    build_pipeline,
-    build_task,
-    memory_predictor,
-    plan,
-    predict,
-    run,
-)
+from train.run import plan, run
+from train.workload import Workloads
 
 CPU = torch.device("cpu")
 KiB, MiB = 2**10, 2**20
@@ -82,8 +74,9 @@ def _cfg(hydra_conf, overrides: list[str], batch: int, accum: int, precision: st
 def test_prediction_matches_the_measured_cpu_peak(hydra_conf, overrides, batch, accum, precision):
     cfg = _cfg(hydra_conf, overrides, batch, accum, precision)
     spec = plan(cfg, None)
-    prediction = predict(cfg, spec)
-    measured = run(cfg, spec).peak_bytes
+    workload = Workloads().of(cfg)
+    prediction = workload.predict(spec, cfg.optimizer)
+    measured = run(cfg, spec, workload=workload).peak_bytes
     assert measured > 0 and prediction.tensor_bytes == prediction.peak_bytes  # CPU: no allocator
     # The same accounting (the tracker over the same optimizer_step), so exact up to a few
     # bytes: under autocast the fake BatchNorm returns its saved statistics in the low
@@ -111,8 +104,9 @@ def test_resnet18_prediction_matches_the_measured_peak(hydra_conf):
     # A small validation split: the run ends with a validation at batch 2.
     cfg = _cfg(hydra_conf, ["model=resnet18", *DIGITS, "data.val_fraction=0.02"], 2, 1, "fp32")
     spec = plan(cfg, None)
-    prediction = predict(cfg, spec)
-    measured = run(cfg, spec).peak_bytes
+    workload = Workloads().of(cfg)
+    prediction = workload.predict(spec, cfg.optimizer)
+    measured = run(cfg, spec, workload=workload).peak_bytes
     # ~146 MiB: parameters, gradients and momentum of 11M parameters, and the step's temporaries
     assert 100 * MiB < measured < 200 * MiB
     assert abs(prediction.peak_bytes - measured) <= 0.01 * measured, (prediction, measured)
@@ -121,9 +115,10 @@ def test_resnet18_prediction_matches_the_measured_peak(hydra_conf):
 def test_predictions_are_cached_per_geometry(hydra_conf):
     cfg = _cfg(hydra_conf, CNN + DIGITS, 16, 1, "fp32")
     spec = plan(cfg, None)
-    predictor = memory_predictor(cfg, spec)
-    assert memory_predictor(cfg, spec) is predictor  # one predictor per model/optimizer/data
-    num_train = len(build_data(cfg).train_y)
+    workload = Workloads().of(cfg)
+    predictor = workload.predictor(spec, cfg.optimizer)
+    assert workload.predictor(spec, cfg.optimizer) is predictor  # one per optimizer, device
+    num_train = workload.num_train
     first = predictor.predict(spec.trainer, num_train)
     again = predictor.predict(spec.trainer, num_train)
     assert again.peak_bytes == first.peak_bytes and again.seconds == 0.0  # from the cache
@@ -142,23 +137,26 @@ def test_sizes_read_off_the_line_match_computed_ones_and_the_measurement(hydra_c
     must be what computing them gives, and what a real run measures."""
     cfg = _cfg(hydra_conf, ["model=small_cnn", "model.width=6", *DIGITS], 40, 1, "fp32")
     spec = plan(cfg, None)
-    data = build_data(cfg)
+    workload = Workloads().of(cfg)
+    data = workload.data
     num_train = len(data.train_y)
-    lined = memory_predictor(cfg, spec)
+    lined = workload.predictor(spec, cfg.optimizer)
     for n in (4, 8, 16, 32):  # the first also measures optimizer.step; three points after it
         lined.predict(TrainerConfig(batch_size=n), num_train)
     assert lined._lines[(1, "fp32", None)].verified  # white-box: the line is in use
-    # Built as train.run.memory_predictor builds it, with no line yet: every size computed.
+    # Built as train.workload.Workload.predictor builds it, with no line yet: every size
+    # computed.
     computed = MemoryPredictor(
-        build_model(cfg, build_pipeline(cfg, CPU), build_task(cfg)),
-        lambda params: instantiate(cfg.optimizer, lr=spec.lr)(params),
+        build_model(cfg, build_pipeline(cfg, CPU), build_task(cfg), "none"),  # as configured
+        lambda params: build_optimizer(cfg, params, spec.lr),
         (data.train_x[:1], data.train_y[:1]),
         CPU,
     )
     for n in (40, 3, 100):
         read = lined.predict(TrainerConfig(batch_size=n), num_train).peak_bytes
         assert read == computed.predict(TrainerConfig(batch_size=n), num_train).peak_bytes, n
-    assert predict(cfg, spec).peak_bytes == run(cfg, spec).peak_bytes  # batch 40, off the line
+    predicted = workload.predict(spec, cfg.optimizer).peak_bytes
+    assert predicted == run(cfg, spec, workload=workload).peak_bytes  # batch 40, off the line
 
 
 # ------------------------------------------------------------- models that cannot be predicted
@@ -233,13 +231,14 @@ def test_predict_from_a_config_raises_prediction_unsupported(hydra_conf):
         [*STEPS, *DIGITS, "model._target_=tests.train.test_predict.ItemModel", "~model.width"]
     )
     spec = plan(cfg, None)
+    workload = Workloads().of(cfg)
     with pytest.raises(PredictionUnsupported, match="DataDependentOutputException"):
-        predict(cfg, spec)
+        workload.predict(spec, cfg.optimizer)
     # The predictor itself was built (its parameters and optimizer state are predictable):
     # each prediction fails on its own.
-    assert memory_predictor(cfg, spec).state_bytes > 0
+    assert workload.predictor(spec, cfg.optimizer).state_bytes > 0
     with pytest.raises(PredictionUnsupported, match="DataDependentOutputException"):
-        predict(cfg, spec)
+        workload.predict(spec, cfg.optimizer)
 
 
 def test_a_predictor_that_cannot_be_built_is_remembered(hydra_conf):
@@ -247,10 +246,11 @@ def test_a_predictor_that_cannot_be_built_is_remembered(hydra_conf):
         [*STEPS, *CNN, *DIGITS, "optimizer._target_=tests.train.test_predict.ItemOptimizer"]
     )
     spec = plan(cfg, None)
+    workloads = Workloads()
     with pytest.raises(PredictionUnsupported, match="DataDependentOutputException") as first:
-        memory_predictor(cfg, spec)
+        workloads.of(cfg).predictor(spec, cfg.optimizer)
     with pytest.raises(PredictionUnsupported) as second:
-        predict(cfg, spec)
+        workloads.of(cfg).predict(spec, cfg.optimizer)
     assert second.value is first.value  # not built again
 
 
@@ -399,8 +399,9 @@ def test_cuda_reserved_bytes_counts_the_cublas_workspace(
 def test_largest_fitting_batch_is_the_largest_divisor_under_the_budget(hydra_conf):
     cfg = _cfg(hydra_conf, CNN + DIGITS, 48, 1, "fp32")
     spec = plan(cfg, None)
-    predictor = memory_predictor(cfg, spec)
-    num_train = len(build_data(cfg).train_y)
+    workload = Workloads().of(cfg)
+    predictor = workload.predictor(spec, cfg.optimizer)
+    num_train = workload.num_train
     trainer = TrainerConfig(batch_size=48, accum_steps=1)
 
     def peak(b: int) -> int:
@@ -441,8 +442,9 @@ def test_largest_fitting_batch_finds_the_whole_batch_when_accumulating_peaks_hig
     plain_sgd = ["optimizer.nesterov=false", "optimizer.weight_decay=0"]
     cfg = _cfg(hydra_conf, ["model=mlp", *DIGITS, *plain_sgd], 16, 1, "fp32")
     spec = plan(cfg, None)
-    predictor = memory_predictor(cfg, spec)
-    num_train = len(build_data(cfg).train_y)
+    workload = Workloads().of(cfg)
+    predictor = workload.predictor(spec, cfg.optimizer)
+    num_train = workload.num_train
     whole = predictor.predict(TrainerConfig(batch_size=16), num_train).peak_bytes
     half = predictor.predict(TrainerConfig(batch_size=8, accum_steps=2), num_train).peak_bytes
     assert whole < half  # 1,041,284 < 1,310,212 bytes: the premise
@@ -503,8 +505,9 @@ def test_cuda_prediction_matches_max_memory_reserved(hydra_conf):
         cfg = _cfg(hydra_conf, overrides, batch, 1, "fp32", device="cuda")
         spec = plan(cfg, None)
         assert spec.device.type == "cuda"
-        predicted = predict(cfg, spec).peak_bytes
-        result = run(cfg, spec)  # resets the peak statistics when it starts
+        workload = Workloads().of(cfg)
+        predicted = workload.predict(spec, cfg.optimizer).peak_bytes
+        result = run(cfg, spec, workload=workload)  # resets the peak statistics when it starts
         measured = torch.cuda.max_memory_reserved(spec.device)
         assert measured == result.reserved_bytes
         errors.append(abs(predicted - measured) / measured)

@@ -19,15 +19,18 @@ def test_each_configuration_is_timed_once_per_round_in_rotating_order(
         cfg = hydra_conf([*SMALL, f"trainer.batch_size={batch}"])
         runs.append((cfg, plan(cfg, None)))
     visits = []
+    seen: set[int] = set()  # the data sets visited
     real_visit = speed._visit
 
-    def visit(cfg, spec):  # noqa: ANN001, ANN202
+    def visit(cfg, spec, workload):  # noqa: ANN001, ANN202
         visits.append(spec.trainer.batch_size)
-        return real_visit(cfg, spec)
+        seen.add(id(workload.data))
+        return real_visit(cfg, spec, workload)
 
     monkeypatch.setattr(speed, "_visit", visit)
     small, large = measure(runs, rounds=3)
     assert visits == [2, 2, 512, 512, 2, 2, 512]  # a warm-up, then none always first
+    assert len(seen) == 1  # the runs of one data set share it, built once
     assert len(small.samples_per_sec) == len(large.samples_per_sec) == 3
     assert small.unit == "samples" and small.units_per_sec == small.samples_per_sec
     # A step of 512 digits costs far less than 256 steps of 2 (per-step overhead): the

@@ -90,6 +90,7 @@ def test_apply_sets_torchs_threads() -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs affinity masks")
+@pytest.mark.slow  # fresh Python processes: a minute on 2 busy cores
 def test_python_m_train_says_its_threads_first(tmp_path) -> None:
     # Pinned to one core (as a SLURM job or `taskset -c 0` would be): one thread, said first.
     core = min(os.sched_getaffinity(0))

@@ -1,0 +1,310 @@
+"""The private APIs of Optuna and PyTorch that batchfit relies on, each pinned: the name
+exists and behaves as our code assumes. pyproject.toml names them next to the pins; when a
+test here fails after an upgrade, the code named in its docstring needs a change.
+
+Each of these has no public equivalent in the versions pinned (Optuna 5.0, torch 2.14):
+- optuna.storages._heartbeat.BaseHeartbeat and its `_get_stale_trial_ids` (search/storage.py)
+- optuna.storages.journal._file.BaseJournalFileLock, get_lock_file (search/storage.py)
+- JournalStorage._backend (search/driver.py, tests/faults/test_journal.py)
+- Study._storage, Trial._trial_id, FrozenTrial._trial_id (search/storage.py, search/driver.py)
+- BaseDistribution._contains (search/budget.py `_within`)
+- torch.amp.GradScaler._maybe_opt_step (train/predict.py `_FakeGradScaler`)
+- torch._subclasses.fake_tensor.FakeTensorMode (train/predict.py)
+- torch.utils._python_dispatch.TorchDispatchMode (train/memory.py)
+- torch.utils._pytree tree_map, tree_leaves, tree_iter (train/batches.py, train/loop.py,
+  train/tasks.py, train/memory.py, train/predict.py)
+- nn.Module._parameters, nn.Module._buffers (train/predict.py `_fake_module`)
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.storages import InMemoryStorage, JournalStorage, fail_stale_trials
+from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
+from optuna.storages.journal import JournalFileBackend
+from optuna.storages.journal._file import BaseJournalFileLock, get_lock_file
+from optuna.trial import TrialState
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_iter, tree_leaves, tree_map
+
+from search.storage import (
+    BEAT_ATTR,
+    OWNER_ATTR,
+    HeartbeatJournalStorage,
+    HeartbeatRDBStorage,
+    SafeJournalFileBackend,
+)
+from train.predict import _FakeGradScaler
+
+# ---- Optuna: heartbeats (search/storage.py HeartbeatJournalStorage, HeartbeatRDBStorage)
+
+
+# study.ask() on a heartbeat storage warns that heartbeats come with study.optimize: here a
+# running trial is all that is wanted.
+ASKED_OUTSIDE_OPTIMIZE = pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
+
+
+class _Beating(InMemoryStorage, BaseHeartbeat):
+    """The smallest heartbeat storage: what HeartbeatJournalStorage implements, recorded."""
+
+    def __init__(self, stale: list[int] | None = None) -> None:
+        super().__init__()
+        self.beats: list[int] = []
+        self.asked: list[int] = []
+        self.stale = stale or []
+        self.failed: list[int] = []
+
+    def record_heartbeat(self, trial_id: int) -> None:
+        self.beats.append(trial_id)
+
+    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        self.asked.append(study_id)
+        return self.stale
+
+    def get_heartbeat_interval(self) -> int | None:
+        return 60
+
+    def get_heartbeat_stale_trial_callback(self):  # noqa: ANN201
+        return lambda study, trial: self.failed.append(trial.number)
+
+
+def test_base_heartbeat_asks_for_what_our_storages_implement() -> None:
+    # HeartbeatJournalStorage implements exactly these; a new abstract method would make it
+    # uninstantiable, a renamed one would never be called.
+    assert BaseHeartbeat.__abstractmethods__ == {
+        "record_heartbeat",
+        "_get_stale_trial_ids",
+        "get_heartbeat_interval",
+        "get_heartbeat_stale_trial_callback",
+    }
+    assert issubclass(HeartbeatJournalStorage, BaseHeartbeat)
+    assert issubclass(HeartbeatRDBStorage, BaseHeartbeat)
+
+
+@ASKED_OUTSIDE_OPTIMIZE
+def test_optuna_beats_and_fails_stale_trials_through_base_heartbeat() -> None:
+    storage = _Beating()
+    assert is_heartbeat_enabled(storage)
+    study = optuna.create_study(storage=storage)
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=1)
+    # The heartbeat thread beats once at the trial's start, with the trial's id.
+    assert storage.beats == [study.trials[0]._trial_id]
+    running = study.ask()
+    storage.stale = [running._trial_id]
+    fail_stale_trials(study)  # what study.optimize runs before each trial
+    assert study._study_id in storage.asked
+    assert study.trials[running.number].state == TrialState.FAIL
+    assert storage.failed == [running.number]  # our RetryStaleTrial is this callback
+
+
+def test_the_journal_heartbeat_storage_is_one_optuna_beats(tmp_path: Path) -> None:
+    backend = SafeJournalFileBackend(tmp_path / "optuna.journal")
+    storage = HeartbeatJournalStorage(backend, heartbeat_interval=60, grace_period=120)
+    assert is_heartbeat_enabled(storage)
+    study = optuna.create_study(storage=storage)
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=1)
+    attrs = study.trials[0].system_attrs
+    assert BEAT_ATTR in attrs and OWNER_ATTR in attrs  # record_heartbeat was called
+    # JournalStorage.__setstate__, which ours extends: a pickled copy (a launcher's worker)
+    # reads the same study.
+    copy = pickle.loads(pickle.dumps(storage))
+    assert copy._owned == set() and len(copy.get_all_trials(study._study_id)) == 1
+
+
+@ASKED_OUTSIDE_OPTIMIZE
+def test_rdb_storage_keeps_its_grace_period_and_stale_trial_query(tmp_path: Path) -> None:
+    # HeartbeatRDBStorage reads self.grace_period and extends RDBStorage._get_stale_trial_ids.
+    storage = HeartbeatRDBStorage(
+        f"sqlite:///{tmp_path}/o.db", heartbeat_interval=60, grace_period=120
+    )
+    assert storage.grace_period == 120
+    assert "_get_stale_trial_ids" in vars(optuna.storages.RDBStorage)
+    study = optuna.create_study(storage=storage)
+    trial = study.ask()
+    storage.record_heartbeat(trial._trial_id)  # just beaten, by this live process
+    assert storage._get_stale_trial_ids(study._study_id) == []
+
+
+# ---- Optuna: the journal file's lock (search/storage.py SafeJournalFileBackend)
+
+
+class _CountingLock(BaseJournalFileLock):
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def acquire(self) -> bool:
+        self.calls.append("acquire")
+        return True
+
+    def release(self) -> None:
+        self.calls.append("release")
+
+
+def test_journal_file_backend_takes_our_lock_around_each_append(tmp_path: Path) -> None:
+    assert BaseJournalFileLock.__abstractmethods__ == {"acquire", "release"}
+    lock = _CountingLock()
+    backend = JournalFileBackend(str(tmp_path / "j"), lock_obj=lock)
+    backend.append_logs([{"op_code": 0, "worker_id": "w", "study_name": "s", "directions": [1]}])
+    assert lock.calls == ["acquire", "release"]
+
+
+def test_get_lock_file_releases_on_error() -> None:
+    lock = _CountingLock()
+    with pytest.raises(RuntimeError), get_lock_file(lock):
+        assert lock.calls == ["acquire"]
+        raise RuntimeError
+    assert lock.calls == ["acquire", "release"]
+
+
+def test_journal_storage_keeps_its_backend(tmp_path: Path) -> None:
+    # search/driver.py prints the notes of the storage's SafeJournalFileBackend.
+    backend = SafeJournalFileBackend(tmp_path / "optuna.journal")
+    assert JournalStorage(backend)._backend is backend
+
+
+# ---- Optuna: a study's storage and its trials' ids (search/storage.py, search/driver.py)
+
+
+def test_study_storage_and_trial_ids_address_the_trial() -> None:
+    storage = InMemoryStorage()
+    study = optuna.create_study(storage=storage)
+    study.ask()
+    live = study.ask()
+    assert study._storage is storage
+    frozen = study.trials[live.number]
+    assert live._trial_id == frozen._trial_id
+    assert storage.get_trial(frozen._trial_id).number == live.number == 1
+    storage.set_trial_system_attr(live._trial_id, OWNER_ATTR, {"pid": 1})
+    assert study.trials[1].system_attrs[OWNER_ATTR] == {"pid": 1}
+    assert OWNER_ATTR not in study.trials[0].system_attrs
+
+
+# ---- Optuna: membership in a distribution (search/budget.py `_within`)
+
+
+@pytest.mark.parametrize(
+    ("dist", "inside", "outside"),
+    [
+        (IntDistribution(1, 10, step=3), [1, 4, 10], [5, 0, 11, 13]),
+        (IntDistribution(16, 512, log=True), [16, 100, 512], [8, 1024]),
+        (FloatDistribution(0.1, 1.0, log=True), [0.1, 0.5, 1.0], [0.05, 2.0]),
+        (FloatDistribution(0.0, 1.0, step=0.25), [0.0, 0.5, 1.0], [0.6, 1.25]),
+        (CategoricalDistribution([16, 32, "fp16"]), [16, 32, "fp16"], []),
+    ],
+)
+def test_distribution_contains_a_value_in_its_internal_repr(dist, inside, outside) -> None:
+    for value in inside:
+        assert dist._contains(dist.to_internal_repr(value)) is True, value
+    for value in outside:
+        assert dist._contains(dist.to_internal_repr(value)) is False, value
+
+
+def test_a_value_not_among_the_choices_has_no_internal_repr() -> None:
+    # `_within` answers False for it by catching this ValueError.
+    with pytest.raises(ValueError):
+        CategoricalDistribution([16, 32]).to_internal_repr(64)
+
+
+# ---- torch: GradScaler's step (train/predict.py `_FakeGradScaler`)
+
+
+def _inf_gradients(scaler: torch.amp.GradScaler) -> tuple[nn.Linear, torch.optim.SGD]:
+    """A model whose scaled backward left infinite gradients."""
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    for p in model.parameters():
+        p.grad.fill_(float("inf"))
+    return model, optimizer
+
+
+def test_grad_scaler_step_goes_through_maybe_opt_step() -> None:
+    seen = []
+
+    class Recording(torch.amp.GradScaler):
+        def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):  # noqa: ANN001, ANN202
+            seen.append((optimizer, sorted(optimizer_state), args, kwargs))
+            return "stepped"
+
+    scaler = Recording("cpu")
+    _, optimizer = _inf_gradients(scaler)
+    assert scaler.step(optimizer, "arg", key="value") == "stepped"
+    ((called_with, state_keys, args, kwargs),) = seen
+    assert called_with is optimizer and "found_inf_per_device" in state_keys
+    assert (args, kwargs) == (("arg",), {"key": "value"})
+
+
+def test_the_fake_scaler_steps_where_the_real_one_skips() -> None:
+    # Infinite gradients: GradScaler reads the found-inf flags (.item(), which a fake tensor
+    # cannot answer) and skips the step; _FakeGradScaler's override always steps.
+    for scaler, steps in ((torch.amp.GradScaler("cpu"), False), (_FakeGradScaler("cpu"), True)):
+        model, optimizer = _inf_gradients(scaler)
+        before = model.weight.detach().clone()
+        scaler.step(optimizer)
+        assert torch.equal(model.weight, before) is not steps, type(scaler).__name__
+
+
+# ---- torch: fake tensors and dispatch modes (train/predict.py, train/memory.py)
+
+
+class _Ops(TorchDispatchMode):
+    """What TensorMemoryTracker does: see every op, its inputs and outputs, and run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.outputs: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops.append(str(func.overloadpacket))
+        out = func(*args, **(kwargs or {}))
+        self.outputs += [v for v in tree_iter(out) if isinstance(v, torch.Tensor)]
+        return out
+
+
+def test_a_dispatch_mode_inside_fake_tensor_mode_sees_fake_ops() -> None:
+    mode = FakeTensorMode()
+    with mode:
+        weight = nn.Parameter(torch.empty_strided((4, 8), (8, 1), dtype=torch.float32))
+    ops = _Ops()
+    with mode, ops:
+        out = weight.sum() * 2
+    assert isinstance(weight, FakeTensor) and isinstance(out, FakeTensor)
+    assert weight.untyped_storage().nbytes() == 4 * 8 * 4  # sized, though it holds no data
+    assert [op for op in ops.ops if op.startswith("aten.")] == ["aten.sum", "aten.mul"]
+    assert all(isinstance(t, FakeTensor) for t in ops.outputs)
+
+
+# ---- torch: pytrees (train/batches.py, train/loop.py, train/tasks.py, train/memory.py)
+
+
+def test_pytree_walks_tuples_lists_and_dicts_in_order() -> None:
+    a, b = torch.zeros(2), torch.ones(3)
+    batch = {"x": (a, [b, 3]), "mask": None}
+    assert [id(v) for v in tree_leaves(batch) if isinstance(v, torch.Tensor)] == [id(a), id(b)]
+    assert list(tree_iter(batch)) == tree_leaves(batch)
+    doubled = tree_map(lambda v: v * 2 if isinstance(v, torch.Tensor) else v, batch)
+    assert doubled["x"][1][1] == 3 and doubled["mask"] is None
+    assert torch.equal(doubled["x"][1][0], 2 * b)
+
+
+# ---- torch: a module's own tensors (train/predict.py `_fake_module`)
+
+
+def test_a_modules_parameter_and_buffer_dicts_are_what_it_uses() -> None:
+    model = nn.BatchNorm1d(3)
+    new_weight, new_mean = nn.Parameter(torch.full((3,), 2.0)), torch.full((3,), 5.0)
+    model._parameters["weight"] = new_weight
+    model._buffers["running_mean"] = new_mean
+    assert model.weight is new_weight and model.running_mean is new_mean
+    assert any(p is new_weight for p in model.parameters())
+    assert any(b is new_mean for b in model.buffers())
+    assert "running_mean" in model.state_dict()  # still a (persistent) buffer

@@ -1,0 +1,18 @@
+"""The names of a run's batch geometry, precision and what follows from them.
+
+`train.run.RunSpec.params` gives a run's values under these names; a trial's user attrs and
+its MLflow params carry them, and search/ reads them back by them. Plain strings, no torch:
+importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+# Config keys, as on the command line.
+BATCH_KEY = "trainer.batch_size"
+ACCUM_KEY = "trainer.accum_steps"
+PRECISION_KEY = "trainer.precision"
+CHECKPOINTING_KEY = "trainer.activation_checkpointing"
+EFFECTIVE_KEY = "trainer.effective_batch_size"  # set with search.accumulation=derived
+# What follows from them: derived values, not config keys.
+EFFECTIVE_PARAM = "effective_batch_size"  # batch_size x accum_steps
+LR_PARAM = "lr_scaled"  # optimizer.lr scaled to the effective batch by trainer.lr_scaling
