@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -362,8 +361,8 @@ class RunLog:
         self._pending: list[Metric] = []
         # Uploads still queued, by artifact path: a newer version of the same files joins
         # the queued one instead of queueing again (plots are megabytes, redrawn often).
+        # (The outbox writes in this thread, between calls: nothing else touches them.)
         self._uploads: dict[str | None, dict[str, bytes]] = {}
-        self._uploads_lock = threading.Lock()
 
     def metrics(self, values: Mapping[str, float], step: int = 0, flush: bool = False) -> None:
         now = _now_ms()
@@ -408,25 +407,18 @@ class RunLog:
         """Files (name -> content) under `artifact_path`, replacing earlier versions. While
         an upload to the same path waits in the outbox (MLflow away or busy), these files
         replace its contents: one upload, of the newest versions."""
-        with self._uploads_lock:
-            queued = self._uploads.get(artifact_path)
-            if queued is not None:
-                queued.update(files)
-                return
-            contents = self._uploads[artifact_path] = dict(files)
+        queued = self._uploads.get(artifact_path)
+        if queued is not None:
+            queued.update(files)
+            return
+        contents = self._uploads[artifact_path] = dict(files)
 
         def upload() -> None:
-            while True:  # again if newer files joined while these were written
-                with self._uploads_lock:
-                    snapshot = dict(contents)
-                with tempfile.TemporaryDirectory() as folder:
-                    for name, content in snapshot.items():
-                        (Path(folder) / name).write_bytes(content)
-                    self.client.log_artifacts(self.run_id, folder, artifact_path)
-                with self._uploads_lock:
-                    if contents == snapshot:  # written: a new version queues anew
-                        del self._uploads[artifact_path]
-                        return
+            with tempfile.TemporaryDirectory() as folder:
+                for name, content in contents.items():
+                    (Path(folder) / name).write_bytes(content)
+                self.client.log_artifacts(self.run_id, folder, artifact_path)
+            del self._uploads[artifact_path]  # written: a new version queues anew
 
         self.outbox.put(upload)
 
