@@ -19,7 +19,8 @@ The replay asks each sampler for trials and answers from the table:
 - single objective, time/to_target_s (min): random, grid (Optuna's GridSampler, random
   order), TPE as batchfit configures it, batchfit (the same TPE behind search/sampler.py's
   FeasibilityFilter, with proposals predicted not to fit and repeats answered without taking a
-  trial slot, by search/objective.py's own functions), and GP;
+  trial slot, by search/budget.py's answer_for and search/objective.py's answer_from_record),
+  and GP;
 - two objectives, val/acc and throughput (max, max): random, grid, TPE, batchfit, NSGA-II.
 A configuration that does not fit is a pruned trial that takes a slot (batchfit: none when it
 was predicted, but the prediction's seconds count); with one objective, a configuration that

@@ -200,7 +200,9 @@ def final(
     )
     (trial,) = study.trials
     if trial.state not in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED):
-        raise SystemExit(f"the final run of {choice.approach} failed: {trial.user_attrs}")
+        raise SystemExit(
+            f"the final run of {choice.approach} failed: {TrialRecord.of(trial).message}"
+        )
     figures = TrialRecord.of(trial).metrics
     return figures.get("time/to_target_s", float("inf")), figures.get("val/acc", float("nan"))
 

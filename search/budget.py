@@ -8,11 +8,12 @@ and the one rule that a configuration is never trained twice.
 - Workers that start together may both start the last trial: trial numbers are given out
   atomically, so the later one sees the earlier and steps back (`claims_slot`; it is marked
   `surplus`, fails without an error and never counts).
-- A configuration whose outcome a new run would repeat (`is_settled`) is not trained again.
-  `settled` is that knowledge, and it has three users: the sampler redraws such a
-  proposal (search/sampler.py), a proposal that gets through is answered from the record
-  (search/objective.py), and a finite space whose every configuration is known ends the
-  study (`TrialBudget.spent`).
+- A configuration whose outcome a new run would repeat (search/record.py `is_settled`) is
+  not trained again. That rule has three users: the sampler redraws such a proposal
+  (search/sampler.py, through `settled`), a proposal that gets through is answered from the
+  record (`answer_for`, search/objective.py), and a finite space whose every configuration
+  is settled or predicted not to fit ends the study (`known_configurations`,
+  `TrialBudget.spent`).
 """
 
 from __future__ import annotations

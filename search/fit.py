@@ -22,7 +22,6 @@ import copy
 import dataclasses
 import gc
 import itertools
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -39,7 +38,8 @@ from search.compose import task_overrides
 from search.config import SearchConfig
 from search.levers import with_default_space
 from search.space import SearchSpace, parse_space
-from tracking.console import config_error
+from tracking.console import config_error, crashed, stopped
+from tracking.redact import redact_logging
 from train.config import ConfigError, TrainerConfig
 from train.memory import format_bytes
 from train.params import ACCUM_KEY, BATCH_KEY, CHECKPOINTING_KEY, EFFECTIVE_KEY, PRECISION_KEY
@@ -365,11 +365,15 @@ def _cell_text(report: FitReport, precision: str, row: int, accum: int | None) -
     return f"[green]{text}[/green]" if cell.fits else f"[red]{text} (OOM)[/red]"
 
 
+UNSUPPORTED_STATUS = 3  # the model does not run on fake tensors: nothing to report
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from search.validate import validate  # the study's own checks, storage left alone
 
-    console = Console()
+    redact_logging()
+    console, errors = Console(), Console(stderr=True)
     if not console.is_terminal:
         console = Console(width=160)
     hydra_cfg = HydraConfig.get()
@@ -380,20 +384,24 @@ def main(cfg: DictConfig) -> None:
         return hydra.compose(config_name="config", overrides=base + trial_overrides)
 
     workloads = Workloads()  # one data set and predictor for the checks and the report
-    space_note = with_default_space(cfg, workloads)
-    if space_note:
-        console.print(f"[yellow]note[/yellow] {escape(space_note)}", soft_wrap=True)
     try:
+        space_note = with_default_space(cfg, workloads)
+        if space_note:
+            console.print(f"[yellow]note[/yellow] {escape(space_note)}", soft_wrap=True)
         checked = validate(cfg, name, compose, open_store=False, workloads=workloads)
         reports = fit_reports(cfg, checked.space, checked.spec, checked.settings, workloads)
     except ConfigError as error:
-        config_error(Console(stderr=True), error)
+        config_error(errors, error)
     except PredictionUnsupported as error:
-        Console(stderr=True).print(
-            f"[bold red]Memory cannot be predicted for this model[/bold red]: it does not run "
-            f"on fake tensors ({error}). A study still runs: its trials measure their memory."
+        stopped(
+            errors,
+            "Memory cannot be predicted for this model",
+            f"it does not run on fake tensors ({error}). A study still runs: its trials "
+            "measure their memory.",
+            UNSUPPORTED_STATUS,
         )
-        sys.exit(3)
+    except Exception as error:  # escaping, Hydra would print the overrides, passwords and all
+        crashed(errors, "The fit report failed", f"{type(error).__name__} (above)")
     for note in checked.notes:
         console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
     for report in reports:

@@ -136,8 +136,12 @@ class Objective:
         configured = self.configure(params)
         begun = TrialRecord(trial.number, "RUNNING", params=params, run=configured.spec.params())
         write(trial, begun)  # what it trains with, first: a trial that dies still shows it
-        run_log = self._start_run(begun, configured)
+        run_log = self._start_run(begun)
+        if run_log.run_id is not None:  # None while MLflow is unreachable: known later
+            begun = begun.replace(run_id=run_log.run_id)
+            write(trial, begun)
         try:
+            self._log_config(run_log, begun, configured)
             if configured.fits:
                 outcome = self._train(trial, configured, run_log)
             else:
@@ -151,20 +155,22 @@ class Objective:
         seconds, overhead = time.perf_counter() - started, self.overhead()
         spec = configured.spec
         ended = trial_record(begun, outcome, spec, seconds, self.settings, overhead)
-        ended = ended.replace(run_id=run_log.run_id)  # None while MLflow is unreachable
+        ended = ended.replace(run_id=run_log.run_id)
         write(trial, ended)
-        metrics = run_metrics(ended, outcome, spec, overhead)
+        metrics = run_metrics(ended, outcome, spec, seconds, overhead)
         log(run_log, ended, outcome, metrics, self.settings.metrics)
         return end(outcome, self.settings.metrics)
 
-    def _start_run(self, begun: TrialRecord, configured: Configured) -> RunLog:
+    def _start_run(self, begun: TrialRecord) -> RunLog:
         tags = {ROLE_TAG: "trial", STUDY_TAG: self.settings.study_name, TRIAL_TAG: begun.number}
-        run_log = self.tracker.start_run(begun.run_name(), tags=tags, parent_id=self.parent_run_id)
+        return self.tracker.start_run(begun.run_name(), tags=tags, parent_id=self.parent_run_id)
+
+    def _log_config(self, run_log: RunLog, begun: TrialRecord, configured: Configured) -> None:
+        """What the trial trains with, searched or not, its data and its whole config."""
         cfg = configured.cfg
         data = self.configure.workloads.of(cfg).data_params()
         run_log.params({**begun.run, **begun.params, **data})
         run_log.text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
-        return run_log
 
     def _train(self, trial: optuna.Trial, configured: Configured, log: RunLog) -> Outcome:
         cfg, spec = configured.cfg, configured.spec
@@ -210,6 +216,7 @@ class Objective:
         except Exception as error:  # noqa: BLE001 - one trial's error must not end the study
             outcome = failed(error, traceback.format_exc())
             outcome.memory = watch.memory
+            outcome.probe_s_per_sample = watch.probe_s_per_sample
         # Outside the except blocks: the exception and the frames it pinned are gone.
         release_memory(spec.device)
         return outcome

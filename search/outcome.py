@@ -20,14 +20,12 @@ from search.record import (
     PRUNER,
     TrialRecord,
 )
-from tracking.runs import PRUNE_REASON_TAG, STATE_TAG, RunLog, mib_metrics
+from tracking.runs import PRUNE_REASON_TAG, STATE_TAG, RunLog
 from train.loop import RunResult
 from train.memory import MemoryStats
 from train.predict import Prediction
 from train.run import RunSpec, memory_figures
 
-# Logged per interval while a trial trains (the unit's throughput too, e.g. tokens_per_sec).
-CURVE_METRICS = ("throughput/samples_per_sec", "time/data_wait_share")
 MLFLOW_MESSAGE_CHARS = 5000
 
 
@@ -100,12 +98,12 @@ def trial_record(
     violation = None
     if settings.oom_constraint and spec.budget_bytes is not None:
         violation = memory_violation(outcome, spec.budget_bytes, settings.preflight_margin)
-    message = outcome.message[:MESSAGE_CHARS] if outcome.reason else None
+    message = outcome.message[:MESSAGE_CHARS]
     return started.replace(
         state=outcome.state,
         ended=outcome.state,
         reason=outcome.reason,
-        message=message,
+        message=message if outcome.reason else None,
         error=message if outcome.state == "FAIL" else None,
         seconds=round(seconds, 2),
         storage_s=overhead.get("time/storage_s"),
@@ -140,18 +138,19 @@ def _throughput(result: RunResult | None) -> float | None:
 
 def write(trial: optuna.Trial, record: TrialRecord) -> None:
     """The record into the Optuna trial: its user attrs and its memory constraint."""
+    written = trial.user_attrs  # a copy: read once
     for key, value in record.to_attrs().items():
-        if trial.user_attrs.get(key) != value:
+        if written.get(key) != value:
             trial.set_user_attr(key, value)
     if record.memory_violation is not None:
         trial.set_constraint(CONSTRAINT, record.memory_violation)
 
 
 def run_metrics(
-    record: TrialRecord, outcome: Outcome, spec: RunSpec, overhead: dict[str, float]
+    record: TrialRecord, outcome: Outcome, spec: RunSpec, seconds: float, overhead: dict
 ) -> dict:
     """The trial's end figures as MLflow metrics."""
-    metrics: dict[str, float] = {"time/trial_s": record.seconds, **overhead}
+    metrics: dict[str, float] = {"time/trial_s": seconds, **overhead}
     measured = outcome.result or outcome.memory
     metrics.update(memory_figures(spec, outcome.prediction, measured))
     if outcome.result is not None:
@@ -171,18 +170,7 @@ def log(
     run: RunLog, record: TrialRecord, outcome: Outcome, metrics: dict, objectives: list[str]
 ) -> None:
     """The record into the trial's MLflow run: figures, tags, description, name, status."""
-    # The trial's end figures at step 0: MLflow's chart view draws a metric whose last
-    # step is 0 as one bar per run (a comparison), not as a one-point line. Figures
-    # with a curve (throughput, logged per interval) end at the last step instead.
-    curves = {
-        k: v
-        for k, v in metrics.items()
-        if (k in CURVE_METRICS or k.startswith("throughput/")) and v == v
-    }
-    metrics = {**metrics, **mib_metrics(metrics)}  # memory/peak_mib beside memory/peak_bytes
-    run.metrics({k: v for k, v in metrics.items() if k not in curves and v == v}, step=0)
-    if curves:
-        run.metrics(curves, step=outcome.result.num_steps if outcome.result else 0)
+    run.end_figures(metrics, outcome.result.num_steps if outcome.result else 0)
     tags = {STATE_TAG: outcome.state}
     if outcome.reason:
         tags[PRUNE_REASON_TAG] = outcome.reason

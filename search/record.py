@@ -37,6 +37,7 @@ ERROR = "error"  # the reason of a FAIL: an exception of its own
 # the other trials), failures and a CUDA OOM (fragmentation, other processes) train again.
 SETTLED_REASONS = (DIVERGED, MISSED_TARGET)
 CONSTRAINT = "memory"  # the Optuna constraint: (peak - budget) / budget, > 0 did not fit
+VIOLATION_ATTR = "memory_violation"  # the same, as a user attr
 MESSAGE_CHARS = 1000  # of a message kept in the study (the MLflow run has 5000)
 
 # conf/search/default.yaml's objectives, for a run name made without the study's
@@ -59,7 +60,8 @@ class TrialRecord:
     state: str  # Optuna's: COMPLETE, PRUNED, FAIL, RUNNING, WAITING
     params: Mapping[str, Any] = field(default_factory=dict)  # the sampled values
     values: tuple[float, ...] | None = None  # the objectives of a COMPLETE trial
-    memory_violation: float | None = None  # the constraint CONSTRAINT, when known
+    # The constraint CONSTRAINT, when known; also a user attr, which optuna-dashboard shows.
+    memory_violation: float | None = None
     run: Mapping[str, Any] = field(default_factory=dict)
     # How it ended: `ended` is the state it was recorded with (a trial that died mid-way
     # has none), `reason` why it was pruned, `message` what happened in words.
@@ -115,6 +117,9 @@ class TrialRecord:
         stored = {
             f.name: rest.pop(f.metadata["attr"]) for f in _STORED if f.metadata["attr"] in rest
         }
+        violation = rest.pop(VIOLATION_ATTR, None)
+        if known.get("memory_violation") is None:
+            known["memory_violation"] = violation
         known.setdefault("state", stored.get("ended") or "RUNNING")
         # what is left is what the objective wrote first: the run's params
         return cls(number=number, run=rest, **known, **stored)
@@ -126,6 +131,8 @@ class TrialRecord:
             value = getattr(self, f.name)
             if value is not None and value != f.default and value != {}:
                 attrs[f.metadata["attr"]] = value
+        if self.memory_violation is not None:
+            attrs[VIOLATION_ATTR] = self.memory_violation
         return attrs
 
     def replace(self, **changes: Any) -> TrialRecord:

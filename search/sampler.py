@@ -41,7 +41,7 @@ from train.params import ACCUM_KEY, BATCH_KEY
 # Memory grows with the micro-batch. Not with trainer.effective_batch_size (derived
 # accumulation): a larger one may train a smaller micro-batch, so it is compared for equality.
 BATCH_KEYS = (BATCH_KEY,)
-# ACCUM_KEY (train/run.py) counts as 1 micro-batch, or 2 or more: the same peak from 2 on.
+# ACCUM_KEY (train/params.py) counts as 1 micro-batch, or 2 or more: the same peak from 2 on.
 
 
 def dominated(params: Mapping[str, Any], oom: Mapping[str, Any], floats: set[str]) -> bool:

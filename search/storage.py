@@ -128,7 +128,7 @@ def owner_is_gone(owner: dict[str, Any] | None) -> bool:
 
 class RetryStaleTrial:
     """Optuna's RetryHeartbeatStaleTrialCallback, queueing the dead trial's parameters only:
-    its user attributes (a killed run's MLflow id, a partial peak) and its owner are not the
+    its user attributes (a killed run's MLflow id, what it trained with) and its owner are not the
     new trial's."""
 
     def __init__(self, max_retry: int = MAX_RETRY):

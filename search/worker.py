@@ -73,7 +73,7 @@ class TrialLoop:
         self._timeout_said = False
 
     def run(self, objective: Objective, callbacks: list, console: Console) -> None:
-        """Take trials until the study (all workers together) has search.n_trials finished.
+        """Take trials until the study (all workers together) has search.n_trials trained.
         While the trials running elsewhere would complete it, wait instead: if their worker
         dies, its trial is failed (fail_stale_trials, Optuna's heartbeat check) and queued
         again with its parameters, and this worker runs it."""

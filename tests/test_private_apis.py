@@ -6,7 +6,7 @@ Each of these has no public equivalent in the versions pinned (Optuna 5.0, torch
 - optuna.storages._heartbeat.BaseHeartbeat and its `_get_stale_trial_ids` (search/storage.py)
 - optuna.storages.journal._file.BaseJournalFileLock, get_lock_file (search/storage.py)
 - JournalStorage._backend (search/driver.py, tests/faults/test_journal.py)
-- Study._storage, Trial._trial_id, FrozenTrial._trial_id (search/storage.py, search/driver.py)
+- Study._storage, Trial._trial_id, FrozenTrial._trial_id (search/storage.py, search/worker.py)
 - BaseDistribution._contains (search/budget.py `_within`)
 - torch.amp.GradScaler._maybe_opt_step (train/predict.py `_FakeGradScaler`)
 - torch._subclasses.fake_tensor.FakeTensorMode (train/predict.py)
@@ -170,7 +170,7 @@ def test_journal_storage_keeps_its_backend(tmp_path: Path) -> None:
     assert JournalStorage(backend)._backend is backend
 
 
-# ---- Optuna: a study's storage and its trials' ids (search/storage.py, search/driver.py)
+# ---- Optuna: a study's storage and its trials' ids (search/storage.py, search/worker.py)
 
 
 def test_study_storage_and_trial_ids_address_the_trial() -> None:

@@ -182,6 +182,10 @@ def quiet_logging() -> None:
         monitor.addFilter(FirstLineFilter())
 
 
+# Logged per interval while a run trains (the unit's throughput too, e.g. tokens_per_sec).
+CURVE_METRICS = ("throughput/samples_per_sec", "time/data_wait_share")
+
+
 def mib_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     """memory/*_bytes figures in MiB too (memory/peak_mib), to 0.1 MiB: the runs table shows
     bytes as a 9-digit number, cut at its column's width."""
@@ -369,6 +373,20 @@ class RunLog:
         self._pending += [Metric(k, float(v), now, step) for k, v in values.items()]
         if flush:
             self.flush()
+
+    def end_figures(self, metrics: Mapping[str, float], last_step: int) -> None:
+        """A run's end figures (a trial's, `python -m train`'s), NaN left out, with
+        memory/*_mib beside memory/*_bytes. At step 0: MLflow's chart view draws a metric
+        whose last step is 0 as one bar per run (a comparison), not as a one-point line.
+        Figures with a curve (throughput, logged per interval) end at `last_step` instead."""
+        known = {k: v for k, v in metrics.items() if v == v}
+        curves = {
+            k: v for k, v in known.items() if k in CURVE_METRICS or k.startswith("throughput/")
+        }
+        figures = {k: v for k, v in {**known, **mib_metrics(known)}.items() if k not in curves}
+        self.metrics(figures, step=0)
+        if curves:
+            self.metrics(curves, step=last_step)
 
     def validation(self, step: int, metrics: Mapping[str, Any]) -> None:
         """A validation's figures (the `/`-named ones of the training loop's on_eval) at

@@ -36,6 +36,7 @@ from tracking.console import config_error, crashed
 from tracking.outputs import cannot_create
 from tracking.redact import redact, redact_logging, redact_tree
 from tracking.runs import (
+    PRUNE_REASON_TAG,
     ROLE_TAG,
     STATE_TAG,
     STUDY_TAG,
@@ -103,11 +104,18 @@ def main(cfg: DictConfig) -> None:
     except Exception as error:  # escaping, Hydra would print the overrides, passwords and all
         what = f"{type(error).__name__} while preparing it (above); nothing was trained"
         crashed(errors, "The run failed", what)
-    log = _start_run(ready)
+    try:
+        log = _start_run(ready)
+    except Exception as error:
+        crashed(errors, "The run failed", f"{type(error).__name__} starting its MLflow run (above)")
     console.print(_training_line(ready, log.run_id), soft_wrap=True)
     result, model = _fit_logged(ready, log, console, errors)
-    figures = _logged_figures(ready, log, result, console)
-    where = _save(ready, log, model)
+    try:
+        figures = _logged_figures(ready, log, result, console)
+        where = _save(ready, log, model)
+    except Exception as error:
+        log.finish("FAILED")
+        crashed(errors, "The run failed", f"{type(error).__name__} after training (above)")
     log.tags({STATE_TAG: "COMPLETE"})
     log.finish()
     console.print(f"Model saved: {where} (train/model_file.py loads it)", soft_wrap=True)
@@ -161,8 +169,9 @@ def _fitting_prediction(
     workloads: Workloads,
 ) -> Prediction | None:
     """The run's predicted peak, once data and model build; a ConfigError, with what fits
-    instead, when it is over the budget by a trial's rule (search/objective.py), unless
-    search.preflight=false. None: the model cannot be predicted, its memory is measured."""
+    instead, when it is over the budget by a trial's rule (train/preflight.py, as
+    search/configure.py applies it), unless search.preflight=false. None: the model cannot
+    be predicted, its memory is measured."""
     note = check_builds(cfg, spec, workloads)
     workload = workloads.of(cfg)
     prediction = None
@@ -301,7 +310,7 @@ def _fit_logged(
             return run(ready.cfg, ready.spec, hooks, ready.workload), trained[0]
     except (OutOfMemory, Diverged) as error:
         reason = "oom" if isinstance(error, OutOfMemory) else "diverged"
-        log.tags({STATE_TAG: "PRUNED", "batchfit.prune_reason": reason})
+        log.tags({STATE_TAG: "PRUNED", PRUNE_REASON_TAG: reason})
         log.finish("FAILED")
         errors.print(f"[bold red]{reason}[/bold red]: {escape(redact(str(error)))}")
         sys.exit(1)
@@ -323,7 +332,7 @@ def _logged_figures(ready: Prepared, log: RunLog, result: RunResult, console: Co
     if mfu_note:
         log.tags({MFU_NOTE_TAG: mfu_note})
         console.print(f"[yellow]note[/yellow] {escape(mfu_note)}", soft_wrap=True)
-    log.metrics({**result.metrics(), **extra, **perf}, step=result.num_steps)
+    log.end_figures({**result.metrics(), **extra, **perf}, result.num_steps)
     figures = result.figures()
     spread = figures.get("throughput/spread")
     steady = "" if spread is None else f" (±{spread / 2:.0%})"  # over the logging intervals

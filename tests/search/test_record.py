@@ -1,0 +1,113 @@
+"""search/record.py: a trial's record survives a real Optuna storage whole, and the counting
+predicates say what the trial budget (search/budget.py) counts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optuna
+import pytest
+import torch
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState, create_trial
+
+from search.config import SearchConfig
+from search.outcome import Outcome, trial_record, write
+from search.record import TrialRecord
+from train.config import TrainerConfig
+from train.params import ACCUM_KEY, BATCH_KEY, PRECISION_KEY
+from train.run import RunSpec
+
+RUN = {BATCH_KEY: 64, ACCUM_KEY: 2, PRECISION_KEY: "bf16", "device": "cpu"}
+
+
+def _full(number: int) -> TrialRecord:
+    """A record with every field set to something other than its default."""
+    return TrialRecord(
+        number,
+        "PRUNED",
+        params={BATCH_KEY: 64},
+        memory_violation=-0.25,
+        run=RUN,
+        ended="PRUNED",
+        reason="slow",
+        message="steps 4-6 took 3 s each",
+        error="boom",
+        repeat_of=7,
+        surplus=True,
+        run_id="abc123",
+        seconds=12.5,
+        storage_s=0.01,
+        tracking_s=0.02,
+        peak_bytes=1_000_000,
+        predicted_bytes=1_100_000,
+        budget_bytes=2_000_000,
+        prediction_error=0.1,
+        throughput=912.4,
+        unit="tokens",
+        val_acc=0.9,
+        metrics={"val/acc": 0.9, "throughput/tokens_per_sec": 912.4},
+        step_ms=40.0,
+        timed_steps=10,
+        timed_samples=640,
+        mfu_note="peak below the truth",
+        probe_s_per_sample=0.02,
+        projected_s=412.0,
+        time_budget_s=60.0,
+    )
+
+
+def test_a_record_written_to_a_trial_reads_back_the_same(tmp_path) -> None:
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path}/optuna.db")
+    study = optuna.create_study(storage=storage)
+    trial = study.ask()
+    trial.suggest_categorical(BATCH_KEY, [32, 64])
+    written = dataclasses.replace(_full(trial.number), params={BATCH_KEY: trial.params[BATCH_KEY]})
+    write(trial, written)
+    study.tell(trial, state=TrialState.PRUNED)
+    read = TrialRecord.of(optuna.load_study(study_name=study.study_name, storage=storage).trials[0])
+    assert read == written
+    # optuna-dashboard shows the constraint only as this user attr (its constraint view reads
+    # Optuna 4's attribute): it is written beside the constraint.
+    assert read.memory_violation == -0.25 and study.trials[0].constraints == {"memory": -0.25}
+    assert study.trials[0].user_attrs["memory_violation"] == -0.25
+
+
+def test_a_failure_counts_as_finished_whatever_its_reason() -> None:
+    """A FAIL with an error of its own is finished (not run again); a FAIL without one was
+    interrupted."""
+    started = TrialRecord(3, "RUNNING", run=RUN)
+    settings = SearchConfig("s", "sqlite://", 4, None, ("val/acc",), None, None)
+    spec = RunSpec(TrainerConfig(), torch.device("cpu"), None, 0.1, 0.1)
+    for reason in ("error", None):
+        outcome = Outcome("FAIL", reason, "RuntimeError: boom")
+        ended = trial_record(started, outcome, spec, 1.0, settings, {})
+        assert ended.error == "RuntimeError: boom" and ended.is_finished and ended.is_trained
+    assert not TrialRecord(3, "FAIL", run=RUN).is_finished  # died: no error of its own
+
+
+@pytest.mark.parametrize(
+    ("state", "attrs", "finished", "unbilled", "trained"),
+    [
+        (TrialState.COMPLETE, {}, True, False, True),
+        (TrialState.PRUNED, {"reason": "oom_predicted"}, True, True, False),
+        (TrialState.COMPLETE, {"repeat_of": 0}, True, True, False),
+        (TrialState.FAIL, {"error": "boom"}, True, False, True),
+        (TrialState.FAIL, {}, False, False, False),  # its worker died: run again
+        (TrialState.FAIL, {"surplus": True}, False, False, False),
+    ],
+)
+def test_which_trials_count(state, attrs, finished, unbilled, trained) -> None:
+    trial = create_trial(
+        state=state,
+        value=1.0 if state == TrialState.COMPLETE else None,
+        params={BATCH_KEY: 64},
+        distributions={BATCH_KEY: CategoricalDistribution([64])},
+        user_attrs={**RUN, **attrs},
+    )
+    record = TrialRecord.of(trial)
+    assert (record.is_finished, record.is_unbilled, record.is_trained) == (
+        finished,
+        unbilled,
+        trained,
+    )
