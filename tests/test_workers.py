@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
@@ -58,7 +59,9 @@ def test_joblib_workers_share_one_study(tmp_path: Path) -> None:
     # Nothing identifies a worker in what a user reruns or in what the study fixes.
     reruns = [line for line in out.splitlines() if line.startswith("Train it again: ")]
     assert len(reruns) == 3 and all("worker" not in line for line in reruns)
-    assert "worker" not in study.user_attrs["batchfit.config"]
+    fixed = yaml.safe_load(study.user_attrs["batchfit.config"])
+    assert "worker" not in fixed and "workers" not in fixed["search"]
+    assert fixed["loader"]["num_workers"] == 0  # the data loader's: the same for every worker
 
 
 def test_single_process_killed_mid_trial_resumes_and_reruns_that_trial(tmp_path: Path) -> None:

@@ -262,10 +262,11 @@ def perf_figures(
     none for a model that does not run on fake tensors."""
     try:
         predictor = workload.predictor(spec, cfg.optimizer)
-    except PredictionUnsupported:
+        flops = predictor.flops_per_sample(spec.trainer.batch_size)
+    except PredictionUnsupported:  # building the fake model, or counting on it
         return {}, None
     return perf_metrics(
-        predictor.flops_per_sample(spec.trainer.batch_size),
+        flops,
         result.throughput_samples_per_sec,
         spec.device,
         spec.trainer.precision,
