@@ -142,15 +142,11 @@ class TrialBudget:
         if not t.surplus:
             self.unbilled_in_a_row = self.unbilled_in_a_row + 1 if t.is_unbilled else 0
 
-    def done_words(self, study: optuna.Study) -> str:
-        return (
-            f"{num_trained(study_records(study))} trials trained of search.n_trials={self.n_trials}"
-        )
-
     def spent(self, study: optuna.Study, grid_exhausted: bool) -> str | None:
         """Why the study ends short of search.n_trials, if it does: every configuration of
         a finite space is known, or proposals keep landing where nothing new trains."""
-        done = self.done_words(study)
+        trained = num_trained(study_records(study))
+        done = f"{trained} trials trained of search.n_trials={self.n_trials}"
         if grid_exhausted:
             return (
                 f"the grid is exhausted: every configuration of search.params was proposed ({done})"

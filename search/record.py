@@ -276,7 +276,3 @@ def _figure_words(metric: str, value: float) -> str:
 
 def records(trials: Sequence[FrozenTrial]) -> list[TrialRecord]:
     return [TrialRecord.of(t) for t in trials]
-
-
-def by_number(trials: Sequence[FrozenTrial]) -> Mapping[int, TrialRecord]:
-    return {t.number: TrialRecord.of(t) for t in trials}
