@@ -102,7 +102,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         super().__init__()
         self.device = device  # None: every storage; else storages on other devices count 0
         self._cells: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._refs: list[weakref.ref] = []
+        self._refs: list[weakref.ref | None] = []  # by storage number
         self.live_bytes = 0
         self.peak_bytes = 0
         # With record: (storage number, bytes) per allocation and (number, -1) per free, in
@@ -125,11 +125,16 @@ class TensorMemoryTracker(TorchDispatchMode):
             self._add(cell[0])
             self._record(cell)
         elif cell[1] and cell[0] != storage.nbytes():  # resized in place
-            self._add(storage.nbytes() - cell[0])
-            if self.events is not None:
-                self.events.append((cell[2], -1))
-            cell[0] = storage.nbytes()
+            # resize_ allocates the new buffer, copies, then frees the old one: both are
+            # live for a moment. The new buffer is a new allocation, with a number of its own.
+            old_bytes, old_number = cell[0], cell[2]
+            cell[0], cell[2] = storage.nbytes(), len(self._refs)
+            self._refs.append(None)  # the number is taken; the storage's weakref is kept
+            self._add(cell[0])
             self._record(cell)
+            self.live_bytes -= old_bytes
+            if self.events is not None and old_bytes > 0:
+                self.events.append((old_number, -1))
 
     def _record(self, cell: list) -> None:
         if self.events is not None and cell[0] > 0:

@@ -23,6 +23,7 @@ from train.memory import (
     parse_budget,
 )
 from train.models import param_bytes, small_cnn
+from train.predict import _live_peak
 from train.precision import Precision
 
 CPU = torch.device("cpu")
@@ -219,6 +220,25 @@ def test_tracker_follows_in_place_resize():
         empty.resize_(100)
         assert tracker.live_bytes == 400  # actual: 0 (a 0-byte storage is never counted)
         del empty
+
+
+def test_tracker_records_a_resize_as_alloc_then_free():
+    """resize_ allocates the new buffer before it frees the old one (both live while it
+    copies), as the caching allocator sees it; a 0-byte storage resized later is a plain
+    allocation (its free used to be recorded for a number never allocated: KeyError)."""
+    tracker = TensorMemoryTracker(record=True)
+    with tracker:
+        grown = torch.empty(10)  # 40 B
+        grown.resize_(100)  # 400 B
+        empty = torch.empty(0)
+        empty.resize_(25)  # 100 B
+        del grown, empty
+    old, new = tracker.events[0][0], tracker.events[1][0]
+    assert tracker.events[:3] == [(old, 40), (new, 400), (old, -1)]
+    assert new != old
+    assert tracker.peak_bytes == max(40 + 400, 400 + 100)  # old and new together; then both
+    assert _live_peak(tracker.events) == tracker.peak_bytes
+    assert tracker.live_bytes == 0
 
 
 # --------------------------------------------------------------------------- tracker: a step
