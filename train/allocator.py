@@ -1,153 +1,903 @@
-"""A model of PyTorch's CUDA caching allocator, as far as it decides how much memory is
-reserved: the peak a CUDA run's prediction is compared against the budget with (the live
-tensor bytes of a step, replayed through it)."""
+"""A model of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp), as far as it
+decides how much memory a step *reserves*: the figure a CUDA prediction is compared with the
+budget by. It replays a step's allocations and frees (`(key, nbytes)` and `(key, -1)`) through
+c10's rules: block rounding, best fit by (size, address), splitting, merging, new segments,
+expandable segments, max_split_size, garbage collection and, under a per-process limit, c10's
+release-and-retry before an out-of-memory error. `predict_reserved` is what the predictor
+calls; `train/cuda_trace.py` checks the model event by event against real CUDA traces.
+
+One stream, no CUDA graphs, no `empty_cache`: what a training step of this project does."""
 
 from __future__ import annotations
 
+import bisect
 import os
-from dataclasses import dataclass
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
-# --- The CUDA caching allocator, as far as it decides how much memory is reserved ----------
-# Constants of c10/cuda/CUDACachingAllocator.cpp: every block is rounded up to 512 bytes;
-# blocks up to 1 MiB come from 2 MiB segments of the small pool; larger ones from 20 MiB
-# segments when under 10 MiB, else from a segment of their own rounded up to 2 MiB. A free
-# block is reused best-fit and split when the rest is worth keeping; segments are kept. With
-# expandable segments the large pool is one segment mapped in 20 MiB pages.
+KiB, MiB = 1 << 10, 1 << 20
+
+# Constants of CUDACachingAllocator.cpp: every block is rounded up to kMinBlockSize; blocks up
+# to kSmallSize come from kSmallBuffer segments of the small pool; larger ones from kLargeBuffer
+# segments when under kMinLargeAlloc, else from a segment of their own rounded to kRoundLarge
+# (get_allocation_size). Expandable segments map pages of kSmallBuffer / kLargeBuffer.
 _MIN_BLOCK = 512
-_SMALL_SIZE = 1 << 20
-_SMALL_BUFFER = 2 << 20
-_LARGE_BUFFER = 20 << 20
-_MIN_LARGE_ALLOC = 10 << 20
-_ROUND_LARGE = 2 << 20
+_SMALL_SIZE = 1 * MiB
+_SMALL_BUFFER = 2 * MiB
+_LARGE_BUFFER = 20 * MiB
+_MIN_LARGE_ALLOC = 10 * MiB
+_ROUND_LARGE = 2 * MiB
+# Every segment and every mapped page is a multiple of this, so the reserved bytes, the
+# amounts c10 compares with a limit and hence the smallest limit are too.
+LIMIT_RESOLUTION_BYTES = 2 * MiB
+# roundup_power2_divisions has one entry per power-of-two interval from 1 MiB
+# (kRoundUpPowerOfTwoIntervals = 16 in c10/core/AllocatorConfig.cpp).
+_POWER2_INTERVALS = 16
+# Address space of an expandable segment when the device's size is not given: c10 reserves
+# 9/8 of the device (find_expandable_block); it only has to exceed any hole unmapping leaves.
+_EXPANDABLE_VA_BYTES = 1 << 40
+_SYNTHETIC_BASE = 1 << 48  # new segments without a caller's address go above any real one
+
+_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_IGNORED_KEYS = {  # known to torch 2.14, no effect on the reserved bytes of one stream
+    "release_lock_on_cudamalloc",
+    "pinned_use_cuda_host_register",
+    "pinned_num_register_threads",
+    "pinned_use_background_threads",
+    "pinned_reserve_segment_size_mb",
+    "graph_capture_record_stream_reuse",
+    "per_process_memory_fraction",
+    "expandable_segments_handle_type",
+}
 
 
 def _round_up(n: int, unit: int) -> int:
     return -(-n // unit) * unit
 
 
-@dataclass
+# ------------------------------------------------------------------------------ settings
+
+
+@dataclass(frozen=True)
+class AllocatorSettings:
+    """What PYTORCH_CUDA_ALLOC_CONF configures that changes the reserved bytes.
+
+    `backend="cudaMallocAsync"` hands allocation to CUDA's stream-ordered pool; the caching
+    allocator model does not apply to it (see `predict_reserved`)."""
+
+    expandable_segments: bool = False
+    max_split_size_bytes: int | None = None  # None: c10's SIZE_MAX, every block splits
+    max_non_split_rounding_bytes: int = _LARGE_BUFFER
+    roundup_power2_divisions: tuple[int, ...] = (0,) * _POWER2_INTERVALS
+    garbage_collection_threshold: float = 0.0  # acts only under a per-process limit
+    backend: str = "native"
+
+    def __post_init__(self):
+        problems = []
+        if self.backend not in ("native", "cudaMallocAsync"):
+            problems.append(f"backend must be native or cudaMallocAsync, got {self.backend!r}")
+        if self.max_split_size_bytes is not None and self.max_split_size_bytes < _LARGE_BUFFER:
+            problems.append("max_split_size_bytes must be >= 20 MiB")
+        if not 0.0 <= self.garbage_collection_threshold < 1.0:
+            problems.append("garbage_collection_threshold must be in [0, 1)")
+        if len(self.roundup_power2_divisions) != _POWER2_INTERVALS or any(
+            d and d & (d - 1) for d in self.roundup_power2_divisions
+        ):
+            problems.append("roundup_power2_divisions must be 16 powers of 2 (or 0)")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> AllocatorSettings:
+        """The settings torch 2.14 reads: PYTORCH_CUDA_ALLOC_CONF if set (even empty), else
+        PYTORCH_ALLOC_CONF, never both (CUDAAllocatorConfig::instance and
+        AcceleratorAllocatorConfig::instance try the names in that order and parse the first
+        one set; the installed torch/include/c10/cuda/CUDAAllocatorConfig.h shows the order)."""
+        for variable in _CONF_VARIABLES:
+            if variable in environ:
+                return cls.from_conf(environ[variable], variable)
+        return cls()
+
+    @classmethod
+    def from_conf(cls, conf: str, variable: str = "PYTORCH_CUDA_ALLOC_CONF") -> AllocatorSettings:
+        """Parses `key:value,key:[a:b,>:c]` as c10's ConfigTokenizer and parseArgs do."""
+        values = {}
+        for key, value in _conf_items(conf, variable):
+            try:
+                values.update(_parse_conf_value(key, value))
+            except ValueError as error:
+                raise ValueError(
+                    f"{variable}={conf!r}: {error}; fix or unset {variable} (torch refuses it too)"
+                ) from None
+        return cls(**values)
+
+    @classmethod
+    def from_snapshot(cls, snapshot: Mapping) -> AllocatorSettings:
+        """The `allocator_settings` of a `torch.cuda.memory._snapshot()` dump; older torch
+        writes none (defaults)."""
+        settings = snapshot.get("allocator_settings")
+        if not settings:
+            return cls()
+        max_split = settings.get("max_split_size", -1)
+        divisions = settings.get("roundup_power2_divisions") or {}
+        return cls(
+            expandable_segments=bool(settings.get("expandable_segments", False)),
+            max_split_size_bytes=None if max_split in (-1, None) else int(max_split),
+            roundup_power2_divisions=tuple(int(divisions.get(str(1 << i), 0)) for i in range(16)),
+            garbage_collection_threshold=float(settings.get("garbage_collection_threshold", 0.0)),
+            backend="native",  # a snapshot exists only for the native allocator
+        )
+
+    def round_size(self, nbytes: int) -> int:
+        """c10's round_size: 512 B multiples, or the next power-of-2 division."""
+        if nbytes < _MIN_BLOCK:
+            return _MIN_BLOCK
+        divisions = self.roundup_power2_divisions[_power2_interval(nbytes)]
+        if divisions > 1 and nbytes > _MIN_BLOCK * divisions:
+            return _next_power2_division(nbytes, divisions)
+        return _round_up(nbytes, _MIN_BLOCK)
+
+
+def _conf_items(conf: str, variable: str) -> Iterable[tuple[str, str]]:
+    for item in re.findall(r"[^,\[\]]+(?:\[[^\]]*\])?", conf):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition(":")
+        if not sep:
+            raise ValueError(
+                f"{variable}={conf!r}: {item!r} is not key:value; "
+                f"write e.g. {variable}=expandable_segments:True"
+            )
+        yield key.strip(), value.strip()
+
+
+def _parse_conf_value(key: str, value: str) -> dict:
+    if key == "expandable_segments":
+        if value not in ("True", "False"):
+            raise ValueError(f"expandable_segments must be True or False, got {value!r}")
+        return {"expandable_segments": value == "True"}
+    if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
+        mb = int(value)
+        if mb < _LARGE_BUFFER // MiB:
+            raise ValueError(f"{key} must be >= 20, got {mb}")
+        return {key.removesuffix("_mb") + "_bytes": mb * MiB}
+    if key == "garbage_collection_threshold":
+        threshold = float(value)
+        if not 0.0 < threshold < 1.0:
+            raise ValueError(f"garbage_collection_threshold must be in (0.0, 1.0), got {value}")
+        return {"garbage_collection_threshold": threshold}
+    if key == "roundup_power2_divisions":
+        return {"roundup_power2_divisions": _parse_divisions(value)}
+    if key == "backend":
+        if value not in ("native", "cudaMallocAsync"):
+            raise ValueError(f"backend must be native or cudaMallocAsync, got {value!r}")
+        return {"backend": value}
+    if key in _IGNORED_KEYS:
+        return {}
+    raise ValueError(f"unrecognized key {key!r}")
+
+
+def _parse_divisions(value: str) -> tuple[int, ...]:
+    """parseRoundUpPower2Divisions: one number for all intervals, or `[256:1,512:2,>:4]` where
+    a boundary in MiB sets its interval (and every one below, for the first), `>` the rest."""
+    if not value.startswith("["):
+        divisions = int(value)
+        _check_power2(divisions, "the divisions")
+        return (divisions,) * _POWER2_INTERVALS
+    table = [0] * _POWER2_INTERVALS
+    first, last_index = True, 0
+    for pair in value.strip("[]").split(","):
+        boundary, _, divisions_text = pair.partition(":")
+        divisions = int(divisions_text)
+        if divisions:
+            _check_power2(divisions, "the divisions")
+        if boundary.strip() == ">":
+            table[last_index + 1 :] = [divisions] * (_POWER2_INTERVALS - last_index - 1)
+            continue
+        boundary_mb = int(boundary)
+        _check_power2(boundary_mb, "the intervals")
+        index = min(boundary_mb.bit_length() - 1, _POWER2_INTERVALS - 1)
+        if first:
+            table[:index] = [divisions] * index
+            first = False
+        table[index], last_index = divisions, index
+    return tuple(table)
+
+
+def _check_power2(n: int, what: str) -> None:
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"for roundups, {what} have to be a power of 2, got {n}")
+
+
+def _power2_interval(nbytes: int) -> int:
+    """AcceleratorAllocatorConfig::roundup_power2_divisions's index: log2 above 1 MiB."""
+    return min(max(nbytes.bit_length() - 1 - 20, 0), _POWER2_INTERVALS - 1)
+
+
+def _next_power2_division(nbytes: int, divisions: int) -> int:
+    """roundup_power2_next_division: 1200 with 4 divisions of [1024, 2048) -> 1280."""
+    if nbytes & (nbytes - 1) == 0:
+        return nbytes
+    floor = 1 << (nbytes.bit_length() - 1)
+    step = floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return floor << 1
+    return _round_up(nbytes, step)
+
+
+def allocation_size(nbytes: int) -> int:
+    """c10's get_allocation_size: the segment a rounded block of `nbytes` gets."""
+    if nbytes <= _SMALL_SIZE:
+        return _SMALL_BUFFER
+    if nbytes < _MIN_LARGE_ALLOC:
+        return _LARGE_BUFFER
+    return _round_up(nbytes, _ROUND_LARGE)
+
+
+# ------------------------------------------------------------------------------ the model
+
+
+class AllocatorOutOfMemory(Exception):
+    """c10 raised torch.OutOfMemoryError: no cached block fitted and a new segment would pass
+    the limit even after releasing every cached one."""
+
+    def __init__(self, requested_bytes: int, reserved_bytes: int, limit_bytes: int | None):
+        self.requested_bytes = requested_bytes
+        self.reserved_bytes = reserved_bytes
+        self.limit_bytes = limit_bytes
+        super().__init__(
+            f"allocating {requested_bytes} bytes with {reserved_bytes} reserved would pass the "
+            f"limit of {limit_bytes} bytes after releasing every cached segment"
+        )
+
+
+@dataclass(frozen=True)
+class SegmentState:
+    """A segment of an existing allocator state (for an expandable one: a mapped range, as a
+    snapshot reports it)."""
+
+    address: int
+    size_bytes: int
+    small: bool
+    expandable: bool = False
+
+
+@dataclass(eq=False)
+class _Segment:
+    address: int
+    size_bytes: int  # the address space of an expandable segment
+    small: bool
+    expandable: bool
+
+    @property
+    def page_bytes(self) -> int:
+        return _SMALL_BUFFER if self.small else _LARGE_BUFFER
+
+
+@dataclass(eq=False, slots=True)
 class _Block:
-    segment: int
-    offset: int
+    address: int
     size: int
-    free: bool = True
+    segment: _Segment
+    prev: _Block | None = None
+    next: _Block | None = None
+    allocated: bool = False
+    mapped: bool = True
+    gc_base: int = 0  # the pool's get_free_block count when it was cached (c10 gc_count_base)
+
+
+def _expandable_size(block: _Block) -> int:
+    """get_free_block's expandable_size: a free block followed by unmapped space can grow."""
+    nxt = block.next
+    return block.size + (nxt.size if nxt is not None and not nxt.mapped else 0)
+
+
+@dataclass(eq=False)
+class _Pool:
+    """A BlockPool: free mapped blocks by (size, address) (BlockComparatorSize on one stream),
+    unmapped ones by address (BlockComparatorAddress)."""
+
+    small: bool
+    keys: list[tuple[int, int]] = field(default_factory=list)
+    blocks: dict[int, _Block] = field(default_factory=dict)
+    unmapped: list[int] = field(default_factory=list)
+    unmapped_blocks: dict[int, _Block] = field(default_factory=dict)
+    get_free_calls: int = 0
+
+    def insert(self, block: _Block) -> None:
+        if block.mapped:
+            block.gc_base = self.get_free_calls
+            bisect.insort(self.keys, (block.size, block.address))
+            self.blocks[block.address] = block
+        else:
+            bisect.insort(self.unmapped, block.address)
+            self.unmapped_blocks[block.address] = block
+
+    def remove(self, block: _Block) -> None:
+        if block.mapped:
+            keys, key = self.keys, (block.size, block.address)
+            del keys[bisect.bisect_left(keys, key)]
+            del self.blocks[block.address]
+        else:
+            del self.unmapped[bisect.bisect_left(self.unmapped, block.address)]
+            del self.unmapped_blocks[block.address]
 
 
 class CachingAllocatorModel:
-    """Reserved bytes of PyTorch's CUDA caching allocator for a sequence of allocations and
-    frees (one stream, no `empty_cache`). With expandable segments (PYTORCH_CUDA_ALLOC_CONF=
-    expandable_segments:True) the large pool is one segment that grows in pages of
-    kLargeBuffer (20 MiB), and any rest of a block is split off."""
+    """Reserved bytes and segments of c10's caching allocator for a sequence of `malloc` and
+    `free`. `limit_bytes` is a per-process limit (torch.cuda.set_per_process_memory_fraction
+    times the device): c10's alloc_block refuses a segment that would pass it.
+    `device_bytes` is the device's memory: cudaMalloc or cuMemCreate fail past it (with
+    expandable segments only the pages mapped count, not the whole segment)."""
 
-    def __init__(self, expandable: bool = False):
-        self.expandable = expandable
-        self.segments: list[list[_Block]] = []  # blocks of each segment, by offset
-        self.small: set[int] = set()  # segments of the small pool
-        self.live: dict[int, _Block] = {}
+    def __init__(
+        self,
+        settings: AllocatorSettings | None = None,
+        limit_bytes: int | None = None,
+        device_bytes: int | None = None,
+    ):
+        self.settings = settings or AllocatorSettings()
+        self.limit_bytes = limit_bytes
+        self.device_bytes = device_bytes
+        self.pools = {True: _Pool(small=True), False: _Pool(small=False)}
+        self.live: dict[object, _Block] = {}
         self.reserved_bytes = 0
         self.peak_reserved_bytes = 0
+        self.num_segments = 0  # as a snapshot counts: an expandable one per mapped range
+        self._next_synthetic_address = _SYNTHETIC_BASE
+        self._gc = limit_bytes is not None and self.settings.garbage_collection_threshold > 0
 
-    def malloc(self, key: int, nbytes: int) -> None:
-        size = max(_MIN_BLOCK, _round_up(nbytes, _MIN_BLOCK))
-        small = size <= _SMALL_SIZE
-        block = self._best_fit(size, small) or self._new_segment(size, small)
-        rest = block.size - size
-        if rest >= _MIN_BLOCK if small or self.expandable else rest > _SMALL_SIZE:
-            blocks = self.segments[block.segment]
-            tail = _Block(block.segment, block.offset + size, rest)
-            blocks.insert(blocks.index(block) + 1, tail)
-            block.size = size
-        block.free = False
+    @property
+    def expandable_va_bytes(self) -> int:
+        if self.device_bytes is None:
+            return _EXPANDABLE_VA_BYTES
+        return _round_up(self.device_bytes + self.device_bytes // 8, _LARGE_BUFFER)
+
+    # --- the public operations -------------------------------------------------------
+
+    def malloc(self, key: object, nbytes: int, segment_address: int | None = None) -> int:
+        """c10's malloc; returns the block's address. `segment_address` is where a new
+        segment goes if one is needed (a trace's segment_alloc), else a synthetic one."""
+        size = self.settings.round_size(nbytes)
+        pool = self.pools[size <= _SMALL_SIZE]
+        block = self._get_free_block(pool, size)
+        if block is None:
+            block = self._alloc_with_retry(pool, size, segment_address)
+        self._alloc_found_block(pool, block, size)
         self.live[key] = block
+        return block.address
 
-    def free(self, key: int) -> None:
+    def free(self, key: object) -> None:
+        """c10's free_block: merge with free neighbours and cache the block."""
         block = self.live.pop(key)
-        block.free = True
-        blocks = self.segments[block.segment]
-        i = blocks.index(block)
-        if i + 1 < len(blocks) and blocks[i + 1].free:  # merge with the next free block
-            block.size += blocks.pop(i + 1).size
-        if i > 0 and blocks[i - 1].free:  # and with the previous one
-            blocks[i - 1].size += blocks.pop(i).size
+        block.allocated = False
+        pool = self.pools[block.segment.small]
+        self._try_merge(block, block.prev, pool)
+        self._try_merge(block, block.next, pool)
+        pool.insert(block)
 
-    def _best_fit(self, size: int, small: bool) -> _Block | None:
-        candidates = [
-            b
-            for s, blocks in enumerate(self.segments)
-            if (s in self.small) == small
-            for b in blocks
-            if b.free and b.size >= size
-        ]
-        return min(candidates, key=lambda b: (b.size, b.segment, b.offset), default=None)
+    def release_cached_blocks(self) -> None:
+        """c10's release_cached_blocks (empty_cache): free every wholly free segment; with
+        expandable segments unmap every whole free page (release_blocks, unmap_block)."""
+        for small in (False, True):
+            pool = self.pools[small]
+            cached = [pool.blocks[address] for _, address in list(pool.keys)]
+            for block in cached:
+                if block.segment.expandable:
+                    self._unmap_block(pool, block)
+                elif block.prev is None and block.next is None:
+                    self._release_block(pool, block)
 
-    def _new_segment(self, size: int, small: bool) -> _Block:
-        if self.expandable and not small and self._large_segment() is not None:
-            return self._grow(size)
-        if small:
-            segment_bytes = _SMALL_BUFFER
-        elif self.expandable:
-            segment_bytes = _round_up(size, _LARGE_BUFFER)
-        elif size < _MIN_LARGE_ALLOC:
-            segment_bytes = _LARGE_BUFFER
-        else:
-            segment_bytes = _round_up(size, _ROUND_LARGE)
-        index = len(self.segments)
-        self.segments.append([_Block(index, 0, segment_bytes)])
-        if small:
-            self.small.add(index)
+    def segment_blocks(self) -> list[list[tuple[int, int, bool]]]:
+        """`(address, size, allocated)` of every mapped block, per segment, by address."""
+        blocks = list(self.live.values())
+        for pool in self.pools.values():
+            blocks += pool.blocks.values()
+        by_segment: dict[int, list[_Block]] = {}
+        for block in blocks:
+            by_segment.setdefault(id(block.segment), []).append(block)
+        return sorted(
+            sorted((b.address, b.size, b.allocated) for b in segment)
+            for segment in by_segment.values()
+        )
+
+    # --- seeding ------------------------------------------------------------------------
+
+    def seed(self, segments: Iterable[SegmentState], live_blocks: Iterable[tuple[int, int]]):
+        """Starts from an existing state: `segments` and the live `(address, size)` blocks in
+        them (keyed by address); the rest of each segment is free, merged as c10 keeps it."""
+        live = sorted(live_blocks)
+        plain = [s for s in segments if not s.expandable]
+        for state in plain:
+            segment = _Segment(state.address, state.size_bytes, state.small, False)
+            self._carve(segment, [(state.address, state.size_bytes)], live)
+            self._reserve(state.size_bytes)
+            self.num_segments += 1
+        for small in (False, True):
+            ranges = sorted(
+                (s.address, s.size_bytes) for s in segments if s.expandable and s.small == small
+            )
+            if ranges:
+                segment = _Segment(ranges[0][0], self.expandable_va_bytes, small, True)
+                self._carve(segment, ranges, live)
+                self._reserve(sum(size for _, size in ranges))
+                self.num_segments += len(ranges)
+        ends = [s.address + s.size_bytes for s in plain] + [_SYNTHETIC_BASE]
+        self._next_synthetic_address = _round_up(max(ends), _LARGE_BUFFER)
+
+    def _carve(self, segment: _Segment, mapped: list[tuple[int, int]], live: list) -> None:
+        """Blocks of a seeded segment: live blocks, free gaps, unmapped space between the
+        mapped ranges of an expandable one."""
+        pieces: list[tuple[int, int, bool, bool]] = []  # address, size, allocated, mapped
+        cursor = segment.address
+        for start, size in mapped:
+            if start > cursor:
+                pieces.append((cursor, start - cursor, False, False))
+            first = bisect.bisect_left(live, (start, -1))
+            last = bisect.bisect_left(live, (start + size, -1))
+            cursor = start
+            for address, block_size in live[first:last]:
+                if address > cursor:
+                    pieces.append((cursor, address - cursor, False, True))
+                pieces.append((address, block_size, True, True))
+                cursor = address + block_size
+            if start + size > cursor:
+                pieces.append((cursor, start + size - cursor, False, True))
+            cursor = start + size
+        end = segment.address + segment.size_bytes
+        if end > cursor:
+            pieces.append((cursor, end - cursor, False, False))
+        self._link(segment, pieces)
+
+    def _link(self, segment: _Segment, pieces: list[tuple[int, int, bool, bool]]) -> None:
+        pool, prev = self.pools[segment.small], None
+        for address, size, allocated, mapped in pieces:
+            block = _Block(address, size, segment, prev=prev, allocated=allocated, mapped=mapped)
+            if prev is not None:
+                prev.next = block
+            if allocated:
+                self.live[address] = block
+            else:
+                pool.insert(block)
+            prev = block
+
+    # --- c10's malloc path ----------------------------------------------------------------
+
+    def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
+        """get_free_block: the smallest cached block that fits (ties by address), with the
+        expandable tail rule and max_split_size's oversize rules."""
+        if self._gc:
+            pool.get_free_calls += 1
+        keys = pool.keys
+        i = bisect.bisect_left(keys, (size, -1))
+        if i == len(keys):
+            return None
+        block = pool.blocks[keys[i][1]]
+        if block.segment.expandable and self.settings.expandable_segments:
+            while i + 1 < len(keys):
+                nxt = pool.blocks[keys[i + 1][1]]
+                if _expandable_size(nxt) >= _expandable_size(block):
+                    break
+                i, block = i + 1, nxt
+        max_split = self.settings.max_split_size_bytes
+        if max_split is not None:
+            if size < max_split <= block.size:
+                return None
+            rounding_bytes = self.settings.max_non_split_rounding_bytes
+            if size >= max_split and block.size >= size + rounding_bytes:
+                return None
+        pool.remove(block)
+        return block
+
+    def _alloc_with_retry(self, pool: _Pool, size: int, segment_address: int | None) -> _Block:
+        """malloc's chain when no cached block fits: garbage collection, alloc_block, then
+        release_available_cached_blocks and alloc_block, then release_cached_blocks and
+        alloc_block; only then out of memory."""
+        if self._gc:
+            self._garbage_collect_cached_blocks()
+        block = self._alloc_block(pool, size, segment_address)
+        if block is None and self._release_available_cached_blocks(pool, size):
+            block = self._alloc_block(pool, size, segment_address)
+        if block is None:
+            self.release_cached_blocks()
+            block = self._alloc_block(pool, size, segment_address)
+        if block is None:
+            raise AllocatorOutOfMemory(size, self.reserved_bytes, self.limit_bytes)
+        return block
+
+    def _alloc_block(self, pool: _Pool, size: int, segment_address: int | None) -> _Block | None:
+        """alloc_block: the per-process limit is checked against get_allocation_size even
+        with expandable segments (which then map only the pages they lack)."""
+        segment_bytes = allocation_size(size)
+        if self.limit_bytes is not None and self.reserved_bytes + segment_bytes > self.limit_bytes:
+            return None
+        if self.settings.expandable_segments:
+            return self._try_allocate_expandable_block(pool, size, segment_address)
+        if (
+            self.device_bytes is not None
+            and self.reserved_bytes + segment_bytes > self.device_bytes
+        ):
+            return None  # cudaMalloc fails
+        address = self._segment_address(segment_address, segment_bytes)
+        segment = _Segment(address, segment_bytes, pool.small, False)
         self._reserve(segment_bytes)
-        return self.segments[index][0]
+        self.num_segments += 1
+        return _Block(address, segment_bytes, segment)
 
-    def _large_segment(self) -> int | None:
-        return next((s for s in range(len(self.segments)) if s not in self.small), None)
+    def _segment_address(self, wanted: int | None, nbytes: int) -> int:
+        if wanted is not None:
+            return wanted
+        address = self._next_synthetic_address
+        self._next_synthetic_address = _round_up(address + nbytes, _LARGE_BUFFER)
+        return address
 
-    def _grow(self, size: int) -> _Block:
-        """Expandable segment: map pages at the end, merging with a free block there."""
-        index = self._large_segment()
-        blocks = self.segments[index]
-        last = blocks[-1]
-        if not last.free:
-            last = _Block(index, last.offset + last.size, 0)
-            blocks.append(last)
-        grow = _round_up(size - last.size, _LARGE_BUFFER)
-        last.size += grow
-        self._reserve(grow)
-        return last
+    def _alloc_found_block(self, pool: _Pool, block: _Block, size: int) -> None:
+        """alloc_found_block with should_split: the rest goes back to the pool."""
+        rest = block.size - size
+        if pool.small or self.settings.expandable_segments:
+            split = rest >= _MIN_BLOCK
+        else:
+            max_split = self.settings.max_split_size_bytes
+            split = (max_split is None or size < max_split) and rest > _SMALL_SIZE
+        if split:
+            tail = _Block(block.address + size, rest, block.segment, prev=block, next=block.next)
+            if block.next is not None:
+                block.next.prev = tail
+            block.next, block.size = tail, size
+            pool.insert(tail)
+        block.allocated = True
+
+    def _try_merge(self, dst: _Block, src: _Block | None, pool: _Pool) -> None:
+        """try_merge_blocks: a free neighbour of the same mapped state joins `dst`."""
+        if src is None or src.allocated or src.mapped != dst.mapped:
+            return
+        pool.remove(src)
+        if dst.prev is src:
+            dst.address, dst.prev = src.address, src.prev
+            if dst.prev is not None:
+                dst.prev.next = dst
+        else:
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        dst.size += src.size
 
     def _reserve(self, nbytes: int) -> None:
         self.reserved_bytes += nbytes
         self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
 
+    # --- releasing ------------------------------------------------------------------------
 
-def cublas_workspace_bytes(device: torch.device) -> int:
-    """The workspace cuBLAS keeps per handle and stream, from the caching allocator: the
-    CUBLAS_WORKSPACE_CONFIG sizes if set, else PyTorch's defaults (32 MiB on Hopper and later,
-    4096 KiB x 2 + 16 KiB x 8 before)."""
-    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    if config:
-        parts = [int(p) for p in config.strip(":").split(":") if p.isdigit()]
-        return (
-            sum(size * count for size, count in zip(parts[::2], parts[1::2], strict=False)) * 1024
-        )
-    major = torch.cuda.get_device_capability(device)[0] if torch.cuda.is_available() else 8
-    return 32 * 2**20 if major >= 9 else (4096 * 2 + 16 * 8) * 1024
+    def _release_block(self, pool: _Pool, block: _Block) -> None:
+        """release_block: cudaFree of a wholly free, non-expandable segment."""
+        pool.remove(block)
+        self.reserved_bytes -= block.size
+        self.num_segments -= 1
+
+    def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
+        """release_available_cached_blocks (only with max_split_size): free the smallest
+        oversize segment that holds the request, else oversize ones from the largest down
+        until enough is freed."""
+        max_split = self.settings.max_split_size_bytes
+        if max_split is None:
+            return False
+        wanted = max(size, max_split)
+        keys = pool.keys
+        i = bisect.bisect_left(keys, (wanted, -1))
+        if i < len(keys):
+            return self._release_whole(pool, pool.blocks[keys[i][1]]) > 0
+        released = 0
+        for _, address in reversed(keys[:i]):
+            block = pool.blocks[address]
+            if released >= wanted or block.size < max_split:
+                break
+            released += self._release_whole(pool, block)
+        return released >= wanted
+
+    def _release_whole(self, pool: _Pool, block: _Block) -> int:
+        # Blocks >= max_split_size are never split (should_split), so a cached one is a whole
+        # segment; c10 asserts it is not expandable.
+        if block.segment.expandable or block.prev is not None or block.next is not None:
+            return 0
+        self._release_block(pool, block)
+        return block.size
+
+    def _garbage_collect_cached_blocks(self) -> None:
+        """garbage_collect_cached_blocks: past threshold x limit, free wholly free large
+        segments cached for at least the average age (in get_free_block calls) until the
+        excess is reclaimed."""
+        threshold_bytes = int(self.settings.garbage_collection_threshold * self.limit_bytes)
+        if self.reserved_bytes <= threshold_bytes:
+            return
+        target_bytes, reclaimed_bytes = self.reserved_bytes - threshold_bytes, 0
+        pool = self.pools[False]
+        ages = {
+            b.address: pool.get_free_calls - b.gc_base
+            for b in pool.blocks.values()
+            if b.prev is None and b.next is None
+        }
+        while reclaimed_bytes < target_bytes and ages:
+            age_threshold = sum(ages.values()) / len(ages)
+            old = [pool.blocks[a] for _, a in list(pool.keys) if ages.get(a, -1) >= age_threshold]
+            for block in old:
+                del ages[block.address]
+                reclaimed_bytes += block.size
+                self._release_block(pool, block)
+
+    # --- expandable segments --------------------------------------------------------------
+
+    def _try_allocate_expandable_block(
+        self, pool: _Pool, size: int, segment_address: int | None
+    ) -> _Block | None:
+        """try_allocate_expandable_block: map the pages the lowest fitting run of free and
+        unmapped space lacks."""
+        candidate = self._find_expandable_block(pool, size, segment_address)
+        if not candidate.mapped and not self._map_block(pool, candidate, min(candidate.size, size)):
+            return None
+        while candidate.size < size:
+            nxt = candidate.next
+            if not self._map_block(pool, nxt, min(size - candidate.size, nxt.size)):
+                return None
+            candidate = nxt
+        pool.remove(candidate)
+        return candidate
+
+    def _find_expandable_block(self, pool: _Pool, size: int, segment_address: int | None) -> _Block:
+        """find_expandable_block: the lowest unmapped block (with the free block before it)
+        followed by enough free or unmapped space, else a new segment's address space."""
+        for address in pool.unmapped:
+            candidate = pool.unmapped_blocks[address]
+            if candidate.prev is not None and not candidate.prev.allocated:
+                candidate = candidate.prev
+            room, block = 0, candidate
+            while room < size and block is not None and not block.allocated:
+                room, block = room + block.size, block.next
+            if room >= size:
+                return candidate
+        va_bytes = self.expandable_va_bytes
+        address = self._segment_address(segment_address, va_bytes)
+        segment = _Segment(address, va_bytes, pool.small, True)
+        block = _Block(segment.address, va_bytes, segment, mapped=False)
+        pool.insert(block)
+        return block
+
+    def _map_block(self, pool: _Pool, block: _Block, nbytes: int) -> bool:
+        """map_block: map whole pages from the start of an unmapped block, merge with free
+        neighbours. Fails (cuMemCreate) past the device's memory."""
+        page = block.segment.page_bytes
+        offset = block.address - block.segment.address
+        mapped_bytes = _round_up(offset + nbytes, page) - offset
+        if self.device_bytes is not None and self.reserved_bytes + mapped_bytes > self.device_bytes:
+            return False
+        pool.remove(block)
+        if mapped_bytes < block.size:
+            rest = _Block(block.address + mapped_bytes, block.size - mapped_bytes, block.segment)
+            rest.mapped, rest.prev, rest.next = False, block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, mapped_bytes
+            pool.insert(rest)
+        self.num_segments += 1 - _is_mapped(block.prev) - _is_mapped(block.next)
+        block.mapped = True
+        self._try_merge(block, block.prev, pool)
+        self._try_merge(block, block.next, pool)
+        pool.insert(block)
+        self._reserve(mapped_bytes)
+        return True
+
+    def _unmap_block(self, pool: _Pool, block: _Block) -> None:
+        """unmap_block: unmap the whole pages inside a free block of an expandable segment."""
+        base, page = block.segment.address, block.segment.page_bytes
+        begin = base + _round_up(block.address - base, page)
+        end = base + (block.address + block.size - base) // page * page
+        if begin >= end:
+            return
+        pool.remove(block)
+        if begin > block.address:  # prev? -> before -> block
+            self._split_free(pool, block, begin - block.address, before=True)
+        if block.address + block.size > end:  # block -> after -> next?
+            self._split_free(pool, block, block.address + block.size - end, before=False)
+        self.num_segments += _is_mapped(block.prev) + _is_mapped(block.next) - 1
+        block.mapped = False
+        self.reserved_bytes -= block.size
+        self._try_merge(block, block.prev, pool)
+        self._try_merge(block, block.next, pool)
+        pool.insert(block)
+
+    def _split_free(self, pool: _Pool, block: _Block, nbytes: int, before: bool) -> None:
+        if before:
+            piece = _Block(block.address, nbytes, block.segment, prev=block.prev, next=block)
+            if block.prev is not None:
+                block.prev.next = piece
+            block.prev, block.address = piece, block.address + nbytes
+        else:
+            piece = _Block(block.address + block.size - nbytes, nbytes, block.segment)
+            piece.prev, piece.next = block, block.next
+            if block.next is not None:
+                block.next.prev = piece
+            block.next = piece
+        block.size -= nbytes
+        pool.insert(piece)
 
 
-def expandable_segments() -> bool:
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    return "expandable_segments:true" in conf.replace(" ", "").lower()
+def _is_mapped(block: _Block | None) -> int:
+    return int(block is not None and block.mapped)
+
+
+# ------------------------------------------------------------------------------ replaying
+
+
+def replay(model: CachingAllocatorModel, events: Iterable[tuple[object, int]]) -> None:
+    """Runs `(key, nbytes)` allocations and `(key, -1)` frees; raises AllocatorOutOfMemory."""
+    malloc, free = model.malloc, model.free
+    for key, nbytes in events:
+        if nbytes < 0:
+            free(key)
+        else:
+            malloc(key, nbytes)
+
+
+def live_peak_bytes(events: Iterable[tuple[object, int]], settings: AllocatorSettings) -> int:
+    """The peak of the live blocks' rounded sizes: no limit below it can hold the step."""
+    sizes: dict[object, int] = {}
+    live = peak = 0
+    for key, nbytes in events:
+        if nbytes < 0:
+            live -= sizes.pop(key)
+        else:
+            sizes[key] = settings.round_size(nbytes)
+            live += sizes[key]
+            peak = max(peak, live)
+    return peak
+
+
+def smallest_fitting_limit(fits: Callable[[int], bool], low_bytes: int, high_bytes: int) -> int:
+    """Bisection over multiples of LIMIT_RESOLUTION_BYTES (exact: every amount c10 compares
+    with the limit is one, so whether a step fits changes only there): the smallest limit in
+    (low_bytes, high_bytes] that `fits`, given that `high_bytes` does. Assumes fitting is
+    monotone in the limit, which c10's release-and-retry makes it nearly always."""
+    low = low_bytes // LIMIT_RESOLUTION_BYTES  # in units; fails (or is the floor)
+    high = _round_up(high_bytes, LIMIT_RESOLUTION_BYTES) // LIMIT_RESOLUTION_BYTES
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle * LIMIT_RESOLUTION_BYTES):
+            high = middle
+        else:
+            low = middle
+    return high * LIMIT_RESOLUTION_BYTES
+
+
+def _workspace_events(workspaces: Iterable[int]) -> list[tuple[object, int]]:
+    return [(("cublas-workspace", i), nbytes) for i, nbytes in enumerate(workspaces)]
+
+
+def smallest_limit(
+    events: list[tuple[object, int]],
+    settings: AllocatorSettings,
+    workspaces: Iterable[int] = (),
+) -> int:
+    """The smallest per-process limit (bytes, exact to 2 MiB, see smallest_fitting_limit)
+    under which the step, after the cuBLAS workspaces, runs without an out-of-memory error."""
+    steps = _workspace_events(workspaces) + list(events)
+    if settings.backend == "cudaMallocAsync":
+        return _async_reserved_bytes(steps)
+
+    def fits(limit_bytes: int) -> bool:
+        try:
+            replay(CachingAllocatorModel(settings, limit_bytes), steps)
+        except AllocatorOutOfMemory:
+            return False
+        return True
+
+    unlimited = CachingAllocatorModel(settings)
+    replay(unlimited, steps)
+    high = unlimited.peak_reserved_bytes + _expandable_slack(steps, settings)
+    return smallest_fitting_limit(fits, live_peak_bytes(steps, settings) - 1, high)
+
+
+def _expandable_slack(events: Iterable[tuple[object, int]], settings: AllocatorSettings) -> int:
+    """With expandable segments alloc_block checks a whole get_allocation_size against the
+    limit but may map less: the unlimited peak plus the largest such size always fits."""
+    if not settings.expandable_segments:
+        return 0
+    return max((allocation_size(settings.round_size(n)) for _, n in events if n >= 0), default=0)
+
+
+def _async_reserved_bytes(events: Iterable[tuple[object, int]]) -> int:
+    """cudaMallocAsync: CUDA's pool, not c10's cache, so no segments to model; its reserve
+    grows in 2 MiB chunks of physical memory and, with torch's release threshold, gives
+    unused chunks back, so the live peak (512 B aligned) rounded to 2 MiB is the prediction
+    (a lower bound: fragmentation inside the driver's pool is not modelled)."""
+    peak = live_peak_bytes(events, AllocatorSettings())
+    return _round_up(peak, LIMIT_RESOLUTION_BYTES)
+
+
+@dataclass(frozen=True)
+class CudaReserve:
+    """What the allocator reserves for a step: unlimited, the least limit it runs in, and
+    under the given limit (None: out of memory there)."""
+
+    peak_reserved_bytes_unlimited: int
+    smallest_limit_bytes: int
+    peak_reserved_under_limit_bytes: int | None
+
+
+def predict_reserved(
+    events: list[tuple[object, int]],
+    settings: AllocatorSettings,
+    workspaces: Iterable[int] = (),
+    limit_bytes: int | None = None,
+) -> CudaReserve:
+    """The predictor's figures for a tracked step (cuBLAS workspaces allocated first: they
+    live from the first matmul on). With cudaMallocAsync every figure is the live peak
+    rounded to 2 MiB (_async_reserved_bytes)."""
+    workspaces = list(workspaces)
+    steps = _workspace_events(workspaces) + list(events)
+    if settings.backend == "cudaMallocAsync":
+        peak = _async_reserved_bytes(steps)
+        under = peak if limit_bytes is None or peak <= limit_bytes else None
+        return CudaReserve(peak, peak, under)
+    unlimited = CachingAllocatorModel(settings)
+    replay(unlimited, steps)
+    under = unlimited.peak_reserved_bytes
+    if limit_bytes is not None:
+        limited = CachingAllocatorModel(settings, limit_bytes)
+        try:
+            replay(limited, steps)
+            under = limited.peak_reserved_bytes
+        except AllocatorOutOfMemory:
+            under = None
+    least = smallest_limit(events, settings, workspaces)
+    return CudaReserve(unlimited.peak_reserved_bytes, least, under)
+
+
+# ------------------------------------------------------------------------------ cuBLAS
+
+
+def cublas_workspace_bytes(
+    capability: tuple[int, int], training: bool, environ: Mapping[str, str] = os.environ
+) -> int:
+    """The bytes the caching allocator holds for cuBLAS in a step (see cublas_workspaces)."""
+    return sum(cublas_workspaces(capability, training, environ))
+
+
+def cublas_workspaces(
+    capability: tuple[int, int], training: bool, environ: Mapping[str, str] = os.environ
+) -> tuple[int, ...]:
+    """The cuBLAS workspaces the caching allocator holds for a step, one per (handle, stream)
+    (CublasHandlePool.cpp's setWorkspaceForHandle): the main thread's handle, and in training
+    the autograd device thread's own handle for the backward matmuls. Each is
+    getChosenWorkspaceSize: CUBLAS_WORKSPACE_CONFIG (`:SIZE_KiB:COUNT` pairs) if set, else
+    32 MiB on sm 9.0 and 4096 KiB x 2 + 16 KiB x 8 elsewhere. cuBLASLt's workspace is not
+    counted: it is 1 MiB, and none shows in the traces of tests/fixtures/cuda-traces."""
+    num_handles = 2 if training else 1
+    return (_chosen_workspace_bytes(capability, environ),) * num_handles
+
+
+def _chosen_workspace_bytes(capability: tuple[int, int], environ: Mapping[str, str]) -> int:
+    config = environ.get("CUBLAS_WORKSPACE_CONFIG")
+    default = 4096 * 8 * KiB if tuple(capability) == (9, 0) else (4096 * 2 + 16 * 8) * KiB
+    if config is None:
+        return default
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+    if not pairs:  # torch warns and uses the default
+        return default
+    return sum(int(size) * KiB * int(count) for size, count in pairs)
 
 
 def cuda_reserved_bytes(events: list[tuple[int, int]], device: torch.device) -> int:
-    """Peak reserved bytes for a tracked step's allocations: the allocator model, with the
-    cuBLAS workspace allocated first (it lives from the first matmul on)."""
-    allocator = CachingAllocatorModel(expandable=expandable_segments())
-    allocator.malloc(-1, cublas_workspace_bytes(device))
-    for key, nbytes in events:
-        if nbytes < 0:
-            allocator.free(key)
-        else:
-            allocator.malloc(key, nbytes)
-    return allocator.peak_reserved_bytes
+    """Peak reserved bytes of a training step on `device` (settings from the environment),
+    unlimited: what train/predict.py compares with the budget today."""
+    capability = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else (8, 0)
+    workspaces = cublas_workspaces(capability, training=True)
+    settings = AllocatorSettings.from_env()
+    steps = _workspace_events(workspaces) + list(events)
+    if settings.backend == "cudaMallocAsync":
+        return _async_reserved_bytes(steps)
+    model = CachingAllocatorModel(settings)
+    replay(model, steps)
+    return model.peak_reserved_bytes

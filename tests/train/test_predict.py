@@ -1,6 +1,7 @@
 """Peak-memory prediction (train/predict.py): the fake-tensor step against a real run's measured
-peak, models that cannot be predicted, the CUDA caching-allocator model, the largest fitting
-micro-batch, the steps the CPU tracker measures and the effective batch of TrainerConfig."""
+peak, models that cannot be predicted, the largest fitting micro-batch, the steps the CPU
+tracker measures and the effective batch of TrainerConfig. The CUDA caching-allocator model has
+its own tests (test_allocator.py, test_cuda_trace.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from train.allocator import (
-    CachingAllocatorModel,
-    cublas_workspace_bytes,
-    cuda_reserved_bytes,
-    expandable_segments,
-)
 from train.build import build_data, build_model, build_optimizer, build_pipeline, build_task
 from train.config import ConfigError, TrainerConfig
 from train.loop import memory_steps, step_micro_batch_sizes
@@ -252,145 +247,6 @@ def test_a_predictor_that_cannot_be_built_is_remembered(hydra_conf):
     with pytest.raises(PredictionUnsupported) as second:
         workloads.of(cfg).predict(spec, cfg.optimizer)
     assert second.value is first.value  # not built again
-
-
-# ------------------------------------------------------------- the CUDA caching allocator
-
-
-def test_a_tiny_allocation_reserves_a_small_pool_segment():
-    allocator = CachingAllocatorModel()
-    allocator.malloc(0, 1)  # rounded up to 512 B, a small block: one 2 MiB segment
-    assert allocator.reserved_bytes == allocator.peak_reserved_bytes == 2 * MiB
-    assert allocator.small == {0}
-
-
-def test_two_small_allocations_share_one_segment():
-    allocator = CachingAllocatorModel()
-    allocator.malloc(0, 512)
-    allocator.malloc(1, 512)  # best fit: the 2 MiB - 512 B left of the first segment
-    assert allocator.reserved_bytes == 2 * MiB
-    assert len(allocator.segments) == 1
-    assert [b.size for b in allocator.segments[0]] == [512, 512, 2 * MiB - 1024]
-
-
-def test_a_large_allocation_under_10_mib_reserves_20_mib():
-    allocator = CachingAllocatorModel()
-    allocator.malloc(0, MiB + 1)  # over 1 MiB: the large pool; under 10 MiB: a 20 MiB segment
-    assert allocator.reserved_bytes == 20 * MiB
-    assert allocator.small == set()
-    # The block is 1 MiB + 512 B (rounded to 512); the rest (> 1 MiB) is split off, free.
-    assert [(b.size, b.free) for b in allocator.segments[0]] == [
-        (MiB + 512, False),
-        (20 * MiB - MiB - 512, True),
-    ]
-    allocator.malloc(1, 5 * MiB)  # fits the free rest: nothing new
-    assert allocator.reserved_bytes == 20 * MiB
-
-
-def test_an_allocation_of_10_mib_or_more_gets_its_own_segment_rounded_to_2_mib():
-    allocator = CachingAllocatorModel()
-    allocator.malloc(0, 12 * MiB)
-    assert allocator.reserved_bytes == 12 * MiB
-    allocator.malloc(1, 11 * MiB)  # rounded up to 12 MiB
-    assert allocator.reserved_bytes == 24 * MiB
-
-
-@pytest.mark.parametrize("nbytes", [100, 3 * MiB, 12 * MiB])
-def test_a_freed_block_is_reused_for_the_same_size(nbytes):
-    allocator = CachingAllocatorModel()
-    allocator.malloc(0, nbytes)
-    reserved = allocator.reserved_bytes
-    allocator.free(0)
-    assert allocator.reserved_bytes == reserved  # segments are kept, not released
-    allocator.malloc(1, nbytes)
-    assert allocator.reserved_bytes == allocator.peak_reserved_bytes == reserved
-    assert len(allocator.segments) == 1
-
-
-def test_freed_neighbours_merge_so_a_larger_block_fits():
-    allocator = CachingAllocatorModel()
-    allocator.malloc(0, 4 * MiB)  # a 20 MiB segment: 4 MiB used, 16 MiB free
-    allocator.malloc(1, 4 * MiB)  # 8 used, 12 free
-    allocator.malloc(2, 14 * MiB)  # no room for 14 MiB: a segment of its own
-    assert allocator.reserved_bytes == 34 * MiB
-    allocator.free(0)
-    allocator.free(1)  # merges with the free 4 MiB before it and the free 12 MiB after it
-    assert [(b.size, b.free) for b in allocator.segments[0]] == [(20 * MiB, True)]
-    allocator.malloc(3, 18 * MiB)  # the merged 20 MiB block holds it: nothing new
-    assert allocator.reserved_bytes == 34 * MiB
-
-
-def test_expandable_segments_grow_one_large_segment_in_20_mib_pages():
-    # c10's find_expandable_block maps the large pool's one segment in kLargeBuffer (20 MiB)
-    # pages, and with expandable segments any rest of a block >= 512 B is split off.
-    allocator = CachingAllocatorModel(expandable=True)
-    allocator.malloc(0, 4 * MiB)  # one 20 MiB page; the 16 MiB rest is a free block
-    assert allocator.reserved_bytes == 20 * MiB
-    allocator.malloc(1, 4 * MiB)  # from that rest: nothing new
-    assert allocator.reserved_bytes == 20 * MiB
-    assert len(allocator.segments) == 1
-    allocator.free(0)
-    allocator.malloc(2, 2 * MiB)  # best fit: the freed 4 MiB at the start, split
-    assert allocator.reserved_bytes == 20 * MiB
-    assert [(b.size, b.free) for b in allocator.segments[0]] == [
-        (2 * MiB, False),
-        (2 * MiB, True),
-        (4 * MiB, False),
-        (12 * MiB, True),
-    ]
-    allocator.malloc(3, 100)  # small blocks keep their own 2 MiB segments
-    assert allocator.reserved_bytes == 22 * MiB and allocator.small == {1}
-
-
-def test_expandable_segments_grow_by_whole_pages_from_a_free_end():
-    allocator = CachingAllocatorModel(expandable=True)
-    allocator.malloc(0, 3 * MiB)  # one page: 3 MiB used, 17 MiB free at the end
-    allocator.malloc(1, 25 * MiB)  # the free 17 MiB plus one more page
-    assert allocator.reserved_bytes == 40 * MiB
-    assert len(allocator.segments) == 1
-
-
-def test_expandable_segments_split_off_the_unused_end_of_the_last_page():
-    allocator = CachingAllocatorModel(expandable=True)
-    allocator.malloc(0, 3 * MiB)
-    allocator.malloc(1, 3 * MiB)  # the rest of the first page holds it
-    assert allocator.reserved_bytes == 20 * MiB
-
-
-def test_expandable_segments_setting_is_read_from_the_environment(monkeypatch):
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    assert not expandable_segments()
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")
-    assert expandable_segments()
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-    assert not expandable_segments()
-
-
-@pytest.mark.parametrize(
-    ("config", "workspace", "alone", "reserved"),
-    [
-        # 4096 KiB x 8 = 32 MiB: 10 MiB or more, a segment of its own; the 5 MiB block then
-        # needs a 20 MiB segment and the 512 B one a 2 MiB small segment.
-        (":4096:8", 32 * MiB, 32 * MiB, 32 * MiB + 20 * MiB + 2 * MiB),
-        # 4096 KiB x 2 + 16 KiB x 8 = 8320 KiB: a 20 MiB segment whose rest (11.875 MiB)
-        # holds the 5 MiB block.
-        (":4096:2:16:8", 8320 * KiB, 20 * MiB, 20 * MiB + 2 * MiB),
-        # 16 KiB x 8 = 128 KiB: a small block, whose 2 MiB segment also holds the 512 B one.
-        (":16:8", 128 * KiB, 2 * MiB, 2 * MiB + 20 * MiB),
-    ],
-)
-def test_cuda_reserved_bytes_counts_the_cublas_workspace(
-    monkeypatch, config, workspace, alone, reserved
-):
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
-    device = torch.device("cuda", 0)  # not touched: the sizes come from the environment
-    assert cublas_workspace_bytes(device) == workspace
-    assert cuda_reserved_bytes([], device) == alone  # the workspace is allocated first
-    events = [(0, 5 * MiB), (1, 512), (1, -1), (0, -1)]
-    assert cuda_reserved_bytes(events, device) == reserved
 
 
 # ------------------------------------------------------------- the largest fitting micro-batch

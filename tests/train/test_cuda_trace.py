@@ -1,0 +1,147 @@
+"""The allocator model against real CUDA traces (train/cuda_trace.py, the snapshots in
+tests/fixtures/cuda-traces): event-by-event agreement, peaks, the real OOM, smallest limits,
+the cuBLAS workspaces and the share of transient allocations. Every figure is the model's,
+deterministic, so exact; the real-events limit is an estimate, compared within a tolerance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from train.allocator import cublas_workspaces
+from train.cuda_trace import (
+    device_traces,
+    load_snapshot,
+    reports,
+    start_state,
+    table,
+    transient_events,
+)
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "cuda-traces"
+MiB = 2**20
+
+# name, device, compared events, real peak reserved (bytes), model's smallest limit, real-events
+# limit, unlimited peak, smallest limit and unlimited peak without transient allocations (MiB)
+FIGURES = [
+    ("constructorsun_memory_snapshot", 0, 4352, 8541700096, 8120, 8124, 8146, 8120, 8146),
+    ("constructorsun_memory_snapshot", 1, 375, 84202749952, 80306, 80306, 84082, 78350, 79022),
+    ("constructorsun_memory_snapshot", 2, 598, 21883781120, 20772, 20770, 20870, 20772, 20870),
+    ("eor_nn_snapshot", 0, 3861, 134217728, 126, 126, 128, 126, 128),
+    ("magma27_memory_snapshot", 0, 3442, 14180941824, 13522, 13524, 13524, 13522, 13524),
+    ("wedsonlin_medium_1024_training", 0, 14961, 25178406912, 23334, 23756, 24012, 23334, 24012),
+    ("wedsonlin_medium_128_inference", 0, 2560, 1763704832, 1678, 1678, 1682, 1678, 1682),
+    ("wedsonlin_medium_128_training", 0, 12831, 7235174400, 6836, 6816, 6900, 6836, 6900),
+    ("wedsonlin_medium_256_training", 0, 13027, 9265217536, 8716, 8716, 8836, 8716, 8836),
+    ("wedsonlin_medium_512_training", 0, 14961, 12660506624, 11926, 12074, 12074, 11926, 12074),
+]
+IDS = [f"{name}-{device}" for name, device, *_ in FIGURES]
+
+
+@pytest.fixture(scope="module")
+def by_trace():
+    """Every report once for the module (~9 s: the bisections, twice with transients)."""
+    return {(r.trace.name, r.trace.device): r for r in reports(FIXTURES)}
+
+
+def test_the_fixtures_hold_every_trace(by_trace):
+    assert sorted(by_trace) == sorted((name, device) for name, device, *_ in FIGURES)
+
+
+@pytest.mark.parametrize("figures", FIGURES, ids=IDS)
+def test_the_model_agrees_with_every_event_of_every_trace(by_trace, figures):
+    # With the expandable tail rule of get_free_block and c10's unmapping on release, the
+    # constructorsun devices agree at 100% too (44-65% without the rule).
+    name, device, num_events, real_peak, *_ = figures
+    replay = by_trace[name, device].replay
+    assert replay.num_events == num_events
+    assert replay.num_matching == num_events
+    assert replay.real_peak_reserved_bytes == replay.model_peak_reserved_bytes == real_peak
+
+
+@pytest.mark.parametrize("figures", FIGURES, ids=IDS)
+def test_only_the_device_that_ran_out_is_predicted_to(by_trace, figures):
+    # constructorsun device 1 failed a 4.94 GiB request at 78.4 GiB reserved on an 80 GB card;
+    # with the memory it had the model fails there too, not before (it would raise).
+    name, device, *_ = figures
+    replay = by_trace[name, device].replay
+    ran_out = (name, device) == ("constructorsun_memory_snapshot", 1)
+    assert replay.real_oom is replay.model_oom is ran_out
+
+
+@pytest.mark.parametrize("figures", FIGURES, ids=IDS)
+def test_smallest_limits(by_trace, figures):
+    name, device, _, _, model_limit, real_limit, peak, *_ = figures
+    r = by_trace[name, device]
+    assert r.limits.model_smallest_limit_bytes == model_limit * MiB
+    assert r.limits.unlimited_peak_reserved_bytes == peak * MiB
+    assert r.real_limit_bytes == real_limit * MiB
+    # The real-events figure assumes the real placement, which a limit changes; across these
+    # traces it is within 1.8% of the model's (wedsonlin 1024: -1.78%): 2% tolerance.
+    assert abs(model_limit / real_limit - 1) <= 0.02
+    # The unlimited peak over-predicts: up to 4.7% above the smallest limit here.
+    assert model_limit <= peak <= model_limit * 1.05
+
+
+@pytest.mark.parametrize("figures", FIGURES, ids=IDS)
+def test_transient_share(by_trace, figures):
+    name, device, _, _, model_limit, _, peak, limit_without, peak_without = figures
+    share = by_trace[name, device].transient
+    assert share.smallest_limit_without_bytes == limit_without * MiB
+    assert share.peak_reserved_without_bytes == peak_without * MiB
+    assert share.limit_share == pytest.approx(1 - limit_without / model_limit)
+    assert share.peak_share == pytest.approx(1 - peak_without / peak)
+
+
+def test_the_start_state_is_rebuilt_from_the_end_and_the_events():
+    # constructorsun was recorded from an empty allocator; magma27 created no segment in its
+    # trace, so its start has the final 216 segments.
+    constructorsun = device_traces(
+        load_snapshot(FIXTURES / "constructorsun_memory_snapshot.json.gz")
+    )
+    assert [start_state(t).segments for t in constructorsun] == [[], [], []]
+    assert [start_state(t).live_blocks for t in constructorsun] == [[], [], []]
+    (magma,) = device_traces(load_snapshot(FIXTURES / "magma27_memory_snapshot.json.gz"))
+    assert len(start_state(magma).segments) == 216
+
+
+@pytest.mark.parametrize(
+    ("name", "training"),
+    [
+        ("wedsonlin_medium_128_inference", False),
+        ("wedsonlin_medium_128_training", True),
+        ("wedsonlin_medium_1024_training", True),
+        ("magma27_memory_snapshot", True),
+    ],
+)
+def test_a_training_step_holds_two_cublas_workspaces(name, training):
+    # The blocks of the default size (8320 KiB: these GPUs are not sm 9.0) live through the
+    # whole trace: one per handle, the autograd thread's in training. (eor_nn, a CNN whose
+    # backward runs on cuDNN, holds one: the rule is for steps with backward matmuls.)
+    (trace,) = device_traces(load_snapshot(FIXTURES / f"{name}.json.gz"))
+    allocated = {e["addr"] for e in trace.events if e["action"] == "alloc"}
+    through = [
+        b["size"]
+        for s in trace.segments
+        for b in s["blocks"]
+        if b["state"] == "active_allocated" and b["address"] not in allocated
+    ]
+    workspaces = cublas_workspaces((8, 0), training, environ={})
+    assert through.count(workspaces[0]) == len(workspaces)
+
+
+def test_transient_allocations_are_those_freed_before_the_next_allocation():
+    (trace,) = device_traces(load_snapshot(FIXTURES / "wedsonlin_medium_128_inference.json.gz"))
+    skipped = transient_events(trace)
+    actions = [trace.events[i]["action"] for i in sorted(skipped)]
+    assert actions.count("alloc") == actions.count("free_completed") == 25
+
+
+def test_the_table_has_a_row_per_device(by_trace):
+    console = Console(width=160, record=True)
+    console.print(table(list(by_trace.values())))
+    out = console.export_text()
+    assert out.count("constructorsun_memory_snapshot") == 3
+    assert "78.424" in out  # constructorsun device 1's smallest limit, GiB
