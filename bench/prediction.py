@@ -16,6 +16,20 @@ Also printed: seconds per prediction against seconds per real optimizer step.
     python bench/prediction.py --models resnet18 --batch-sizes 1 8 64 512 --image-size 32
     python bench/prediction.py --device cuda        # on a GPU: the allocator comparison
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python bench/prediction.py --device cuda
+    python bench/prediction.py --traces tests/fixtures/cuda-traces   # real GPU traces, here
+    python bench/prediction.py --decoders           # fit-report cost: 125M, 1B, 8B decoders
+
+`--traces DIR` replays real GPU memory snapshots (torch.cuda.memory._dump_snapshot files)
+through the allocator model (train/cuda_trace.py): per trace and device, the share of
+events whose reserved bytes and segment count equal the real ones, the smallest
+per-process limit the model runs it in against the same figure from the real events, the
+peak reserved and whether a real OOM is predicted. Targets: 100% of events, every real OOM
+predicted, limits within 2%.
+
+`--decoders` times `python -m search.fit` for GPT decoders of ~125M, 1B and 8B parameters
+planned for an H100 (search.gpu=H100-80GB, bf16 and fp32, micro-batches 1-8 of 1024
+tokens) in fresh processes, and reads their peak host memory. Target for 1B and 8B: under
+60 s and 2 GiB each (the model is built on fake tensors: no weights exist).
 
 On CPUs without bf16/fp16 kernels a real low-precision step is ~100x slower than fp32; cells
 whose real run is estimated to take more than --max-run-s seconds are predicted but not
@@ -27,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,8 +81,85 @@ def _config(model: str, device: str, image_size: int, num_samples: int):  # noqa
     )
 
 
+# Decoders of the GPT of train/text.py over bytes (vocab 256): (layers, width, heads).
+DECODERS = {"125M": (18, 768, 12), "1B": (20, 2048, 16), "8B": (40, 4096, 32)}
+DECODER_LIMIT_S, DECODER_LIMIT_BYTES = 60.0, 2 * 2**30
+DECODER_SPACE = (
+    '++search.params={trainer.batch_size:"choice(1,2,4,8)",trainer.precision:"choice(bf16,fp32)",'
+    'trainer.accum_steps:"choice(1)",data.seq_len:"choice(1024)"}'
+)
+
+
+def traces(console: Console, folder: str) -> bool:
+    """The allocator model against real traces; True when every target holds."""
+    from train.cuda_trace import reports, table
+
+    rows = reports(folder)
+    console.print(table(rows))
+    exact = all(r.replay.match_share == 1.0 for r in rows)
+    ooms = all(r.replay.model_oom == r.replay.real_oom for r in rows)
+    worst = max(
+        abs(r.limits.model_smallest_limit_bytes - r.real_limit_bytes) / r.real_limit_bytes
+        for r in rows
+    )
+    verdict = exact and ooms and worst <= 0.02
+    console.print(
+        f"{len(rows)} device traces: every event exact: {exact}; real OOMs predicted: {ooms}; "
+        f"smallest limit, model vs real events, worst {worst:.2%} (target 2%): "
+        f"[bold]{'PASS' if verdict else 'FAIL'}[/bold]"
+    )
+    return verdict
+
+
+def decoders(console: Console) -> bool:
+    """Seconds and peak host memory of a fit report per decoder, each in a fresh process."""
+    table = Table(title="Fit report for H100-80GB, planned here: cost per decoder")
+    for column in ("decoder", "parameters", "seconds", "peak host memory", "cells", "within"):
+        table.add_column(column, justify="right")
+    verdict = True
+    for name, (layers, width, heads) in DECODERS.items():
+        params = 12 * layers * width**2 + 256 * width + 1024 * width  # blocks, tok, pos
+        args = [
+            "+experiment=gpt", f"model.n_layer={layers}", f"model.n_embd={width}",
+            f"model.n_head={heads}", "data.seq_len=1024", "search.gpu=H100-80GB",
+            "search.memory_budget=null", DECODER_SPACE,
+        ]  # fmt: skip
+        code = (
+            "import resource, runpy, sys; sys.argv = ['search.fit', *sys.argv[1:]]\n"
+            "try:\n    runpy.run_module('search.fit', run_name='__main__')\n"
+            "finally:\n    print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        )
+        started = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
+            timeout=600,
+        )  # fmt: skip
+        seconds = time.perf_counter() - started
+        rss = int(done.stdout.rsplit("maxrss", 1)[-1].split()[0]) * 1024
+        rows = [line for line in done.stdout.splitlines() if line.count("│") > 2]
+        cells = sum(line.count(" GiB") + line.count(" MiB") for line in rows)
+        ok = done.returncode == 0 and cells > 0
+        if name != "125M":
+            ok = ok and seconds < DECODER_LIMIT_S and rss < DECODER_LIMIT_BYTES
+        verdict = verdict and ok
+        if done.returncode != 0:
+            console.print(done.stdout[-3000:] + done.stderr[-3000:])
+        table.add_row(
+            name, f"{params / 1e9:.2f} B", f"{seconds:.1f}", format_bytes(rss), str(cells),
+            "yes" if ok else "NO",
+        )  # fmt: skip
+    console.print(table)
+    console.print(
+        f"1B and 8B: under {DECODER_LIMIT_S:.0f} s and {format_bytes(DECODER_LIMIT_BYTES)} "
+        f"each: [bold]{'PASS' if verdict else 'FAIL'}[/bold]"
+    )
+    return verdict
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--traces", help="a folder of _dump_snapshot .json.gz files")
+    parser.add_argument("--decoders", action="store_true", help="fit-report cost, 125M-8B")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--precisions", nargs="+", default=PRECISIONS)
@@ -76,6 +168,13 @@ def main() -> None:
     parser.add_argument("--max-run-s", type=float, default=20.0, help="skip longer real runs")
     args = parser.parse_args()
     console = Console(width=160)
+    if args.traces or args.decoders:
+        verdicts = []
+        if args.traces:
+            verdicts.append(traces(console, args.traces))
+        if args.decoders:
+            verdicts.append(decoders(console))
+        sys.exit(0 if all(verdicts) else 1)
     # Room for two full steps of the largest batch, so that the steady step exists.
     num_samples = int(2.2 * max(args.batch_sizes) / 0.98) + 8
     cuda = args.device == "cuda"
@@ -98,7 +197,7 @@ def main() -> None:
                         precision=precision,
                         effective_batch_size=None,
                     )
-                    prediction = predictor.predict(trainer, num_train)
+                    prediction = predictor.predict(trainer, num_train, spec.limit_bytes)
                     predict_s.append(prediction.seconds)
                     estimate = 3 * batch_size * seconds_per_sample if seconds_per_sample else 0
                     if estimate > args.max_run_s:
@@ -116,7 +215,7 @@ def main() -> None:
                         # prediction is of the steady state, once steps are taken.
                         unscaled.append(f"{model}/{precision}/{batch_size}")
                         continue
-                    error = (prediction.peak_bytes - measured) / measured
+                    error = prediction.error(result)  # CUDA: the reserve under the limit
                     errors.append(error)
                     live_error = None
                     if cuda:
@@ -129,21 +228,23 @@ def main() -> None:
                     )  # fmt: skip
                     console.print(
                         f"{model:>9} {precision:>4} {batch_size:>4}: predicted "
-                        f"{format_bytes(prediction.peak_bytes)}, measured "
+                        f"{format_bytes(prediction.reserved_bytes or prediction.peak_bytes)}, "
+                        "measured "
                         f"{format_bytes(measured)} ({error:+.2%}); "
                         f"{prediction.seconds:.2f} s to predict, "
                         f"{result.step_ms / 1000:.2f} s a step"
                     )
-    _report(console, args, rows, errors, skipped, predict_s, step_s, cuda)
+    passed = _report(console, args, rows, errors, skipped, predict_s, step_s, cuda)
     if unscaled:
         console.print(
             f"{len(unscaled)} fp16 cells not compared: the GradScaler skipped the measured "
             "steps (inf gradients at the initial scale), so they ran without optimizer state: "
             + ", ".join(unscaled)
         )
+    sys.exit(0 if passed else 1)
 
 
-def _report(console, args, rows, errors, skipped, predict_s, step_s, cuda) -> None:  # noqa: ANN001
+def _report(console, args, rows, errors, skipped, predict_s, step_s, cuda) -> bool:  # noqa: ANN001
     what = "max_memory_reserved (CUDA)" if cuda else "tracked tensor peak (CPU)"
     table = Table(title=f"Predicted peak vs measured {what}, image {args.image_size}px")
     for column in ("model", "precision", "batch", "predicted", "measured", "error"):
@@ -153,7 +254,8 @@ def _report(console, args, rows, errors, skipped, predict_s, step_s, cuda) -> No
     table.add_column("predict s", justify="right")
     table.add_column("step s", justify="right")
     for model, precision, batch, prediction, measured, error, live, step in rows:
-        cells = [model, precision, str(batch), format_bytes(prediction.peak_bytes),
+        predicted = prediction.reserved_bytes or prediction.peak_bytes  # CUDA: under the limit
+        cells = [model, precision, str(batch), format_bytes(predicted),
                  format_bytes(measured), f"{error:+.2%}"]  # fmt: skip
         if cuda:
             cells.append(f"{live:+.2%}")
@@ -161,7 +263,7 @@ def _report(console, args, rows, errors, skipped, predict_s, step_s, cuda) -> No
     console.print(table)
     if not errors:
         console.print("nothing measured")
-        return
+        return False
     absolute = [abs(e) for e in errors]
     median, worst = statistics.median(absolute), max(absolute)
     if cuda:
@@ -184,6 +286,7 @@ def _report(console, args, rows, errors, skipped, predict_s, step_s, cuda) -> No
             f"{len(skipped)} cells predicted but not run (real run over --max-run-s="
             f"{args.max_run_s:g}): " + ", ".join(skipped)
         )
+    return verdict == "PASS"
 
 
 if __name__ == "__main__":

@@ -193,6 +193,8 @@ class SearchConfig:
     # Metric name -> direction of what the trials report (known_metrics of the task).
     known_metrics: Mapping[str, str] = field(default_factory=lambda: dict(OBJECTIVE_METRICS))
     target: Target | None = None  # search.target
+    # A GPU to plan for by name (train/gpus.py), e.g. A100-40GB; None: the device trained on
+    gpu: str | None = None
 
     @property
     def metrics(self) -> list[str]:

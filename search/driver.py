@@ -35,9 +35,10 @@ from search.worker import TrialLoop
 from tracking.overhead import CallClock, Lap, storage_methods
 from tracking.redact import redact
 from tracking.runs import RunLog, Tracker, ui_link
+from train.config import ConfigError
 from train.overrides import override_key
 from train.predict import PredictionUnsupported
-from train.run import RunSpec
+from train.run import RunSpec, plan, planned_elsewhere
 from train.workload import Workloads
 
 PARENT_ATTR = "mlflow_parent_run_id"
@@ -100,6 +101,25 @@ def _log_fit_report(
     parent.text(recorder.export_text(), "fit_report.txt")
     parent.table(rows, "fit_report.json")
     return reports
+
+
+def _trains_here(cfg: DictConfig) -> bool:
+    """False when the config plans for a GPU this machine lacks (validate says the rest)."""
+    try:
+        return planned_elsewhere(plan(cfg, cfg.search.memory_budget)) is None
+    except ConfigError:
+        return True
+
+
+def _show_fit_reports(
+    cfg: DictConfig, checked: Checked, workloads: Workloads, console: Console
+) -> None:
+    try:
+        reports = fit.fit_reports(cfg, checked.space, checked.spec, checked.settings, workloads)
+    except PredictionUnsupported:
+        return
+    for each in reports:
+        console.print(fit.render(each))
 
 
 def _open(name: str, checked: Checked, fixed: str) -> optuna.Study:
@@ -239,9 +259,18 @@ class StudyDriver:
         def compose(trial_overrides: list[str]) -> DictConfig:
             return hydra.compose(config_name="config", overrides=base + trial_overrides)
 
-        checked = validate(cfg, name, compose, multirun=multirun, workloads=workloads)
+        # A GPU planned for (search.gpu) but not here: the preflight, then stop, with no
+        # storage opened, no study, no run.
+        here = _trains_here(cfg)
+        checked = validate(
+            cfg, name, compose, open_store=here, multirun=multirun, workloads=workloads
+        )
         for note in checked.notes:
             console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
+        elsewhere = planned_elsewhere(checked.spec)
+        if elsewhere:
+            _show_fit_reports(cfg, checked, workloads, console)
+            raise ConfigError([elsewhere])
         settings = checked.settings
         # What every trial shares: the config with the space's fixed values applied, less the
         # searched keys. A resume must find the same, or it would mix incomparable trials.

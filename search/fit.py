@@ -41,6 +41,7 @@ from search.space import SearchSpace, parse_space
 from tracking.console import config_error, crashed, stopped
 from tracking.redact import redact_logging
 from train.config import ConfigError, TrainerConfig
+from train.device import DeviceSpec
 from train.memory import format_bytes
 from train.params import ACCUM_KEY, BATCH_KEY, CHECKPOINTING_KEY, EFFECTIVE_KEY, PRECISION_KEY
 from train.precision import unsupported_reason
@@ -83,6 +84,7 @@ class FitReport:
     # The values of the other discrete searched keys memory follows (data.seq_len=128) that
     # this report is for: fit_reports gives one report per combination.
     at: dict[str, object] = field(default_factory=dict)
+    device: str = ""  # what is predicted for: "cpu", "A100-40GB (CUDA reserve, planned)"
 
     def largest(self, precision: str, accum: int | None = None) -> int | None:
         fitting = [b for b in self.batch_sizes if self.cells[precision, b, accum].fits]
@@ -164,7 +166,7 @@ def fit_report(
     # them, from the space as configured, with the reason.
     configured = parse_space(cfg.search.params or {})
     precisions = [str(p) for p in _space_values(configured, PRECISION_KEY, trainer.precision)]
-    unsupported = {p: reason for p in precisions if (reason := unsupported_reason(p, spec.device))}
+    unsupported = {p: reason for p in precisions if (reason := unsupported_reason(p, spec.target))}
     if derived:
         rows = _space_values(space, EFFECTIVE_KEY, trainer.effective_batch_size)
         accums: list[int | None] = [None]
@@ -182,6 +184,7 @@ def fit_report(
     )
     geometry_keys = {*GEOMETRY_KEYS, "optimizer.lr"}
     report.checkpointing = trainer.activation_checkpointing
+    report.device = _device_words(spec.target)
     report.searched = tuple(space.distributions)
     report.held = {
         key: OmegaConf.select(cfg, key)
@@ -309,6 +312,13 @@ def _derived_cell(
     return Cell(effective, batch, effective // batch, prediction.peak_bytes, True)
 
 
+def _device_words(target: DeviceSpec) -> str:
+    if target.type != "cuda":
+        return target.name
+    where = "" if target.local else ", planned: not on this machine"
+    return f"{target.name} ({format_bytes(target.total_bytes)}, CUDA reserve{where})"
+
+
 def render(report: FitReport) -> Table:
     budget = format_bytes(report.budget_bytes) if report.budget_bytes else "the whole device"
     what = (
@@ -327,7 +337,8 @@ def render(report: FitReport) -> Table:
     )
     lever += "".join(f"; {key}={value}" for key, value in report.at.items())
     table = Table(
-        title=f"Fit report: {what}; budget {budget}, margin {report.margin:.0%}{lever}",
+        title=f"Fit report for {report.device}: {what}; budget {budget}, margin "
+        f"{report.margin:.0%}{lever}",
         caption="\n".join([f"predicted in {report.seconds:.1f} s, nothing trained", *notes]),
     )
     table.add_column("effective batch" if report.derived else "batch size", justify="right")

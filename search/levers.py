@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from train.config import ConfigError
+from train.device import DeviceSpec
 from train.precision import unsupported_reason
 from train.predict import PredictionUnsupported, fits_budget
 from train.run import plan
@@ -32,8 +33,8 @@ ACCUMULATIONS = (1, 2, 4)
 LR_FACTOR = 4.0
 
 
-def precisions(device: torch.device) -> list[str]:
-    """The precisions worth searching on `device`."""
+def precisions(device: torch.device | DeviceSpec) -> list[str]:
+    """The precisions worth searching on `device` (or the GPU planned for)."""
     wanted = ("fp32", "tf32", "bf16", "fp16") if device.type == "cuda" else ("fp32", "bf16")
     return [p for p in wanted if unsupported_reason(p, device) is None]
 
@@ -78,7 +79,7 @@ def default_params(
     """The space (search.params grammar) and a note that says what it is and why; the
     predictor comes from `workloads` (a study's, shared with its fit report and trials)."""
     spec = plan(cfg, cfg.search.memory_budget)
-    kept = precisions(spec.device)
+    kept = precisions(spec.target)
     frugal = "bf16" if "bf16" in kept else "fp32"
     largest, why = largest_batch(cfg, frugal, workloads or Workloads())
     smallest = max(1, largest >> (BATCH_CHOICES - 1))

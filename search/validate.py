@@ -96,6 +96,7 @@ def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
             recommend=rule,
             known_metrics=known,
             target=target,
+            gpu=search.gpu,
         )
     except ConfigError as error:
         raise ConfigError(error.problems + rule_problems) from None
@@ -153,7 +154,7 @@ def validate(
     spec = _collect(problems, lambda: plan(cfg, cfg.search.memory_budget))
     derived = settings is not None and settings.accumulation == "derived"
     if space is not None:
-        device = spec.device if spec else resolve_device("auto")
+        device = spec.target if spec else resolve_device("auto")
         notes += _drop_unsupported_precisions(space, device, problems)
         problems += _check_accumulation(space, derived)
         for key in space.distributions:

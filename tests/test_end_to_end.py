@@ -161,6 +161,23 @@ def test_fit_report_entry_point(tmp_path: Path) -> None:
     assert not any((tmp_path / "mlruns" / name).exists() for name in records)
 
 
+def test_a_study_for_a_gpu_this_machine_lacks_shows_its_preflight_and_stops(
+    tmp_path: Path,
+) -> None:
+    """search.gpu on a machine without that GPU: the study's preflight (the fit report, in
+    CUDA's reserved bytes for the card) is shown, then it stops before any study or run
+    exists; python -m train refuses the same way."""
+    small = ["model=small_cnn", "model.width=4", "data=digits", "search.gpu=A100-40GB"]
+    done = run_module("search", [*small, "search.n_trials=2"], tmp_path, returncode=2)
+    out, message = " ".join(done.stdout.split()), " ".join(done.stderr.split())
+    assert "Fit report for A100-40GB (39.4 GiB, CUDA reserve, planned" in out, out
+    assert "search.gpu=A100-40GB plans for a GPU this machine does not have" in message
+    records = ("mlflow.db", "optuna.journal")
+    assert not any((tmp_path / "mlruns" / name).exists() for name in records)
+    done = run_module("train", small, tmp_path, returncode=2)
+    assert "plans for a GPU this machine does not have" in " ".join(done.stderr.split())
+
+
 def test_fit_report_of_a_budget_below_the_optimizer_state(tmp_path: Path) -> None:
     done = run_module(
         "search.fit", ["+experiment=resnet", "data=digits", "search.memory_budget=100MiB"],

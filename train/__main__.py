@@ -55,7 +55,15 @@ from train.memory import OutOfMemory, format_bytes
 from train.overrides import BEST_KEY, load_overrides, merge_overrides, override_key
 from train.predict import Prediction, PredictionUnsupported
 from train.preflight import PreflightConfig, misfit
-from train.run import RunSpec, check_builds, memory_figures, perf_figures, plan, run
+from train.run import (
+    RunSpec,
+    check_builds,
+    memory_figures,
+    perf_figures,
+    plan,
+    planned_elsewhere,
+    run,
+)
 from train.threads import plan_threads
 from train.workload import Workload, Workloads
 
@@ -142,6 +150,8 @@ def _prepare(cfg: DictConfig, console: Console) -> Prepared:
         problems, lambda: PreflightConfig(cfg.search.preflight, cfg.search.preflight_margin)
     )
     save_path = _collected(problems, lambda: _save_path(cfg))
+    elsewhere = planned_elsewhere(spec) if spec is not None else None
+    problems += [elsewhere] if elsewhere else []
     if problems:
         raise ConfigError(problems)
     workloads = Workloads()

@@ -30,18 +30,8 @@ from pathlib import Path
 import torch
 from torch.utils import flop_counter
 
-# Dense peak FLOP/s per precision, from the vendors' data sheets (SXM parts where both exist).
-# fp32 is plain FP32 (no TF32); tf32, bf16 and fp16 run on the tensor cores.
-CUDA_PEAKS: dict[str, dict[str, float]] = {
-    "H200": {"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12, "fp16": 989.5e12},
-    "H100": {"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12, "fp16": 989.5e12},
-    "A100": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
-    "L40S": {"fp32": 91.6e12, "tf32": 183e12, "bf16": 362e12, "fp16": 362e12},
-    "L4": {"fp32": 30.3e12, "tf32": 60e12, "bf16": 121e12, "fp16": 121e12},
-    "A10": {"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12, "fp16": 125e12},
-    "V100": {"fp32": 15.7e12, "fp16": 125e12},
-    "T4": {"fp32": 8.1e12, "fp16": 65e12},
-}
+from train.gpus import gpu_of_device_name
+
 CPU_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
               "fp16": torch.float16}  # fmt: skip
 # The MLflow tag beside a perf/mfu above 1, saying why (perf_metrics).
@@ -83,11 +73,10 @@ def count_flops(step: Callable[[], object]) -> int:
 
 
 def cuda_peak(name: str, precision: str) -> float | None:
-    """The table's peak for a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3'), or None."""
-    for key in sorted(CUDA_PEAKS, key=len, reverse=True):  # L40S before L4
-        if key in name.upper():
-            return CUDA_PEAKS[key].get(precision)
-    return None
+    """The dense peak of a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3') from the GPU table
+    (train/gpus.py), or None for a card or precision it does not know."""
+    entry = gpu_of_device_name(name)
+    return None if entry is None else entry.peak_flops.get(precision)
 
 
 def _cache_path() -> Path:

@@ -9,12 +9,22 @@ from typing import Any
 
 import torch
 
+from train.device import DeviceSpec
+
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def unsupported_reason(name: str, device: torch.device) -> str | None:
-    """Why `name` cannot run on `device`, or None when it can."""
+def unsupported_reason(name: str, device: torch.device | DeviceSpec) -> str | None:
+    """Why `name` cannot run on `device` (a local one, or a DeviceSpec planned for, maybe
+    not here), or None when it can."""
+    if isinstance(device, DeviceSpec):
+        if device.local or device.gpu is None:
+            return unsupported_reason(name, torch.device(device.type))
+        major = device.gpu.capability[0]
+        if name in ("tf32", "bf16") and major < 8:
+            return f"{name} needs compute capability >= 8.0, {device.name} has {major}.x"
+        return None
     if device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)
         if name == "tf32" and major < 8:

@@ -17,17 +17,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from torch.utils._pytree import tree_map
 
-from train.allocator import cuda_reserved_bytes
+from train.allocator import AllocatorSettings, CudaReserve, cublas_workspaces, predict_reserved
 from train.config import TrainerConfig
+from train.cuda_emulation import CudaEmulation
+from train.device import DeviceSpec, device_spec
 from train.flops import count_flops
 from train.loop import RunResult, optimizer_step, state_tensors, step_micro_batch_sizes
 from train.memory import MemoryStats, TensorMemoryTracker
@@ -41,15 +44,24 @@ class PredictionUnsupported(Exception):
 
 @dataclass(frozen=True)
 class Prediction:
-    peak_bytes: int  # to compare with the budget: live tensors (CPU), allocator reserve (CUDA)
+    # What the budget is compared with: the peak of live tensors (CPU); on CUDA the smallest
+    # per-process limit the caching allocator runs the step in (train/allocator.py).
+    peak_bytes: int
     tensor_bytes: int  # peak of live tensor bytes during the step
     seconds: float  # time the prediction took
+    # CUDA: the allocator's peak reserve under the run's limit, what max_memory_reserved
+    # reads after the step (None: no limit asked for, or out of memory under it).
+    reserved_bytes: int | None = None
 
     def error(self, measured: MemoryStats | RunResult) -> float:
-        """(predicted - measured) / measured, against what runs out: the caching
-        allocator's reserve on CUDA, the peak of live tensors on CPU."""
-        actual = measured.reserved_bytes or measured.peak_bytes
-        return (self.peak_bytes - actual) / actual
+        """(predicted - measured) / measured, like against like: on CUDA the reserve under
+        the run's limit (which the limit caps when it binds) against max_memory_reserved;
+        on CPU the peak of live tensors."""
+        if measured.reserved_bytes is not None and self.reserved_bytes is not None:
+            predicted, actual = self.reserved_bytes, measured.reserved_bytes
+        else:
+            predicted, actual = self.peak_bytes, measured.reserved_bytes or measured.peak_bytes
+        return (predicted - actual) / actual
 
 
 class _FakeGradScaler(torch.amp.GradScaler):
@@ -58,6 +70,17 @@ class _FakeGradScaler(torch.amp.GradScaler):
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):  # noqa: ANN001, ANN202
         return optimizer.step(*args, **kwargs)
+
+
+def _spec_of(device: torch.device) -> DeviceSpec:
+    """A torch device as the DeviceSpec predicted for: this machine's CPU or GPU."""
+    if device.type == "cuda":
+        return device_spec(device, None)
+    return DeviceSpec(device.type, 0)  # the predictor needs no total
+
+
+def _is_fake_of(tensor: torch.Tensor, mode: FakeTensorMode, device: torch.device) -> bool:
+    return isinstance(tensor, FakeTensor) and tensor.fake_mode is mode and tensor.device == device
 
 
 def _fake_module(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> None:
@@ -78,8 +101,36 @@ def _fake_module(model: nn.Module, mode: FakeTensorMode, device: torch.device) -
         for module in model.modules():
             for tensors in (module._parameters, module._buffers):
                 for name, tensor in tensors.items():
-                    if tensor is not None:
+                    if tensor is not None and not _is_fake_of(tensor, mode, device):
                         tensors[name] = fake(tensor)
+
+
+def _build_fake(
+    build: Callable[[], nn.Module], mode: FakeTensorMode, device: torch.device
+) -> nn.Module:
+    """The model built under `mode`: its parameters are fake from the start, so a model of any
+    size costs its module objects, not its weights. A builder that needs real values (a
+    checkpoint read, `.item()` at init) is built for real, then made fake."""
+    try:
+        with mode:
+            model = build()
+    except Exception:  # noqa: BLE001 - whatever a user's builder does on fake tensors
+        model = build()
+    _fake_module(model, mode, device)
+    return model
+
+
+def _resolve_implementation(optimizer: torch.optim.Optimizer, device_type: str) -> None:
+    """Give each parameter group the implementation the optimizer picks for real parameters
+    on `device_type`. torch.optim chooses foreach only when `type(p) in (Tensor, Parameter)`
+    (`_default_to_fused_or_foreach`), so on FakeTensors it runs the for-loop path; on CUDA
+    real parameters run foreach, which holds a parameter-sized set of intermediates more
+    during step(). A group's explicit foreach/fused is left as configured."""
+    foreach = device_type in _get_foreach_kernels_supported_devices()
+    for group in optimizer.param_groups:
+        explicit = group.get("foreach") is not None or group.get("fused")
+        if "foreach" in group and not explicit and not group.get("differentiable"):
+            group["foreach"] = foreach
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -94,19 +145,26 @@ class MemoryPredictor:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Callable[[], nn.Module],
         make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         example: Any,
-        device: torch.device,
+        device: torch.device | DeviceSpec,
         task: Task | None = None,
     ):
-        """`model` is consumed (its tensors become fake); `example` is one real batch of any
-        structure (a tuple, a dict of tensors, nested): the fake micro-batches copy its
-        structure, and its tensors' shapes past the batch dimension and dtypes (a tensor
-        whose first dimension is not the batch's is copied whole). Variable dimensions should
-        be at their largest in it (train.batches.Pipeline.shape_example)."""
-        self.device = device
-        self.mode = FakeTensorMode()
+        """`model` is a builder, called under the predictor's fake mode (nothing is
+        allocated), or a built model, consumed (its tensors become fake). `example` is one
+        real batch of any structure (a tuple, a dict of tensors, nested): the fake
+        micro-batches copy its structure, and its tensors' shapes past the batch dimension
+        and dtypes (a tensor whose first dimension is not the batch's is copied whole).
+        Variable dimensions should be at their largest in it
+        (train.batches.Pipeline.shape_example)."""
+        # The device predicted for (`device`: a torch device here, or a DeviceSpec, maybe
+        # of a GPU this machine does not have); the step itself runs on fake CPU tensors,
+        # with CUDA's autocast policy and kernel choices for a CUDA target.
+        self.target = device if isinstance(device, DeviceSpec) else _spec_of(device)
+        self.device = torch.device("cpu")
+        # Real inputs (a builder's example batch) become fake where they meet fake weights.
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.task = task or Classification()
         self._example = example
         self._example_n = batch_size_of(example)
@@ -115,10 +173,14 @@ class MemoryPredictor:
         self._step_bytes: int | None = None  # optimizer.step's own peak above its start
         self._flops: dict[int, float] = {}  # micro-batch size -> FLOPs per sample
         try:
-            _fake_module(model, self.mode, device)
+            if isinstance(model, nn.Module):
+                _fake_module(model, self.mode, self.device)
+            else:
+                model = _build_fake(model, self.mode, self.device)
             with self.mode:
                 self.model = model
                 self.optimizer = make_optimizer(list(model.parameters()))
+                _resolve_implementation(self.optimizer, self.target.type)
                 # One step on fake gradients creates the optimizer state (momentum, moments).
                 for param in model.parameters():
                     if param.requires_grad:
@@ -134,7 +196,7 @@ class MemoryPredictor:
         `batch_size` (train/flops.py: counted on fake tensors by FlopCounterMode)."""
         if batch_size not in self._flops:
             try:
-                with self.mode:
+                with self.mode, self._as_target():
                     batch = next(self._micro_batches([batch_size]))
                     flops = count_flops(
                         lambda: self.task.loss(
@@ -147,40 +209,59 @@ class MemoryPredictor:
             self._flops[batch_size] = flops / batch_size
         return self._flops[batch_size]
 
-    def predict(self, trainer: TrainerConfig, num_train: int) -> Prediction:
-        """Peak memory of a full-size step of a run with `trainer`'s geometry and precision."""
+    def predict(
+        self, trainer: TrainerConfig, num_train: int, limit_bytes: int | None = None
+    ) -> Prediction:
+        """Peak memory of a full-size step of a run with `trainer`'s geometry and precision;
+        on CUDA also the allocator's reserve under `limit_bytes` (the run's limit)."""
         sizes = step_micro_batch_sizes(num_train, trainer, 0)[:2]
-        key = (tuple(sizes), trainer.precision, trainer.grad_clip_norm)
+        limit = limit_bytes if self.target.type == "cuda" else None
+        key = (tuple(sizes), trainer.precision, trainer.grad_clip_norm, limit)
         if key in self._cache:
             return replace(self._cache[key], seconds=0.0)
         try:
-            self._cache[key] = self._predict(sizes, trainer)
+            self._cache[key] = self._predict(sizes, trainer, limit)
         except Exception as error:  # noqa: BLE001 - as above
             raise PredictionUnsupported(_reason(error)) from error
         return self._cache[key]
 
-    def _predict(self, sizes: list[int], trainer: TrainerConfig) -> Prediction:
+    def _predict(
+        self, sizes: list[int], trainer: TrainerConfig, limit_bytes: int | None
+    ) -> Prediction:
         started = time.perf_counter()
         pattern = (len(sizes), trainer.precision, trainer.grad_clip_norm)
         line = self._lines.setdefault(pattern, _Line())
         uniform = all(n == sizes[0] for n in sizes)
         events = line.at(sizes[0]) if uniform else None
         if events is None:
-            first_step = self.device.type != "cuda" and self._step_bytes is None
+            first_step = self.target.type != "cuda" and self._step_bytes is None
             events = self._run(sizes, trainer)
             if uniform and not first_step:  # the first has the optimizer's own events
                 line.add(sizes[0], events)
         tensor_bytes = _live_peak(events)
-        peak = tensor_bytes
-        if self.device.type == "cuda":
-            peak = cuda_reserved_bytes(events, self.device)
-        return Prediction(peak, tensor_bytes, time.perf_counter() - started)
+        if self.target.type != "cuda":
+            return Prediction(tensor_bytes, tensor_bytes, time.perf_counter() - started)
+        reserve = self._reserve(events, limit_bytes)
+        return Prediction(
+            reserve.smallest_limit_bytes,
+            tensor_bytes,
+            time.perf_counter() - started,
+            reserve.peak_reserved_under_limit_bytes if limit_bytes is not None else None,
+        )
+
+    def _reserve(self, events: Events, limit_bytes: int | None) -> CudaReserve:
+        """The step's events through the caching-allocator model, with the cuBLAS
+        workspaces a training step holds (two: the autograd thread has a handle of its own)."""
+        assert self.target.capability is not None
+        settings = self.target.allocator or AllocatorSettings.from_env()
+        workspaces = cublas_workspaces(self.target.capability, training=True)
+        return predict_reserved(events, settings, workspaces, limit_bytes)
 
     def _run(self, sizes: list[int], trainer: TrainerConfig) -> list[tuple[int, int]]:
         """The step's allocations and frees, computed on fake tensors."""
         precision = Precision(trainer.precision, self.device.type)
         tracker = TensorMemoryTracker(self.device, record=True)
-        with self.mode, precision.matmul_mode():
+        with self.mode, precision.matmul_mode(), self._as_target():
             scaler = _FakeGradScaler(self.device.type, enabled=precision.name == "fp16")
             tracker.register(state_tensors(self.model, self.optimizer))
             with tracker, self._step_once(tracker):
@@ -197,6 +278,14 @@ class MemoryPredictor:
         assert tracker.events is not None
         assert _live_peak(tracker.events) == tracker.peak_bytes
         return tracker.events
+
+    def _as_target(self) -> AbstractContextManager:
+        """For a CUDA target, CUDA's autocast policy and attention kernels on the fake CPU
+        tensors (train/cuda_emulation.py); nothing for the CPU."""
+        if self.target.type != "cuda":
+            return nullcontext()
+        assert self.target.capability is not None
+        return CudaEmulation(self.target.capability)
 
     @contextmanager
     def _step_once(self, tracker: TensorMemoryTracker) -> Iterator[None]:
@@ -222,7 +311,7 @@ class MemoryPredictor:
             events.extend([(-2, self._step_bytes), (-2, -1)])
             tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + self._step_bytes)
 
-        if self.device.type != "cuda":
+        if self.target.type != "cuda":
             self.optimizer.step = measured_step if self._step_bytes is None else cached_step
         try:
             yield
@@ -335,7 +424,7 @@ def largest_fitting_batch(
     def fits(b: int) -> Prediction | None:
         geometry = replace(trainer, batch_size=b, accum_steps=effective // b)  # same effective
         try:
-            prediction = predictor.predict(geometry, num_train)
+            prediction = predictor.predict(geometry, num_train, budget_bytes)
         except PredictionUnsupported:
             if b == 1:  # e.g. BatchNorm over a 1x1 feature map: a single sample cannot train
                 return None

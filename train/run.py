@@ -16,9 +16,12 @@ from typing import Any
 import torch
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from train.batches import Pipeline
 from train.build import COMPONENTS, build_model, build_optimizer, build_scheduler, unknown_settings
 from train.config import ConfigError, TrainerConfig
+from train.device import DeviceSpec, device_spec
 from train.flops import perf_metrics
 from train.loop import Hooks, RunResult, fit, steps_plan
 from train.lr import scaled_lr
@@ -41,6 +44,7 @@ from train.params import (
 )
 from train.precision import unsupported_reason
 from train.predict import MemoryPredictor, Prediction, PredictionUnsupported
+from train.tasks import Task
 from train.workload import Workload, Workloads, workload_key
 
 
@@ -49,7 +53,8 @@ class RunSpec:
     """What a run will do, derived from the config before anything is built."""
 
     trainer: TrainerConfig
-    device: torch.device
+    device: torch.device  # where it trains
+    target: DeviceSpec  # what its memory is predicted for: that device, or search.gpu's
     budget_bytes: int | None
     base_lr: float
     lr: float  # base_lr scaled to the effective batch size by trainer.lr_scaling
@@ -70,7 +75,7 @@ class RunSpec:
     @property
     def limit_bytes(self) -> int:
         """The memory the run may use: its budget, or the whole device without one."""
-        return self.budget_bytes or device_total_bytes(self.device)
+        return self.budget_bytes or self.target.total_bytes
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,23 +97,31 @@ def plan(cfg: DictConfig, budget: Any) -> RunSpec:
     except ConfigError as error:
         problems += error.problems
     device = resolve_device(trainer.device if trainer else "auto")
+    target = DeviceSpec(device.type, device_total_bytes(device))
     if device.type == "cuda" and not torch.cuda.is_available():
         problems.append(
             "trainer.device=cuda but no CUDA device is visible; use trainer.device=auto"
         )
-    elif trainer is not None:
-        reason = unsupported_reason(trainer.precision, device)
+    else:
+        try:
+            target = device_spec(device, OmegaConf.select(cfg, "search.gpu"))
+        except ValueError as error:
+            problems.append(str(error))
+    if trainer is not None and not problems:
+        reason = unsupported_reason(trainer.precision, target)
         if reason:
+            where = "here" if target.local else f"on {target.name}"
+            others = [p for p in ("fp32", "bf16") if not unsupported_reason(p, target)]
             problems.append(
-                f"trainer.precision={trainer.precision} cannot run here: {reason}; "
-                "use trainer.precision=fp32 or bf16"
+                f"trainer.precision={trainer.precision} cannot run {where}: {reason}; "
+                f"use trainer.precision={' or '.join(others or ['fp32'])}"
             )
     budget_bytes = None
     try:
-        budget_bytes = parse_budget(budget, device_total_bytes(device))
+        budget_bytes = parse_budget(budget, target.total_bytes)
     except ValueError as error:
         problems.append(f"search.memory_budget: {error}")
-    problems += _budget_problems(budget, budget_bytes, device)
+    problems += _budget_problems(budget, budget_bytes, target)
     base_lr = cfg.optimizer.get("lr")
     if not isinstance(base_lr, int | float) or base_lr <= 0:
         problems.append(
@@ -119,16 +132,29 @@ def plan(cfg: DictConfig, budget: Any) -> RunSpec:
     lr = scaled_lr(
         float(base_lr), trainer.effective_batch_size, trainer.lr_scaling, trainer.lr_ref_batch_size
     )
-    return RunSpec(trainer, device, budget_bytes, float(base_lr), lr)
+    return RunSpec(trainer, device, target, budget_bytes, float(base_lr), lr)
 
 
-def _budget_problems(budget: Any, budget_bytes: int | None, device: torch.device) -> list[str]:
+def planned_elsewhere(spec: RunSpec) -> str | None:
+    """Why a run planned for `search.gpu` cannot train here (a GPU this machine lacks), or
+    None when it can."""
+    if spec.target.local:
+        return None
+    gpu = spec.target.name
+    return (
+        f"search.gpu={gpu} plans for a GPU this machine does not have (it would train on "
+        f"{spec.device.type}); `python -m search.fit ... search.gpu={gpu}` reports what fits on "
+        "it, and a study or a run of it trains where the GPU is; drop search.gpu to train here"
+    )
+
+
+def _budget_problems(budget: Any, budget_bytes: int | None, target: DeviceSpec) -> list[str]:
     """A budget more than the device has: a GPU's is enforced by its allocator, which cannot
     hand out more than the card holds; the CPU's is accounted against the host's memory,
     which a training step really allocates. 1e30 is a typo, not a plan."""
-    total = device_total_bytes(device)
+    total = target.total_bytes
     if 0 < total < MAX_BUDGET_BYTES:
-        limit, what = total, f"the {format_bytes(total)} that {device.type} has"
+        limit, what = total, f"the {format_bytes(total)} that {target.name} has"
     else:  # not known: only the absurd is refused
         limit, what = MAX_BUDGET_BYTES, "1 PiB"
     if budget_bytes is None or budget_bytes <= limit:
@@ -161,8 +187,23 @@ def check_builds(cfg: DictConfig, spec: RunSpec, workloads: Workloads | None = N
     torch.manual_seed(spec.trainer.seed)
     pipeline = workload.pipeline(spec.device)
     mode = spec.trainer.activation_checkpointing
+    # Built on fake tensors, as the predictor builds it: a model of any size costs nothing
+    # here; one whose builder needs real values is built for real.
     try:
-        model = build_model(cfg, pipeline, workload.task, mode)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = _build_all(cfg, spec, pipeline, workload.task, mode)
+    except Exception:  # noqa: BLE001 - a builder that needs real values, or a real error:
+        model = _build_all(cfg, spec, pipeline, workload.task, mode)  # the real one says which
+    return _budget_note(cfg, spec, workload, model)
+
+
+def _build_all(
+    cfg: DictConfig, spec: RunSpec, pipeline: Pipeline, task: Task, mode: str
+) -> torch.nn.Module:
+    """The model, optimizer and schedule, built as a run builds them; builder-argument
+    errors as ConfigErrors naming the group."""
+    try:
+        model = build_model(cfg, pipeline, task, mode)
     except InstantiationException as error:
         if isinstance(error.__cause__, TypeError | ValueError):
             raise ConfigError(
@@ -172,6 +213,14 @@ def check_builds(cfg: DictConfig, spec: RunSpec, workloads: Workloads | None = N
     # Partial builders: called only now, with the model's parameters, and by a trial otherwise.
     optimizer = _built("optimizer", cfg, lambda: build_optimizer(cfg, model.parameters(), spec.lr))
     _built("scheduler", cfg, lambda: build_scheduler(cfg, optimizer, total_steps=10))
+    return model
+
+
+def _budget_note(
+    cfg: DictConfig, spec: RunSpec, workload: Workload, model: torch.nn.Module
+) -> str | None:
+    """A ConfigError when the budget cannot hold the parameters, gradients and optimizer
+    state; the note that memory cannot be predicted, when it cannot."""
     if spec.budget_bytes is None:
         return None
     try:

@@ -23,6 +23,7 @@ are not in them: one predictor predicts them all (it keys its own cache by them)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections import OrderedDict
@@ -152,7 +153,8 @@ class Workload:
         settings = OmegaConf.to_container(optimizer, resolve=True)
         settings.pop("lr", None)
         mode = spec.trainer.activation_checkpointing
-        key = config_key([self.key, settings, str(spec.device), mode])
+        target = dataclasses.asdict(spec.target)  # the device predicted for, and its allocator
+        key = config_key([self.key, settings, target, mode])
         found = self._owner._predictors.get(key, lambda: self._build_predictor(spec, settings))
         if isinstance(found, PredictionUnsupported):
             raise found
@@ -163,14 +165,14 @@ class Workload:
     ) -> MemoryPredictor | PredictionUnsupported:
         pipeline = self.pipeline(spec.device)
         torch.manual_seed(spec.trainer.seed)
-        model = build_model(self.cfg, pipeline, self.task, spec.trainer.activation_checkpointing)
+        mode = spec.trainer.activation_checkpointing
         built = OmegaConf.create({"optimizer": optimizer})  # what the key says, lr aside
         try:
             return MemoryPredictor(
-                model,
+                lambda: build_model(self.cfg, pipeline, self.task, mode),  # built fake
                 lambda params: build_optimizer(built, params, spec.lr),
                 pipeline.shape_example(),
-                spec.device,
+                spec.target,
                 self.task,
             )
         except PredictionUnsupported as error:
@@ -178,7 +180,8 @@ class Workload:
 
     def predict(self, spec: RunSpec, optimizer: DictConfig) -> Prediction:
         """Predicted peak memory of spec's training step (PredictionUnsupported: measure)."""
-        return self.predictor(spec, optimizer).predict(spec.trainer, self.num_train)
+        predictor = self.predictor(spec, optimizer)
+        return predictor.predict(spec.trainer, self.num_train, spec.limit_bytes)
 
 
 class Workloads:

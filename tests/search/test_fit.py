@@ -32,6 +32,7 @@ ACCUMS = [1, 2, 4]
 EFFECTIVE = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 PRECISIONS = ["fp32", "tf32", "bf16", "fp16"]
 TF32_ON_CPU = unsupported_reason("tf32", torch.device("cpu"))
+KiB, MiB = 2**10, 2**20
 
 
 def _peak(cfg, batch: int, accum: int, precision: str = "fp32") -> int:
@@ -182,3 +183,22 @@ def test_other_searched_keys_are_named_at_the_value_the_report_holds(hydra_conf)
     assert report.held == {"data.seq_len": 64}
     assert "at data.seq_len=64, as configured" in _text(report)
     assert _report(hydra_conf, ["+experiment=resnet", *SMALL]).held == {}
+
+
+def test_a_report_for_a_gpu_this_machine_lacks_is_in_cuda_reserved_bytes(hydra_conf) -> None:
+    """search.gpu on this CPU-only machine: every cell is the smallest per-process limit the
+    caching-allocator model runs the step in (2 MiB segments, two cuBLAS workspaces of
+    8.1 MiB on an A100), above the CPU's live-tensor peak of the same step."""
+    a100 = _report(hydra_conf, [*SMALL, "search.gpu=A100-40GB"])
+    cpu = _report(hydra_conf, SMALL)
+    assert a100.device == "A100-40GB (39.4 GiB, CUDA reserve, planned: not on this machine)"
+    assert cpu.device == "cpu"
+    assert "tf32" not in a100.unsupported  # an Ampere card runs it
+    for key, cell in a100.cells.items():
+        assert cell.peak_bytes % (2 * MiB) == 0, key
+        if cpu.cells[key].peak_bytes is not None:  # tf32: not on a CPU
+            assert cell.peak_bytes >= cpu.cells[key].peak_bytes + 2 * 8320 * KiB, key
+    precisions = '++search.params={trainer.precision:"choice(fp32,tf32,bf16)"}'
+    v100 = _report(hydra_conf, [*SMALL, "search.gpu=V100-16GB", precisions])
+    assert set(v100.unsupported) == {"tf32", "bf16"}
+    assert "compute capability >= 8.0, V100-16GB has 7.x" in v100.unsupported["bf16"]

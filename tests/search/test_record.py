@@ -15,6 +15,7 @@ from search.config import SearchConfig
 from search.outcome import Outcome, trial_record, write
 from search.record import TrialRecord
 from train.config import TrainerConfig
+from train.device import DeviceSpec
 from train.params import ACCUM_KEY, BATCH_KEY, PRECISION_KEY
 from train.run import RunSpec
 
@@ -78,7 +79,8 @@ def test_a_failure_counts_as_finished_whatever_its_reason() -> None:
     interrupted."""
     started = TrialRecord(3, "RUNNING", run=RUN)
     settings = SearchConfig("s", "sqlite://", 4, None, ("val/acc",), None, None)
-    spec = RunSpec(TrainerConfig(), torch.device("cpu"), None, 0.1, 0.1)
+    cpu = torch.device("cpu")
+    spec = RunSpec(TrainerConfig(), cpu, DeviceSpec("cpu", 2**30), None, 0.1, 0.1)
     for reason in ("error", None):
         outcome = Outcome("FAIL", reason, "RuntimeError: boom")
         ended = trial_record(started, outcome, spec, 1.0, settings, {})

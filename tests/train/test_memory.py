@@ -23,8 +23,8 @@ from train.memory import (
     parse_budget,
 )
 from train.models import param_bytes, small_cnn
-from train.predict import _live_peak
 from train.precision import Precision
+from train.predict import _live_peak
 
 CPU = torch.device("cpu")
 GiB, MiB = 2**30, 2**20

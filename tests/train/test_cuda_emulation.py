@@ -1,0 +1,207 @@
+"""CudaEmulation: a step on fake CPU tensors allocates what it would on CUDA.
+
+The oracles are the installed torch itself: its AutocastCUDA kernels (the table), real CUDA
+autocast on fake CUDA tensors (output dtypes; forward works on fake CUDA tensors without a
+GPU) and the CUDA attention ops called explicitly on fake tensors (bytes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from train.cuda_emulation import (
+    CUDA_AUTOCAST_POLICY,
+    NOT_EMULATED,
+    CudaEmulation,
+    SdpaParams,
+    autocast_kernels,
+    select_sdp_backend,
+)
+from train.memory import TensorMemoryTracker
+
+aten = torch.ops.aten
+
+
+def test_the_policy_table_is_the_installed_torchs_autocast_cuda_kernels() -> None:
+    # A torch upgrade that adds, drops or renames a CUDA autocast op fails here.
+    installed = autocast_kernels("AutocastCUDA")
+    assert len(installed) > 100
+    assert set(CUDA_AUTOCAST_POLICY) | set(NOT_EMULATED) == installed
+
+
+@contextmanager
+def _cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
+    # torch.autocast("cuda") refuses without a GPU; these calls are what it does on entry.
+    prev_enabled, prev_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled("cuda", prev_enabled)
+        torch.set_autocast_dtype("cuda", prev_dtype)
+
+
+def _t(device: str, *shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+# (op name, call): a sample of each policy, and ops that only CPU autocast casts (trace,
+# max_pool3d), inputs chosen so that the policy changes the output dtype.
+SAMPLES: list[tuple[str, Callable[[str], torch.Tensor]]] = [
+    (
+        "linear",
+        lambda d: F.linear(_t(d, 4, 8, dtype=torch.float32), _t(d, 3, 8, dtype=torch.float32)),
+    ),
+    ("mv", lambda d: torch.mv(_t(d, 4, 8, dtype=torch.float32), _t(d, 8, dtype=torch.float32))),
+    (
+        "addmv",
+        lambda d: torch.addmv(
+            _t(d, 4, dtype=torch.float32),
+            _t(d, 4, 8, dtype=torch.float32),
+            _t(d, 8, dtype=torch.float32),
+        ),
+    ),
+    (
+        "einsum",
+        lambda d: torch.einsum(
+            "ij,jk->ik", _t(d, 4, 8, dtype=torch.float32), _t(d, 8, 2, dtype=torch.float32)
+        ),
+    ),
+    (
+        "conv2d",
+        lambda d: F.conv2d(
+            _t(d, 1, 2, 5, 5, dtype=torch.float32), _t(d, 3, 2, 3, 3, dtype=torch.float32)
+        ),
+    ),
+    ("exp", lambda d: torch.exp(_t(d, 4))),
+    ("layer_norm", lambda d: F.layer_norm(_t(d, 4, 8), (8,))),
+    ("rms_norm", lambda d: F.rms_norm(_t(d, 4, 8), (8,))),
+    ("mse_loss", lambda d: F.mse_loss(_t(d, 4), _t(d, 4))),
+    ("pow", lambda d: torch.pow(_t(d, 4), 2)),
+    ("logsumexp", lambda d: torch.logsumexp(_t(d, 4, 8), 1)),
+    ("softmax", lambda d: torch.softmax(_t(d, 4, 8), -1)),
+    ("log_softmax", lambda d: torch.log_softmax(_t(d, 4, 8), -1)),
+    ("sum", lambda d: _t(d, 4, 8).sum()),
+    ("cumsum", lambda d: torch.cumsum(_t(d, 4, 8), 1)),
+    ("norm", lambda d: torch.norm(_t(d, 4, 8))),
+    ("addcmul", lambda d: torch.addcmul(_t(d, 4), _t(d, 4, dtype=torch.float32), _t(d, 4))),
+    ("atan2", lambda d: torch.atan2(_t(d, 4), _t(d, 4, dtype=torch.float32))),
+    ("dot", lambda d: torch.dot(_t(d, 4), _t(d, 4))),
+    ("trace", lambda d: torch.trace(_t(d, 4, 4))),
+    ("max_pool3d", lambda d: F.max_pool3d(_t(d, 1, 1, 4, 4, 4), 2)),
+]
+
+
+@pytest.mark.parametrize(("name", "call"), SAMPLES, ids=[name for name, _ in SAMPLES])
+def test_output_dtypes_are_real_cuda_autocasts(name: str, call: Callable) -> None:
+    with FakeTensorMode():
+        with _cuda_autocast(torch.bfloat16):
+            expected = call("cuda").dtype
+        with CudaEmulation(), torch.autocast("cpu", dtype=torch.bfloat16):
+            emulated = call("cpu").dtype
+    assert emulated == expected
+
+
+def test_the_emulation_differs_from_cpu_autocast_and_is_gone_after_exit() -> None:
+    with FakeTensorMode():
+        x = _t("cpu", 4, 8)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.softmax(x, -1).dtype == torch.bfloat16  # CPU's policy
+        with CudaEmulation(), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.softmax(x, -1).dtype == torch.float32  # CUDA's
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.softmax(x, -1).dtype == torch.bfloat16
+
+
+def test_a_weight_cast_is_cached_until_the_autocast_region_exits() -> None:
+    # CUDA autocast keeps the bf16 copy of an fp32 leaf weight for the whole region, so it
+    # is cast once however often it is used, and freed only when the region ends.
+    with FakeTensorMode():
+        weight = torch.randn(64, 64, requires_grad=True)  # 16 KiB fp32, 8 KiB in bf16
+        x = torch.randn(2, 64)
+        with CudaEmulation(), TensorMemoryTracker() as tracker:
+            with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+                for _ in range(3):
+                    torch.mv(weight, x[0])  # mv: cast by CUDA autocast, not by CPU's
+                in_region = tracker.live_bytes
+            after_region = tracker.live_bytes
+    # the outputs and x[0]'s casts are dropped at once; the cache holds the one bf16 copy
+    assert in_region - after_region == 64 * 64 * 2
+
+
+def _attention_step(mode: str, dtype: torch.dtype, capability=(8, 0)) -> tuple[int, int]:  # noqa: ANN001
+    """(bytes live after forward, peak through backward) of one causal attention step."""
+    with FakeTensorMode():
+        q, k, v = (torch.randn(2, 4, 256, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+        with TensorMemoryTracker() as tracker:
+            if mode == "emulated":
+                with CudaEmulation(capability):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            elif mode == "flash":
+                out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)[0]
+            elif mode == "efficient":
+                out = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)[
+                    0
+                ]
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            after_forward = tracker.live_bytes
+            out.backward(torch.ones_like(out))
+        return after_forward, tracker.peak_bytes
+
+
+def test_attention_allocates_what_cuda_flash_attention_does() -> None:
+    emulated = _attention_step("emulated", torch.bfloat16)
+    assert emulated == _attention_step("flash", torch.bfloat16)
+    # flash saves its output and an fp32 logsumexp (B, H, L): 2*4*256*4 B beyond the output
+    assert emulated[0] == 2 * 4 * 256 * 64 * 2 + 2 * 4 * 256 * 4 + 2 * 8 + 8
+    assert emulated != _attention_step("cpu", torch.bfloat16)
+
+
+def test_fp32_attention_allocates_what_cuda_memory_efficient_attention_does() -> None:
+    emulated = _attention_step("emulated", torch.float32)
+    assert emulated == _attention_step("efficient", torch.float32)
+    assert emulated != _attention_step("cpu", torch.float32)
+
+
+def _backend(dtype: torch.dtype, capability, head_dim: int = 64, mask: bool = False) -> str:  # noqa: ANN001
+    with FakeTensorMode():
+        q = torch.randn(2, 4, 128, head_dim, dtype=dtype, requires_grad=True)
+        attn_mask = torch.ones(128, 128, dtype=torch.bool) if mask else None
+        return select_sdp_backend(SdpaParams(q, q, q, attn_mask, 0.0, False, False), capability)
+
+
+def test_the_attention_backend_follows_cudas_rules() -> None:
+    assert _backend(torch.bfloat16, (8, 0)) == "flash"
+    assert _backend(torch.float32, (8, 0)) == "efficient"  # flash needs fp16/bf16
+    assert _backend(torch.bfloat16, (8, 0), mask=True) == "efficient"  # flash takes no mask
+    assert _backend(torch.bfloat16, (9, 0)) == "cudnn"  # preferred on sm90 (cuDNN > 9.15)
+    assert _backend(torch.float16, (7, 5)) == "efficient"  # flash needs sm80
+    assert _backend(torch.bfloat16, (7, 0)) == "math"  # no bf16 kernel before sm80
+    assert _backend(torch.bfloat16, (8, 6), head_dim=200) == "efficient"  # flash bwd limit
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        assert _backend(torch.bfloat16, (8, 0)) == "math"
+
+
+def test_an_fp16_step_with_grad_scaler_runs() -> None:
+    with FakeTensorMode():
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        with CudaEmulation(), TensorMemoryTracker():
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(4, 16))
+                assert out.dtype == torch.float32  # layer_norm runs in fp32 on CUDA
+                loss = out.float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)  # step() reads found_inf with .item(): no fake value
+        assert model[0].weight.grad.dtype == torch.float32

@@ -1,0 +1,119 @@
+"""The prediction for a CUDA device, on this machine without one (train/predict.py with a
+DeviceSpec of train/device.py): the optimizer implementation CUDA runs, models built fake
+from the start, the reserve under a limit, and `search.gpu` planning for a named card."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+from torch import nn
+
+from train.allocator import AllocatorSettings
+from train.config import ConfigError, TrainerConfig
+from train.device import DeviceSpec
+from train.gpus import gpu
+from train.memory import MemoryStats
+from train.predict import MemoryPredictor
+from train.run import plan, planned_elsewhere
+
+CPU = torch.device("cpu")
+A100 = gpu("A100-40GB")
+PLANNED_A100 = DeviceSpec("cuda", A100.total_bytes, A100, AllocatorSettings(), local=False)
+WIDTH, DEPTH = 256, 8
+EXAMPLE = (torch.zeros(4, WIDTH), torch.zeros(4, dtype=torch.long))
+
+
+def _stack() -> nn.Module:
+    return nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(DEPTH)))
+
+
+def _sgd(params: list[nn.Parameter], **kwargs: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4, **kwargs)
+
+
+def _trainer(batch: int = 4, precision: str = "fp32") -> TrainerConfig:
+    return TrainerConfig(batch_size=batch, accum_steps=1, precision=precision)
+
+
+# ---------------------------------------------------------------- the optimizer CUDA runs
+
+
+def test_a_cuda_target_runs_the_foreach_optimizer_real_cuda_parameters_run() -> None:
+    """torch.optim picks foreach only for `type(p) in (Tensor, Parameter)`: on FakeTensors
+    it ran the for-loop path, which holds one weight-decayed gradient at a time where CUDA's
+    foreach holds all of them at once."""
+    cpu = MemoryPredictor(_stack, _sgd, EXAMPLE, CPU)
+    cuda = MemoryPredictor(_stack, _sgd, EXAMPLE, PLANNED_A100)
+    assert cpu.optimizer.param_groups[0]["foreach"] is False  # as on real CPU tensors
+    assert cuda.optimizer.param_groups[0]["foreach"] is True  # as on real CUDA tensors
+    weight = WIDTH * WIDTH * 4
+    # The step is the peak at batch 4: the foreach step's grads + weight decay are all live.
+    more = cuda.predict(_trainer(), 64).tensor_bytes - cpu.predict(_trainer(), 64).tensor_bytes
+    assert more == (DEPTH - 1) * weight
+
+
+def test_an_explicit_implementation_is_left_as_configured() -> None:
+    loop = MemoryPredictor(_stack, lambda p: _sgd(p, foreach=False), EXAMPLE, PLANNED_A100)
+    assert loop.optimizer.param_groups[0]["foreach"] is False
+
+
+# ----------------------------------------------------------------- models built fake
+
+
+def test_a_model_larger_than_this_machine_is_predicted_without_allocating_it() -> None:
+    """4.3 billion fp32 weights (16 GiB; with gradients and momentum, 48 GiB): the builder
+    runs under the predictor's fake mode, so the weights never exist."""
+    side = 65536
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(side, side, bias=False))
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    predictor = MemoryPredictor(
+        build, _sgd, (torch.zeros(2, side), torch.zeros(2, dtype=torch.long)), CPU
+    )
+    prediction = predictor.predict(_trainer(batch=2), 16)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    weights = side * side * 4
+    assert prediction.peak_bytes >= 3 * weights  # weights, gradients, momentum
+    assert grown < 2**30, f"the process grew by {grown / 2**30:.1f} GiB"
+
+
+# ------------------------------------------------------------- the reserve under a limit
+
+
+def test_the_reserve_under_the_runs_limit_is_what_max_memory_reserved_would_read() -> None:
+    """memory/prediction_error compared the unlimited peak reserve with max_memory_reserved,
+    which the limit caps when it binds (the allocator frees cached segments and retries):
+    the prediction now carries the reserve under the run's limit."""
+    predictor = MemoryPredictor(_stack, _sgd, EXAMPLE, PLANNED_A100)
+    trainer = _trainer(batch=512)
+    unlimited = predictor.predict(trainer, 4096, limit_bytes=None)
+    assert unlimited.reserved_bytes is None  # no limit asked for
+    roomy = predictor.predict(trainer, 4096, limit_bytes=A100.total_bytes)
+    tight = predictor.predict(trainer, 4096, limit_bytes=unlimited.peak_bytes)
+    assert roomy.peak_bytes == tight.peak_bytes == unlimited.peak_bytes  # the smallest limit
+    assert tight.reserved_bytes <= unlimited.peak_bytes <= roomy.reserved_bytes
+    measured = MemoryStats(peak_bytes=tight.tensor_bytes, reserved_bytes=tight.reserved_bytes)
+    assert tight.error(measured) == 0.0
+
+
+# ------------------------------------------------------------------------- search.gpu
+
+
+def test_search_gpu_plans_for_a_card_this_machine_does_not_have(hydra_conf) -> None:  # noqa: ANN001
+    spec = plan(hydra_conf(["search.gpu=A100-40GB"]), "90%")
+    assert spec.device == CPU and spec.target.type == "cuda" and not spec.target.local
+    assert spec.target.total_bytes == A100.total_bytes
+    assert spec.budget_bytes == int(A100.total_bytes * 0.9)  # a share of the GPU's memory
+    assert "does not have" in planned_elsewhere(spec)
+    assert planned_elsewhere(plan(hydra_conf([]), None)) is None
+
+
+def test_search_gpu_names_a_known_card(hydra_conf) -> None:  # noqa: ANN001
+    with pytest.raises(ConfigError, match=r"search\.gpu='?A100'? is ambiguous"):
+        plan(hydra_conf(["search.gpu=A100"]), None)
+    with pytest.raises(ConfigError, match=r"bf16 cannot run on V100-16GB.*trainer.precision=fp32"):
+        plan(hydra_conf(["search.gpu=V100-16GB", "trainer.precision=bf16"]), None)

@@ -1,0 +1,465 @@
+"""Run a training step on CPU (fake) tensors so that it allocates what it would on a CUDA GPU.
+
+The predictor (train/predict.py) runs a step on FakeTensors under a tensor tracker. Fake CUDA
+tensors cannot run backward without a GPU (the autograd engine asks the CUDA driver for a
+device), so the step runs on fake CPU tensors, and `CudaEmulation` changes the two things
+where CPU and CUDA allocate differently:
+
+- Autocast's cast policy. CPU autocast casts other ops than CUDA autocast (CUDA runs softmax,
+  layer_norm, sum, exp, ... in fp32 and casts addmv, einsum, mv, ... down; CPU does neither).
+  While the emulation is active, `torch.autocast("cpu", dtype)` applies CUDA's policy
+  (`CUDA_AUTOCAST_POLICY`, PyTorch's AT_FORALL_* lists of aten/src/ATen/autocast_mode.h):
+  Python kernels at the AutocastCPU dispatch key cast exactly as CUDA's C++ kernels do and
+  redispatch below autocast; ops that only CPU autocasts fall through. The weight-cast cache
+  is CUDA's: an fp32 leaf requiring grad is cast once per autocast region and the cast lives
+  until the outermost `torch.autocast` exits. tests/train/test_cuda_emulation.py checks the
+  table against the installed binary's AutocastCUDA kernels and the output dtypes against
+  real CUDA autocast on fake CUDA tensors.
+- The attention kernel. `scaled_dot_product_attention` on CPU runs a CPU kernel; under the
+  emulation it picks a backend by CUDA's rules for the emulated compute capability
+  (cuDNN, flash, memory-efficient or math; aten/src/ATen/native/transformers/cuda/
+  sdp_utils.cpp) and calls that CUDA op, whose meta kernel runs on fake CPU tensors: its
+  outputs and what its autograd node saves (flash's fp32 logsumexp (B, H, L), philox state)
+  are CUDA's, forward and backward.
+
+Ops whose CUDA kernels differ from CPU's only in internal workspaces (cuDNN convolutions,
+cuBLAS) need nothing here: workspaces are covered by the predictor's margin. Not emulated:
+cuDNN RNNs (`_cudnn_rnn`: CPU's LSTM runs other ops), nested-tensor attention.
+
+Example::
+
+    with FakeTensorMode(), CudaEmulation(capability=(8, 0)):
+        model = ...  # built on fake CPU tensors
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # CUDA's bf16 autocast
+            loss = model(batch).sum()
+        loss.backward()
+
+Real CPU training after the context is unaffected: the kernels are deregistered on exit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+LOWER = "lower_precision_fp"  # cast floating inputs to the autocast dtype
+FP32 = "fp32"  # cast floating inputs to float32
+FP32_SET_OPT_DTYPE = "fp32_set_opt_dtype"  # set the op's dtype argument to float32 if unset
+FP32_APPEND_DTYPE = "fp32_append_dtype"  # redispatch to the overload taking a dtype
+PROMOTE = "promote"  # run in the widest floating dtype among the inputs
+BANNED = "banned"  # raises under CUDA autocast
+
+_LOWER_OPS = """_convolution.deprecated _convolution conv1d conv2d conv3d conv_tbc conv_transpose1d
+conv_transpose2d.input conv_transpose3d.input convolution prelu addmm addmv addr matmul einsum mm
+mv linalg_vecdot linear addbmm baddbmm bmm chain_matmul linalg_multi_dot _thnn_fused_lstm_cell
+_thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
+_scaled_dot_product_flash_attention scaled_dot_product_attention cudnn_convolution
+cudnn_convolution_transpose"""
+_FP32_OPS = """acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan
+pow.Tensor_Scalar pow.Tensor_Tensor pow.Scalar softplus layer_norm native_layer_norm rms_norm
+group_norm frobenius_norm.dim nuclear_norm nuclear_norm.dim cosine_similarity poisson_nll_loss
+cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss kl_div l1_loss smooth_l1_loss
+huber_loss mse_loss margin_ranking_loss multilabel_margin_loss soft_margin_loss
+triplet_margin_loss multi_margin_loss binary_cross_entropy_with_logits dist pdist cdist renorm
+logsumexp upsample_nearest1d _upsample_nearest_exact1d upsample_nearest2d
+_upsample_nearest_exact2d upsample_nearest3d _upsample_nearest_exact3d upsample_linear1d
+upsample_bilinear2d _upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d
+_upsample_bicubic2d_aa linalg_matrix_sqrth"""
+_FP32_SET_OPT_DTYPE_OPS = """prod prod.dim_int softmax.int log_softmax.int cumprod cumsum
+linalg_vector_norm linalg_matrix_norm linalg_matrix_norm.str_ord sum sum.dim_IntList"""
+_PROMOTE_OPS = (
+    "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add"
+)
+
+# CUDA autocast's policy per aten op (overload), as registered in the installed torch.
+CUDA_AUTOCAST_POLICY: dict[str, str] = {
+    **dict.fromkeys(_LOWER_OPS.split(), LOWER),
+    **dict.fromkeys(_FP32_OPS.split(), FP32),
+    **dict.fromkeys(_FP32_SET_OPT_DTYPE_OPS.split(), FP32_SET_OPT_DTYPE),
+    "norm.Scalar": FP32_APPEND_DTYPE,
+    "norm.ScalarOpt_dim": FP32_APPEND_DTYPE,
+    **dict.fromkeys(_PROMOTE_OPS.split(), PROMOTE),
+    "binary_cross_entropy": BANNED,
+}
+# Ops with an AutocastCUDA kernel that the emulation leaves alone, and why.
+NOT_EMULATED: dict[str, str] = {
+    "_cudnn_rnn": "cuDNN's fused RNN; CPU's nn.LSTM/GRU run other ops (mkldnn or composite)",
+}
+# fp32_append_dtype: the overload each one redispatches to, with the dtype appended.
+_APPEND_DTYPE_TARGET = {
+    "norm.Scalar": "norm.ScalarOpt_dtype",
+    "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype",
+}
+_BCE_MESSAGE = (
+    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+    "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+    "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_"
+    "logits\nor torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits "
+    "are\nsafe to autocast."
+)
+_NO_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+
+def _op(name: str) -> torch._ops.OpOverload:
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(aten, packet), overload or "default")
+
+
+def autocast_kernels(dispatch_key: str) -> set[str]:
+    """Names ('softmax.int') of the aten ops with a kernel at `dispatch_key` in this torch."""
+    found = set()
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if qualified.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(
+            qualified, dispatch_key
+        ):
+            found.add(qualified.removeprefix("aten::"))
+    return found
+
+
+class _CastCache:
+    """CUDA autocast's weight-cast cache: lower-precision casts of fp32 leaves requiring grad,
+    kept (strongly, as C++ keeps them) until the outermost autocast region exits."""
+
+    def __init__(self) -> None:
+        self._casts: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    def cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        cacheable = (
+            dtype == torch.get_autocast_dtype("cpu")
+            and tensor.dtype == torch.float32
+            and tensor.requires_grad
+            and tensor.is_leaf
+            and not tensor._is_view()
+            and torch.is_autocast_cache_enabled()
+            and not torch._C._is_cached_tensor(tensor)
+        )
+        if not cacheable:
+            return tensor.to(dtype)
+        hit = self._casts.get(id(tensor))
+        if hit is not None and hit[0]() is tensor:
+            return hit[1]
+        casted = tensor.to(dtype)
+        self._casts[id(tensor)] = (weakref.ref(tensor), casted)
+        return casted
+
+    def clear(self) -> None:
+        self._casts.clear()
+
+
+def _eligible(value: object) -> bool:
+    # CUDA's is_eligible, with CPU in CUDA's place: floating, not double
+    return (
+        isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and value.is_floating_point()
+        and value.dtype != torch.float64
+    )
+
+
+class _Policy:
+    """The Python twin of one of autocast_mode.h's WrapFunction_ policies for one op."""
+
+    def __init__(self, name: str, policy: str, cache: _CastCache) -> None:
+        self.op = _op(name)
+        self.policy = policy
+        self.cache = cache
+        arguments = self.op._schema.arguments
+        self.names = [argument.name for argument in arguments]
+        self.optional = {a.name for a in arguments if isinstance(a.type, torch._C.OptionalType)}
+        self.dtype_arg = "dtype"  # the ScalarType? argument of every fp32_set_opt_dtype op
+        target = _APPEND_DTYPE_TARGET.get(name)
+        self.redispatch = _op(target) if target else self.op
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = dict(zip(self.names, args, strict=False)) | kwargs
+        with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+            return self.redispatch(**self._apply(bound))
+
+    def _apply(self, bound: dict[str, Any]) -> dict[str, Any]:
+        lower = torch.get_autocast_dtype("cpu")
+        if self.policy == BANNED:
+            raise RuntimeError(_BCE_MESSAGE)
+        if self.policy == LOWER:
+            return self._cast_all(bound, lower)
+        if self.policy == FP32:
+            return self._cast_all(bound, torch.float32)
+        first = bound[self.names[0]]
+        if self.policy == FP32_SET_OPT_DTYPE:
+            if _eligible(first) and bound.get(self.dtype_arg) is None:
+                bound[self.dtype_arg] = torch.float32
+            return bound
+        if self.policy == FP32_APPEND_DTYPE:
+            return bound | {"dtype": torch.float32 if _eligible(first) else first.dtype}
+        return self._cast_all(bound, self._promote_type(bound, lower))
+
+    def _promote_type(self, bound: dict[str, Any], lower: torch.dtype) -> torch.dtype:
+        # prioritize(): optional tensors take no part, as in the C++ template
+        current = lower
+        for name, value in bound.items():
+            values = value if isinstance(value, list | tuple) else [value]
+            for tensor in values if name not in self.optional else ():
+                if not _eligible(tensor):
+                    continue
+                if current == torch.float32 or tensor.dtype == torch.float32:
+                    current = torch.float32
+                elif not (current == lower and tensor.dtype == lower):
+                    raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
+        return current
+
+    def _cast_all(self, bound: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+        def cast(value: object) -> object:
+            if _eligible(value) and value.dtype != dtype:
+                return self.cache.cast(value, dtype)
+            if isinstance(value, list | tuple):
+                return type(value)(cast(item) for item in value)
+            return value
+
+        return {name: cast(value) for name, value in bound.items()}
+
+
+class CudaEmulation:
+    """While active, CPU tensors allocate as CUDA tensors of a GPU of `capability` would:
+    CPU autocast applies CUDA's cast policy and cache, and scaled_dot_product_attention runs
+    CUDA's attention kernels. See the module docstring for an example."""
+
+    def __init__(self, capability: tuple[int, int] = (8, 0)) -> None:
+        self.capability = capability
+        self._cache = _CastCache()
+        self._library: torch.library.Library | None = None
+        self._clear_autocast_cache: Callable[[], None] | None = None
+
+    def __enter__(self) -> CudaEmulation:
+        assert self._library is None, "CudaEmulation is not reentrant"
+        library = torch.library.Library("aten", "IMPL")
+        for name, policy in CUDA_AUTOCAST_POLICY.items():
+            library.impl(name, _Policy(name, policy, self._cache), "AutocastCPU")
+        for name in _cpu_only_autocast_ops():
+            library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+        library.impl("scaled_dot_product_attention", self._attention, "AutogradCPU")
+        self._library = library
+        self._hook_cache_clearing()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.clear_autocast_cache = self._clear_autocast_cache
+        self._cache.clear()
+        self._library._destroy()
+        self._library = None
+
+    def _hook_cache_clearing(self) -> None:
+        # torch.autocast.__exit__ calls torch.clear_autocast_cache() when the outermost
+        # region ends; CUDA's cache and this one must empty at the same moment.
+        original = self._clear_autocast_cache = torch.clear_autocast_cache
+
+        def clear_autocast_cache() -> None:
+            original()
+            self._cache.clear()
+
+        torch.clear_autocast_cache = clear_autocast_cache
+
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                   *, scale=None, enable_gqa=False):  # fmt: skip  # noqa: ANN001, ANN202
+        params = SdpaParams(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        backend = select_sdp_backend(params, self.capability)
+        return run_sdp_backend(backend, params, scale)
+
+
+@functools.cache
+def _cpu_only_autocast_ops() -> tuple[str, ...]:
+    # CPU autocast's own kernels (e.g. conv2d.padding, fft_*, ctc_loss): CUDA has none, so
+    # under the emulation they fall through to the op itself. Fixed for a torch binary.
+    return tuple(sorted(autocast_kernels("AutocastCPU") - set(CUDA_AUTOCAST_POLICY)))
+
+
+class SdpaParams:
+    """The arguments of one scaled_dot_product_attention call that the backend rules read."""
+
+    def __init__(self, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):  # noqa: ANN001
+        self.query, self.key, self.value = query, key, value
+        self.attn_mask, self.dropout_p = attn_mask, dropout_p
+        self.is_causal, self.enable_gqa = is_causal, enable_gqa
+
+    @property
+    def requires_grad(self) -> bool:
+        tensors = (self.query, self.key, self.value)
+        return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _dense_4d(params: SdpaParams) -> bool:
+    q, k, v = params.query, params.key, params.value
+    if not all(t.dim() == 4 for t in (q, k, v)) or not (q.size(0) == k.size(0) == v.size(0)):
+        return False
+    if min(q.size(2), k.size(2), q.size(3)) == 0 or k.size(1) != v.size(1):
+        return False
+    same_heads = q.size(1) == k.size(1)
+    gqa = params.enable_gqa and k.size(1) > 0 and q.size(1) % k.size(1) == 0
+    return same_heads or gqa
+
+
+def _last_dim_contiguous(params: SdpaParams, ignore_singleton: bool) -> bool:
+    def ok(tensor: torch.Tensor) -> bool:
+        return tensor.stride(-1) == 1 or (ignore_singleton and tensor.size(-1) == 1)
+
+    return all(ok(t) for t in (params.query, params.key, params.value))
+
+
+def _gemm_alignment(dtype: torch.dtype, capability: tuple[int, int]) -> int:
+    # minimum_gemm_alignment(): elements per 128-bit load where tensor cores are used
+    is_half = dtype in (torch.float16, torch.bfloat16)
+    tensor_cores = capability[0] >= 8 or (capability[0] >= 7 and is_half)
+    alignment = 4 if capability[0] >= 8 else 1
+    return max(alignment, 128 // (16 if is_half else 32)) if tensor_cores else alignment
+
+
+def can_use_flash(params: SdpaParams, capability: tuple[int, int]) -> bool:
+    """can_use_flash_attention() of sdp_utils.cpp for a GPU of `capability`."""
+    q, k, v = params.query, params.key, params.value
+    head_dim = q.size(-1)
+    if not torch.backends.cuda.flash_sdp_enabled() or not _dense_4d(params):
+        return False
+    if params.attn_mask is not None or not (head_dim == k.size(-1) == v.size(-1) <= 256):
+        return False
+    if not (8, 0) <= capability <= (12, 1) or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    # flash's backward fails on sm86-89 and sm120-121 for some head dims
+    small_smem = (8, 6) <= capability <= (8, 9) or (12, 0) <= capability <= (12, 1)
+    supported_head_dim = head_dim <= 192 or (params.dropout_p == 0 and head_dim > 224)
+    if small_smem and params.requires_grad and not supported_head_dim:
+        return False
+    if params.is_causal and q.size(-2) != k.size(-2):
+        return False
+    return _last_dim_contiguous(params, ignore_singleton=True)
+
+
+def can_use_efficient(params: SdpaParams, capability: tuple[int, int]) -> bool:
+    """can_use_mem_efficient_attention() of sdp_utils.cpp for a GPU of `capability`."""
+    q, k, v = params.query, params.key, params.value
+    if not torch.backends.cuda.mem_efficient_sdp_enabled() or not _dense_4d(params):
+        return False
+    if not (5, 0) <= capability <= (12, 1):
+        return False
+    alignment = _gemm_alignment(q.dtype, capability)
+    if q.size(-1) != k.size(-1) or q.size(-1) % alignment or v.size(-1) % alignment:
+        return False
+    if capability[0] >= 8 and any(t.storage_offset() % alignment for t in (q, k, v)):
+        return False  # storage_offset * element_size must be a multiple of the alignment bytes
+    dtypes = (torch.float16, torch.float32) + ((torch.bfloat16,) if capability[0] >= 8 else ())
+    return q.dtype in dtypes and _last_dim_contiguous(params, ignore_singleton=False)
+
+
+def can_use_cudnn(params: SdpaParams, capability: tuple[int, int]) -> bool:
+    """can_use_cudnn_attention() of sdp_utils.cpp for a GPU of `capability` and this torch's
+    cuDNN (assuming a cuDNN frontend that supports head dim 256 where cuDNN does)."""
+    q, k, v = params.query, params.key, params.value
+    if not torch.backends.cuda.cudnn_sdp_enabled() or not _dense_4d(params):
+        return False
+    if (
+        torch.are_deterministic_algorithms_enabled()
+        and not torch.is_deterministic_algorithms_warn_only_enabled()
+    ):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or not (8, 0) <= capability <= (12, 1):
+        return False
+    if params.dropout_p * 16 != math.floor(params.dropout_p * 16):
+        return False
+    if max(q.size(0), q.size(1)) > 65535 or k.size(2) == 1:
+        return False
+    if params.dropout_p != 0 and q.size(2) == 1:
+        return False
+    d_qk, d_v = q.size(3), v.size(3)
+    sm90_or_sm10x = capability == (9, 0) or capability[0] == 10
+    d256 = sm90_or_sm10x and _cudnn_version() > 92200
+    if max(d_qk, d_v) > (256 if d256 else 128) or d_qk % 8 or d_v % 8:
+        return False
+    if (
+        d256
+        and params.requires_grad
+        and not (max(d_qk, d_v) <= 128 or (d_qk, d_v) in ((192, 128), (256, 256)))
+    ):
+        return False
+    return _last_dim_contiguous(params, ignore_singleton=True)
+
+
+def _cudnn_version() -> int:
+    return torch.backends.cudnn.version() or 0
+
+
+def sdp_priority_order(capability: tuple[int, int]) -> list[str]:
+    """Backends in the order CUDA tries them: cuDNN first on sm90/sm10x with cuDNN > 9.15
+    (priority_order() in sdp_utils.cpp), unless the user set an order of their own."""
+    names = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+    order = [names[index] for index in torch._C._get_sdp_priority_order()]
+    default = ["flash", "efficient", "math", "cudnn", "overrideable"]
+    prefer_cudnn = os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "0") in ("0", "")
+    if order == default and prefer_cudnn and capability[0] in (9, 10) and _cudnn_version() > 91500:
+        order = ["cudnn", "flash", "efficient", "math", "overrideable"]
+    return order
+
+
+def select_sdp_backend(params: SdpaParams, capability: tuple[int, int]) -> str:
+    """The attention backend CUDA's select_sdp_backend() picks: cudnn, flash, efficient, math."""
+    checks = {"cudnn": can_use_cudnn, "flash": can_use_flash, "efficient": can_use_efficient}
+    for backend in sdp_priority_order(capability):
+        if backend in checks and checks[backend](params, capability):
+            return backend
+        if backend == "math" and torch.backends.cuda.math_sdp_enabled():
+            return backend
+    raise RuntimeError("No available kernel. Aborting execution.")
+
+
+def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    # convert_boolean_attn_mask(): a boolean mask becomes an additive one of the query's dtype
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask.logical_not(), float("-inf"), torch.zeros((), dtype=dtype))
+
+
+def _efficient_mask(mask: torch.Tensor, params: SdpaParams) -> torch.Tensor:
+    # preprocess_mask(): the kernel reads the bias in rows padded to 16 elements, then
+    # broadcasts it to (B, H, L, S)
+    q, k = params.query, params.key
+    length = mask.size(-1)
+    if length % 16:
+        mask = F.pad(mask, (0, 16 - length % 16))[..., :length]
+    return mask.expand(q.size(0), q.size(1), q.size(2), k.size(2))
+
+
+def run_sdp_backend(backend: str, params: SdpaParams, scale: float | None) -> torch.Tensor:
+    """Attention's output computed as scaled_dot_product_attention does on CUDA for `backend`
+    (attention.cpp), so that the CUDA op's outputs and saved tensors are allocated."""
+    q, k, v = params.query, params.key, params.value
+    mask = _float_mask(params.attn_mask, q.dtype)
+    dropout_p, causal = params.dropout_p, params.is_causal
+    if backend == "cudnn":
+        outputs = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, mask, params.requires_grad, dropout_p, causal, False, scale=scale
+        )
+        return outputs[0]
+    if backend == "flash":
+        head_dim = q.size(-1)
+        scale = 1 / math.sqrt(head_dim) if scale is None else scale  # of the unpadded size
+        pad = (0, -head_dim % 8)  # pad_last_dim<8>: the kernel wants a multiple of 8
+        padded = [F.pad(t, pad) if pad[1] else t for t in (q, k, v)]
+        out = aten._scaled_dot_product_flash_attention(
+            *padded, dropout_p, causal, False, scale=scale
+        )[0]
+        return out[..., :head_dim] if pad[1] else out
+    if backend == "efficient":
+        mask = None if mask is None else _efficient_mask(mask, params)
+        outputs = aten._scaled_dot_product_efficient_attention(
+            q, k, v, mask, params.requires_grad, dropout_p, causal, scale=scale
+        )
+        return outputs[0]
+    outputs = aten._scaled_dot_product_attention_math(
+        q, k, v, mask, dropout_p, causal, None, scale=scale, enable_gqa=params.enable_gqa
+    )
+    return outputs[0]

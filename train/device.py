@@ -1,0 +1,72 @@
+"""The device a run's memory is planned for: the one it trains on, or a GPU named by
+`search.gpu` that this machine may not have.
+
+A run trains on `trainer.device` (train/run.py `resolve_device`); its memory is predicted
+for a `DeviceSpec`: the same CPU, the same GPU, or, with `search.gpu=A100-40GB`, a card from
+the table of train/gpus.py. On a laptop or a login node the fit report and a study's
+preflight then answer "what fits on an A100-40GB?" for CUDA's reserved bytes: the step is
+computed on fake CPU tensors with CUDA's behaviour (train/cuda_emulation.py) and replayed
+through the caching-allocator model with the card's cuBLAS workspaces (train/allocator.py).
+Such a plan cannot train here: `trains_here` says so, and the entry points stop before
+training with the command that reports what fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from train.allocator import AllocatorSettings
+from train.gpus import Gpu, gpu, gpu_of_device_name
+from train.memory import device_total_bytes
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What a memory prediction needs of a device. `gpu` is None for the CPU; `local` says
+    whether this machine has the device (a run can train on it)."""
+
+    type: str  # "cpu" or "cuda"
+    total_bytes: int
+    gpu: Gpu | None = None
+    allocator: AllocatorSettings | None = None  # CUDA's caching allocator, as configured
+    local: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.gpu.name if self.gpu is not None else self.type
+
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        return self.gpu.capability if self.gpu is not None else None
+
+
+def _local_gpu(device: torch.device) -> Gpu:
+    """The table's entry for this machine's GPU, or one made of what torch reports (no peak
+    FLOP/s: trainer.peak_flops gives it)."""
+    props = torch.cuda.get_device_properties(device)
+    known = gpu_of_device_name(props.name)
+    if known is not None:
+        return Gpu(known.name, props.total_memory, (props.major, props.minor), known.peak_flops)
+    return Gpu(props.name, props.total_memory, (props.major, props.minor), {})
+
+
+def device_spec(device: torch.device, gpu_name: str | None) -> DeviceSpec:
+    """The DeviceSpec of a run on `device` (resolved) with `search.gpu` = `gpu_name`: the
+    named card when given (ValueError naming search.gpu for an unknown one, or for one
+    that is not the GPU this machine trains on), else the device itself."""
+    named = gpu(gpu_name) if gpu_name is not None else None
+    if device.type == "cuda":
+        local = _local_gpu(device)
+        if named is not None and gpu_of_device_name(torch.cuda.get_device_name(device)) != named:
+            raise ValueError(
+                f"search.gpu={gpu_name} plans for another GPU than this machine's "
+                f"{torch.cuda.get_device_name(device)}, which its trials train on; drop "
+                "search.gpu here, or run python -m search.fit search.gpu=... to plan"
+            )
+        return DeviceSpec("cuda", local.total_bytes, local, AllocatorSettings.from_env())
+    if named is not None:
+        allocator = AllocatorSettings.from_env()
+        return DeviceSpec("cuda", named.total_bytes, named, allocator, local=False)
+    return DeviceSpec(device.type, device_total_bytes(device))
