@@ -1,88 +1,19 @@
-"""The bundled language model (`+experiment=gpt`) and an ImageFolder read by DataLoader
-workers, as a user runs them: `python -m search` / `python -m train` in subprocesses, then
-the Optuna journal and the MLflow store read back."""
+"""An ImageFolder read by DataLoader workers, as a user runs it: `python -m search` in a
+subprocess, then the MLflow store read back. (The bundled language model's study,
+`+experiment=gpt`, is checked where the README runs it: tests/test_readme.py
+`test_quick_start_gpt`.)"""
 
 from __future__ import annotations
 
-import math
-import shlex
 from pathlib import Path
 
-import optuna
 import pytest
 from mlflow.tracking import MlflowClient
-from optuna.trial import TrialState
 from PIL import Image
 
 from tests.sweeps import run_module
 
 pytestmark = pytest.mark.slow
-
-# The experiment on a tenth of its text, so that each trial takes a second or two.
-GPT = [
-    "+experiment=gpt",
-    "data.max_bytes=24000",  # ~750 sequences of 32 bytes: enough to learn below uniform
-    "search.n_trials=4",
-    "mlflow.system_metrics=false",
-    "search.speed_check=false",  # tests/search/test_speed_check.py and the quick start run it
-    '++search.params={trainer.batch_size:"choice(8,16,128)",data.seq_len:"choice(32,256)"}',
-]
-
-
-def _journal(root: Path) -> optuna.storages.JournalStorage:
-    backend = optuna.storages.journal.JournalFileBackend(str(root / "mlruns" / "optuna.journal"))
-    return optuna.storages.JournalStorage(backend)
-
-
-def test_gpt_study_reports_tokens_perplexity_and_exact_prediction(tmp_path: Path) -> None:
-    out = run_module("search", GPT, tmp_path).stdout
-    study = optuna.load_study(study_name="gpt-python_stdlib", storage=_journal(tmp_path))
-    assert study.metric_names == ["val/loss", "throughput/tokens_per_sec"]
-    finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
-    assert len(finished) == 4
-    done = [t for t in finished if t.state == TrialState.COMPLETE]
-    assert done, out
-    for t in done:
-        figures = t.user_attrs["metrics"]
-        seq_len = t.params["data.seq_len"]
-        # Tokens are samples x seq_len here (no padding): the two throughputs agree.
-        assert figures["throughput/tokens_per_sec"] == pytest.approx(
-            figures["throughput/samples_per_sec"] * seq_len, rel=1e-6
-        )
-        assert t.values == [figures["val/loss"], figures["throughput/tokens_per_sec"]]
-        assert figures["val/perplexity"] == pytest.approx(math.exp(figures["val/loss"]))
-        # Bytes of Python source: well below the 5.55 nats of a uniform guess over 256.
-        assert figures["val/loss"] < math.log(256)
-        # On CPU the prediction is the same accounting as the measurement: exact.
-        assert t.user_attrs["prediction_error"] == 0.0
-        assert t.user_attrs["unit"] == "tokens"
-    # batch 128 x 256 tokens needs ~680 MiB in fp32, over the experiment's 160 MiB.
-    big = [t for t in finished if t.params["trainer.batch_size"] * t.params["data.seq_len"] > 8192]
-    for t in big:
-        assert t.state == TrialState.PRUNED and t.user_attrs["reason"] == "oom_predicted"
-    assert "tokens/s" in out and "the best throughput/tokens_per_sec" in out
-
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
-    experiment = client.get_experiment_by_name(study.study_name)
-    runs = client.search_runs([experiment.experiment_id], "tags.`batchfit.role` = 'trial'")
-    completed = [r for r in runs if r.data.tags["batchfit.state"] == "COMPLETE"]
-    assert len(completed) == len(done)
-    for run in completed:
-        for name in ("throughput/tokens_per_sec", "val/perplexity", "memory/prediction_error",
-                     "time/data_wait_share"):  # fmt: skip
-            assert name in run.data.metrics, name
-        # Which text the run saw: the corpus's hash and what the model was built for.
-        assert len(run.data.params["data_info.corpus_sha256"]) == 64
-        assert run.data.params["data_info.vocab_size"] == "256"
-
-    # The printed rerun trains the recommended configuration again, to the same val loss.
-    rec = study.trials[int(out.split("Recommended: trial ")[1].split(",")[0])]
-    rerun = next(line for line in out.splitlines() if line.startswith("Train it again: "))
-    again = run_module("train", shlex.split(rerun.removeprefix("Train it again: "))[3:], tmp_path)
-    again = again.stdout
-    val_loss = float(again.split("val/loss ")[-1].split()[0])
-    assert val_loss == pytest.approx(rec.user_attrs["metrics"]["val/loss"], abs=1e-4)
-    assert "tokens/s" in again
 
 
 def _image_folder(root: Path, per_class: int) -> None:

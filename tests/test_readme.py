@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import math
 import os
 import re
 import shlex
@@ -329,16 +330,58 @@ def test_quick_start_digits(
 
 
 def test_quick_start_gpt(
-    quick_starts: dict[str, Ran], hydra_conf: Callable[..., DictConfig]
+    quick_starts: dict[str, Ran], workdir: Path, hydra_conf: Callable[..., DictConfig]
 ) -> None:
+    """The GPT quick start, as the README runs it: its figures in tokens, the prediction
+    exact on CPU, what MLflow holds, and the printed rerun."""
     ran = quick_starts["test_quick_start_gpt"]
     trial = _check_study(ran, "gpt-python_stdlib")
     assert ran.study.metric_names == ["val/loss", "throughput/tokens_per_sec"]
     assert "data.seq_len" in trial.params  # the sequence length is searched too
     assert trial.user_attrs["metrics"]["throughput/tokens_per_sec"] > 0
     # README: "about 3 minutes, time-boxed the same way".
-    timeout_s = hydra_conf(shlex.split(ran.command)[3:]).search.timeout_s
-    assert timeout_s is not None, "search.timeout_s is not set: the study runs all its trials"
+    cfg = hydra_conf(shlex.split(ran.command)[3:])
+    assert cfg.search.timeout_s is not None, "search.timeout_s is not set: it runs all its trials"
+    done = [t for t in ran.study.trials if t.state == TrialState.COMPLETE]
+    for t in done:
+        figures = t.user_attrs["metrics"]
+        # Tokens are samples x seq_len here (no padding): the two throughputs agree.
+        assert figures["throughput/tokens_per_sec"] == pytest.approx(
+            figures["throughput/samples_per_sec"] * t.params["data.seq_len"], rel=1e-6
+        )
+        assert t.values == [figures["val/loss"], figures["throughput/tokens_per_sec"]]
+        assert figures["val/perplexity"] == pytest.approx(math.exp(figures["val/loss"]))
+        # Bytes of Python source: well below the 5.55 nats of a uniform guess over 256.
+        assert figures["val/loss"] < math.log(256)
+        # On CPU the prediction is the same accounting as the measurement: exact.
+        assert t.user_attrs["prediction_error"] == 0.0
+        assert t.user_attrs["unit"] == "tokens"
+    # A micro-batch of 128 x 256 tokens needs ~680 MiB in fp32, over the experiment's 160 MiB.
+    for t in ran.study.trials:
+        if t.params["trainer.batch_size"] * t.params["data.seq_len"] >= 128 * 256:
+            assert t.state == TrialState.PRUNED and t.user_attrs["reason"] == "oom_predicted"
+    assert "tokens/s" in ran.out and "the best throughput/tokens_per_sec" in ran.out
+
+    client = MlflowClient(f"sqlite:///{workdir}/mlruns/mlflow.db")
+    experiment = client.get_experiment_by_name(ran.study.study_name)
+    runs = client.search_runs([experiment.experiment_id], "tags.`batchfit.role` = 'trial'")
+    completed = [r for r in runs if r.data.tags["batchfit.state"] == "COMPLETE"]
+    assert len(completed) == len(done)
+    for run in completed:
+        for name in ("throughput/tokens_per_sec", "val/perplexity", "memory/prediction_error",
+                     "time/data_wait_share", "perf/mfu"):  # fmt: skip
+            assert name in run.data.metrics, name
+        # Which text the run saw: the corpus's hash and what the model was built for.
+        assert len(run.data.params["data_info.corpus_sha256"]) == 64
+        assert run.data.params["data_info.vocab_size"] == "256"
+
+    # The printed rerun trains the recommended configuration again, to the same val loss.
+    rerun = re.search(r"^Train it again: (python -m train .*)$", ran.out, re.M)
+    assert rerun, ran.out
+    again = shell(rerun.group(1), workdir).stdout
+    val_loss = float(again.split("val/loss ")[-1].split()[0])
+    assert val_loss == pytest.approx(trial.user_attrs["metrics"]["val/loss"], abs=1e-4)
+    assert "tokens/s" in again
 
 
 def _get(url: str) -> dict:
@@ -419,7 +462,7 @@ def test_mlflow_ui(quick_starts: dict[str, Ran], server: Callable[[str, int, str
 
 def _fit_report(out: str) -> str:
     """The first fit report printed, without the line that says how long it took."""
-    start = out.index("Fit report:")
+    start = out.index("Fit report for ")
     return out[start : out.index("predicted in", start)]
 
 

@@ -16,8 +16,6 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-import torch
-
 KiB, MiB = 1 << 10, 1 << 20
 
 # Constants of CUDACachingAllocator.cpp: every block is rounded up to kMinBlockSize; blocks up
@@ -887,17 +885,3 @@ def _chosen_workspace_bytes(capability: tuple[int, int], environ: Mapping[str, s
     if not pairs:  # torch warns and uses the default
         return default
     return sum(int(size) * KiB * int(count) for size, count in pairs)
-
-
-def cuda_reserved_bytes(events: list[tuple[int, int]], device: torch.device) -> int:
-    """Peak reserved bytes of a training step on `device` (settings from the environment),
-    unlimited: what train/predict.py compares with the budget today."""
-    capability = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else (8, 0)
-    workspaces = cublas_workspaces(capability, training=True)
-    settings = AllocatorSettings.from_env()
-    steps = _workspace_events(workspaces) + list(events)
-    if settings.backend == "cudaMallocAsync":
-        return _async_reserved_bytes(steps)
-    model = CachingAllocatorModel(settings)
-    replay(model, steps)
-    return model.peak_reserved_bytes

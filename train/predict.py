@@ -1,11 +1,14 @@
 """Peak-memory prediction: a training step computed on fake tensors, before anything is allocated.
 
-The model is built once and its parameters and buffers are replaced by FakeTensors (shape, dtype
-and device, no storage); one step on fake gradients gives the optimizer its state. A prediction
-then runs `optimizer_step`, the function `fit` runs, on fake micro-batches of the run's sizes,
-under the `TensorMemoryTracker` that measures CPU runs. On CPU, prediction and measurement are
-therefore the same accounting. On CUDA the caching allocator holds more than the live tensors;
-`train.allocator.cuda_reserved_bytes` replays the step's allocations through a model of it.
+The model is built once under a FakeTensorMode (shape, dtype and device, no storage: a model
+of any size costs its module objects); one step on fake gradients gives the optimizer its
+state. A prediction then runs `optimizer_step`, the function `fit` runs, on fake micro-batches
+of the run's sizes, under the `TensorMemoryTracker` that measures CPU runs. On CPU, prediction
+and measurement are therefore the same accounting. For CUDA (a DeviceSpec of train/device.py:
+this machine's GPU, or one named by search.gpu that it may not have) the step runs on fake CPU
+tensors as CUDA runs it (train/cuda_emulation.py: autocast policy, attention kernels; here:
+the optimizer's foreach implementation), and its allocations are replayed through a model of
+the caching allocator (train/allocator.py), which holds more than the live tensors.
 
 Only the steady-state step is computed: a full-size step with optimizer state in place (step 0
 holds the same tensors less that state; `fit` measures this step too, see `memory_steps`). Of

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from train.allocator import (
     AllocatorOutOfMemory,
@@ -18,7 +17,6 @@ from train.allocator import (
     SegmentState,
     cublas_workspace_bytes,
     cublas_workspaces,
-    cuda_reserved_bytes,
     predict_reserved,
     replay,
     smallest_limit,
@@ -372,11 +370,10 @@ def test_cublas_workspace_sizes(capability, environ, workspace):
         (":16:8", 2 * MiB, 2 * MiB + 20 * MiB),
     ],
 )
-def test_cuda_reserved_bytes_counts_two_cublas_workspaces(monkeypatch, config, alone, reserved):
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
-    device = torch.device("cuda", 0)  # not touched without CUDA: sizes from the environment
-    assert cuda_reserved_bytes([], device) == alone  # the workspaces are allocated first
+def test_a_step_reserves_two_cublas_workspaces_first(config, alone, reserved):
+    workspaces = cublas_workspaces((8, 0), True, {"CUBLAS_WORKSPACE_CONFIG": config})
+    empty = predict_reserved([], AllocatorSettings(), workspaces)
+    assert empty.peak_reserved_bytes_unlimited == alone  # the workspaces are allocated first
     events = [(0, 5 * MiB), (1, 512), (1, -1), (0, -1)]
-    assert cuda_reserved_bytes(events, device) == reserved
+    step = predict_reserved(events, AllocatorSettings(), workspaces)
+    assert step.peak_reserved_bytes_unlimited == reserved

@@ -8,8 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 from rich.console import Console
 
+from search.config import SearchConfig
 from train.allocator import cublas_workspaces
 from train.cuda_trace import (
     device_traces,
@@ -21,6 +23,7 @@ from train.cuda_trace import (
 )
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "cuda-traces"
+CONF = Path(__file__).parents[2] / "conf"
 MiB = 2**20
 
 # name, device, compared events, real peak reserved (bytes), model's smallest limit, real-events
@@ -145,3 +148,15 @@ def test_the_table_has_a_row_per_device(by_trace):
     out = console.export_text()
     assert out.count("constructorsun_memory_snapshot") == 3
     assert "78.424" in out  # constructorsun device 1's smallest limit, GiB
+
+
+def test_the_default_preflight_margin_covers_what_fake_tensors_cannot_see(by_trace):
+    """The margin is decided from these traces: allocations made inside kernels (transient:
+    freed before the next allocation) raised the smallest limit by at most 2.44%, and the
+    default search.preflight_margin must cover the largest of them (README: How it works)."""
+    worst = max(report.transient.limit_share for report in by_trace.values())
+    assert worst == pytest.approx(0.0244, abs=5e-4)
+    assert worst <= SearchConfig.__dataclass_fields__["preflight_margin"].default
+    assert OmegaConf.load(CONF / "search" / "default.yaml").preflight_margin == (
+        SearchConfig.__dataclass_fields__["preflight_margin"].default
+    )
