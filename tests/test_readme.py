@@ -86,6 +86,14 @@ TABLE: dict[str, Check] = {
     ),
     "mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db": Check("test_mlflow_ui"),
     "python -m search.fit +experiment=resnet data=digits": Check("test_fit_report"),
+    # What fits on a GPU you do not have
+    "python -m search.fit +experiment=gpt search.gpu=A100-40GB": Check("test_fit_for_a_gpu"),
+    "python -m search.fit +experiment=resnet data=digits search.gpu=V100-16GB "
+    "search.memory_budget=90%": Check(
+        "tests.search.test_fit::test_a_report_for_a_gpu_this_machine_lacks_is_in_cuda_reserved_bytes",
+        "the same report over ResNet-18's grid takes minutes; the test plans a small CNN for "
+        "a V100 and an A100",
+    ),
     # Other entry points
     "python -m search +experiment=resnet_derived data=digits search.n_trials=4": Check(
         "test_derived_accumulation", extra=VARIANT
@@ -472,6 +480,15 @@ def test_fit_report(quick_starts: dict[str, Ran], workdir: Path) -> None:
     assert "largest that fits" in out and "nothing trained" in out, out
     # The same prediction the study printed before its first trial.
     assert _fit_report(out) == _fit_report(quick_starts["test_quick_start_digits"].out)
+
+
+def test_fit_for_a_gpu(workdir: Path) -> None:
+    """The fit report for an A100 on this CPU-only machine: CUDA's reserved bytes for the
+    card, in both precisions of the space."""
+    (command,) = commands_of("test_fit_for_a_gpu")
+    out = " ".join(shell(command, workdir).stdout.split())
+    assert "Fit report for A100-40GB (39.4 GiB, CUDA reserve, planned: not on this machine)" in out
+    assert "Traceback" not in out and "largest that fits" in out and "bf16" in out
 
 
 def test_derived_accumulation(quick_starts: dict[str, Ran], workdir: Path) -> None:

@@ -291,13 +291,16 @@ def run(
 def memory_figures(
     spec: RunSpec, prediction: Prediction | None, measured: MemoryStats | RunResult | None
 ) -> dict[str, float]:
-    """memory/budget_bytes, memory/predicted_bytes and memory/prediction_error (against
-    what ran out, or would have: train/predict.py `Prediction.error`), those known."""
+    """memory/budget_bytes, memory/predicted_bytes (and on CUDA the reserve predicted under
+    the run's limit) and memory/prediction_error (train/predict.py `Prediction.error`),
+    those known."""
     figures: dict[str, float] = {}
     if spec.budget_bytes is not None:
         figures["memory/budget_bytes"] = spec.budget_bytes
     if prediction is not None:
         figures["memory/predicted_bytes"] = prediction.peak_bytes
+        if prediction.reserved_bytes is not None:  # CUDA: beside memory/reserved_bytes
+            figures["memory/predicted_reserved_bytes"] = prediction.reserved_bytes
         if measured is not None:
             figures["memory/prediction_error"] = prediction.error(measured)
     return figures
