@@ -56,7 +56,6 @@ LONGEST_FIRST = (
     "tests/faults/test_journal_kills.py",  # each about 3
     "tests/search/test_driver.py",  # 5
     "tests/test_workers.py",  # 5
-    "tests/test_language_model.py",  # 3.5
     "tests/test_end_to_end.py",  # 3.5
     "tests/test_browser.py",  # 3.3
     "tests/test_guide.py",  # 3
