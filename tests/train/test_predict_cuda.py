@@ -117,3 +117,15 @@ def test_search_gpu_names_a_known_card(hydra_conf) -> None:  # noqa: ANN001
         plan(hydra_conf(["search.gpu=A100"]), None)
     with pytest.raises(ConfigError, match=r"bf16 cannot run on V100-16GB.*trainer.precision=fp32"):
         plan(hydra_conf(["search.gpu=V100-16GB", "trainer.precision=bf16"]), None)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_its_card_is_the_target_and_another_card_is_refused(hydra_conf) -> None:  # noqa: ANN001
+    spec = plan(hydra_conf(["trainer.device=cuda"]), None)
+    props = torch.cuda.get_device_properties(spec.device)
+    assert spec.target.local and spec.target.type == "cuda"
+    assert spec.target.total_bytes == props.total_memory
+    assert spec.target.capability == (props.major, props.minor)
+    other = "T4" if "T4" not in props.name else "A100-40GB"
+    with pytest.raises(ConfigError, match=rf"search.gpu={other} plans for another GPU"):
+        plan(hydra_conf(["trainer.device=cuda", f"search.gpu={other}"]), None)
