@@ -38,7 +38,7 @@ from tracking.runs import RunLog, Tracker, ui_link
 from train.config import ConfigError
 from train.overrides import override_key
 from train.predict import PredictionUnsupported
-from train.run import RunSpec, plan, planned_elsewhere
+from train.run import RunSpec, planned_elsewhere, resolve_device
 from train.workload import Workloads
 
 PARENT_ATTR = "mlflow_parent_run_id"
@@ -104,20 +104,26 @@ def _log_fit_report(
 
 
 def _trains_here(cfg: DictConfig) -> bool:
-    """False when the config plans for a GPU this machine lacks (validate says the rest)."""
-    try:
-        return planned_elsewhere(plan(cfg, cfg.search.memory_budget)) is None
-    except ConfigError:
+    """False when search.gpu names a card this run would not train on (the CPU, or a device
+    that is not one): decided from the config alone, so that nothing is opened for a plan
+    whatever else is wrong with it (validate says what)."""
+    if OmegaConf.select(cfg, "search.gpu") is None:
         return True
+    try:
+        return resolve_device(str(cfg.trainer.device)).type == "cuda"
+    except (RuntimeError, ValueError):
+        return False
 
 
 def _show_fit_reports(
-    cfg: DictConfig, checked: Checked, workloads: Workloads, console: Console
+    cfg: DictConfig, checked: Checked, workloads: Workloads, console: Console, elsewhere: str
 ) -> None:
     try:
         reports = fit.fit_reports(cfg, checked.space, checked.spec, checked.settings, workloads)
     except PredictionUnsupported:
         return
+    except ConfigError as error:  # said with the reason the study stops
+        raise ConfigError([*error.problems, elsewhere]) from None
     for each in reports:
         console.print(fit.render(each))
 
@@ -269,7 +275,7 @@ class StudyDriver:
             console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
         elsewhere = planned_elsewhere(checked.spec)
         if elsewhere:
-            _show_fit_reports(cfg, checked, workloads, console)
+            _show_fit_reports(cfg, checked, workloads, console, elsewhere)
             raise ConfigError([elsewhere])
         settings = checked.settings
         # What every trial shares: the config with the space's fixed values applied, less the

@@ -248,7 +248,7 @@ def _drop_unsupported_precisions(space: SearchSpace, device, problems: list[str]
     reasons = {c: unsupported_reason(str(c), device) for c in dist.choices}
     if all(reasons.values()):
         problems.append(
-            f"search.params.{key}: no choice can run on {device.type} "
+            f"search.params.{key}: no choice can run on {getattr(device, 'name', device.type)} "
             f"({'; '.join(map(str, reasons.values()))}); add fp32, e.g. choice(fp32, bf16)"
         )
         return []

@@ -172,10 +172,14 @@ def test_a_study_for_a_gpu_this_machine_lacks_shows_its_preflight_and_stops(
     out, message = " ".join(done.stdout.split()), " ".join(done.stderr.split())
     assert "Fit report for A100-40GB (39.4 GiB, CUDA reserve, planned" in out, out
     assert "search.gpu=A100-40GB plans for a GPU this machine does not have" in message
-    records = ("mlflow.db", "optuna.journal")
+    records = ("mlflow.db", "optuna.journal")  # no store, no study, no run (Hydra's logs aside)
     assert not any((tmp_path / "mlruns" / name).exists() for name in records)
     done = run_module("train", small, tmp_path, returncode=2)
     assert "plans for a GPU this machine does not have" in " ".join(done.stderr.split())
+    # Another problem beside it: said, and still nothing opened.
+    done = run_module("search", [*small, "search.memory_budget=50GiB"], tmp_path, returncode=2)
+    assert "more than the 39.4 GiB that A100-40GB has" in " ".join(done.stderr.split())
+    assert not any((tmp_path / "mlruns" / name).exists() for name in records)
 
 
 def test_fit_report_of_a_budget_below_the_optimizer_state(tmp_path: Path) -> None:

@@ -240,11 +240,16 @@ class CudaEmulation:
     def __enter__(self) -> CudaEmulation:
         assert self._library is None, "CudaEmulation is not reentrant"
         library = torch.library.Library("aten", "IMPL")
-        for name, policy in CUDA_AUTOCAST_POLICY.items():
-            library.impl(name, _Policy(name, policy, self._cache), "AutocastCPU")
-        for name in _cpu_only_autocast_ops():
-            library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
-        library.impl("scaled_dot_product_attention", self._attention, "AutogradCPU")
+        try:  # half-registered, CUDA's casts would outlive the context: all or nothing
+            for name, policy in CUDA_AUTOCAST_POLICY.items():
+                library.impl(name, _Policy(name, policy, self._cache), "AutocastCPU")
+            for name in _cpu_only_autocast_ops():
+                library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+            library.impl("scaled_dot_product_attention", self._attention, "AutogradCPU")
+            library.impl("dropout", _dropout, "AutogradCPU")
+        except BaseException:
+            library._destroy()
+            raise
         self._library = library
         self._hook_cache_clearing()
         return self
@@ -271,6 +276,15 @@ class CudaEmulation:
         params = SdpaParams(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         backend = select_sdp_backend(params, self.capability)
         return run_sdp_backend(backend, params, scale)
+
+
+def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:  # noqa: A002
+    """aten::dropout as on CUDA: its fused kernel (native_dropout, whose mask is bool) for
+    0 < p < 1 in training, where CPU runs `_dropout`, whose mask has the input's dtype
+    (is_fused_kernel_acceptable in ATen's Dropout.cpp: CUDA inputs only)."""
+    if train and 0 < p < 1 and input.numel() > 0:
+        return torch.ops.aten.native_dropout(input, p, train)[0]
+    return input if not train or p == 0 else input * 0.0  # p = 1: all dropped, as ATen does
 
 
 @functools.cache
@@ -389,8 +403,13 @@ def can_use_cudnn(params: SdpaParams, capability: tuple[int, int]) -> bool:
     return _last_dim_contiguous(params, ignore_singleton=True)
 
 
+# The cuDNN that torch 2.14's CUDA wheels ship (cu130: 9.24), assumed where the local torch
+# has none (a CPU wheel on a laptop): a plan must not depend on the planning machine's wheel.
+WHEEL_CUDNN_VERSION = 92400
+
+
 def _cudnn_version() -> int:
-    return torch.backends.cudnn.version() or 0
+    return torch.backends.cudnn.version() or WHEEL_CUDNN_VERSION
 
 
 def sdp_priority_order(capability: tuple[int, int]) -> list[str]:

@@ -62,8 +62,9 @@ def device_spec(device: torch.device, gpu_name: str | None) -> DeviceSpec:
         if named is not None and gpu_of_device_name(torch.cuda.get_device_name(device)) != named:
             raise ValueError(
                 f"search.gpu={gpu_name} plans for another GPU than this machine's "
-                f"{torch.cuda.get_device_name(device)}, which its trials train on; drop "
-                "search.gpu here, or run python -m search.fit search.gpu=... to plan"
+                f"{torch.cuda.get_device_name(device)}, which trials train on; drop search.gpu "
+                f"to train here, or plan for it with python -m search.fit trainer.device=cpu "
+                f"search.gpu={gpu_name}"
             )
         return DeviceSpec("cuda", local.total_bytes, local, AllocatorSettings.from_env())
     if named is not None:

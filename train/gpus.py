@@ -146,6 +146,7 @@ def gpu(name: str) -> Gpu:
 
     Raises ValueError naming `search.gpu` and the known names when none or several match.
     """
+    name = str(name)  # search.gpu=4090 reaches here as an int
     key = name.strip().upper()
     if key in _BY_NAME:
         return _BY_NAME[key]

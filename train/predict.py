@@ -18,6 +18,7 @@ its micro-batches only the first two run: from the second on, each starts from t
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -117,10 +118,18 @@ def _build_fake(
     try:
         with mode:
             model = build()
+        if not on_cpu(model):  # fake mode makes CUDA tensors without a GPU: not trusted
+            raise ValueError("the builder placed tensors off the CPU")
     except Exception:  # noqa: BLE001 - whatever a user's builder does on fake tensors
-        model = build()
+        model = build()  # (a builder that caches tensors of its own would keep fakes)
     _fake_module(model, mode, device)
     return model
+
+
+def on_cpu(model: nn.Module) -> bool:
+    """Whether every parameter and buffer is on the CPU, where builders build."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return all(t.device.type == "cpu" for t in tensors)
 
 
 def _resolve_implementation(optimizer: torch.optim.Optimizer, device_type: str) -> None:

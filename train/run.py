@@ -29,7 +29,6 @@ from train.memory import (
     MAX_BUDGET_BYTES,
     MemoryMeter,
     MemoryStats,
-    device_total_bytes,
     format_bytes,
     parse_budget,
 )
@@ -43,7 +42,7 @@ from train.params import (
     PRECISION_KEY,
 )
 from train.precision import unsupported_reason
-from train.predict import MemoryPredictor, Prediction, PredictionUnsupported
+from train.predict import MemoryPredictor, Prediction, PredictionUnsupported, on_cpu
 from train.tasks import Task
 from train.workload import Workload, Workloads, workload_key
 
@@ -97,31 +96,15 @@ def plan(cfg: DictConfig, budget: Any) -> RunSpec:
     except ConfigError as error:
         problems += error.problems
     device = resolve_device(trainer.device if trainer else "auto")
-    target = DeviceSpec(device.type, device_total_bytes(device))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        problems.append(
-            "trainer.device=cuda but no CUDA device is visible; use trainer.device=auto"
-        )
-    else:
+    target, budget_bytes = _target(cfg, device, problems), None
+    if target is not None and trainer is not None:
+        problems += _precision_problems(trainer.precision, target)
+    if target is not None:
         try:
-            target = device_spec(device, OmegaConf.select(cfg, "search.gpu"))
+            budget_bytes = parse_budget(budget, target.total_bytes)
         except ValueError as error:
-            problems.append(str(error))
-    if trainer is not None and not problems:
-        reason = unsupported_reason(trainer.precision, target)
-        if reason:
-            where = "here" if target.local else f"on {target.name}"
-            others = [p for p in ("fp32", "bf16") if not unsupported_reason(p, target)]
-            problems.append(
-                f"trainer.precision={trainer.precision} cannot run {where}: {reason}; "
-                f"use trainer.precision={' or '.join(others or ['fp32'])}"
-            )
-    budget_bytes = None
-    try:
-        budget_bytes = parse_budget(budget, target.total_bytes)
-    except ValueError as error:
-        problems.append(f"search.memory_budget: {error}")
-    problems += _budget_problems(budget, budget_bytes, target)
+            problems.append(f"search.memory_budget: {error}")
+        problems += _budget_problems(budget, budget_bytes, target)
     base_lr = cfg.optimizer.get("lr")
     if not isinstance(base_lr, int | float) or base_lr <= 0:
         problems.append(
@@ -135,16 +118,48 @@ def plan(cfg: DictConfig, budget: Any) -> RunSpec:
     return RunSpec(trainer, device, target, budget_bytes, float(base_lr), lr)
 
 
+def _target(cfg: DictConfig, device: torch.device, problems: list[str]) -> DeviceSpec | None:
+    """The DeviceSpec predicted for (search.gpu's card, or `device`); None, with the
+    problem added, when there is none."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        problems.append(
+            "trainer.device=cuda but no CUDA device is visible; use trainer.device=auto"
+        )
+        return None
+    try:
+        return device_spec(device, OmegaConf.select(cfg, "search.gpu"))
+    except ValueError as error:
+        problems.append(str(error))
+        return None
+
+
+def _precision_problems(precision: str, target: DeviceSpec) -> list[str]:
+    reason = unsupported_reason(precision, target)
+    if not reason:
+        return []
+    where = "here" if target.local else f"on {target.name}"
+    others = [p for p in ("fp32", "bf16", "fp16") if not unsupported_reason(p, target)]
+    return [
+        f"trainer.precision={precision} cannot run {where}: {reason}; "
+        f"use trainer.precision={' or '.join(others[:2] or ['fp32'])}"
+    ]
+
+
 def planned_elsewhere(spec: RunSpec) -> str | None:
     """Why a run planned for `search.gpu` cannot train here (a GPU this machine lacks), or
     None when it can."""
     if spec.target.local:
         return None
     gpu = spec.target.name
+    where = (
+        f"a GPU this run does not train on (trainer.device={spec.device.type})"
+        if torch.cuda.is_available()
+        else f"a GPU this machine does not have (it would train on {spec.device.type})"
+    )
     return (
-        f"search.gpu={gpu} plans for a GPU this machine does not have (it would train on "
-        f"{spec.device.type}); `python -m search.fit ... search.gpu={gpu}` reports what fits on "
-        "it, and a study or a run of it trains where the GPU is; drop search.gpu to train here"
+        f"search.gpu={gpu} plans for {where}; `python -m search.fit ... search.gpu={gpu}` "
+        "reports what fits on it, and a study or a run of it trains where the GPU is; drop "
+        "search.gpu to train here"
     )
 
 
@@ -192,6 +207,8 @@ def check_builds(cfg: DictConfig, spec: RunSpec, workloads: Workloads | None = N
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             model = _build_all(cfg, spec, pipeline, workload.task, mode)
+        if not on_cpu(model):  # a fake CUDA tensor needs no GPU: the real build must say
+            raise ValueError("the builder placed tensors off the CPU")
     except Exception:  # noqa: BLE001 - a builder that needs real values, or a real error:
         model = _build_all(cfg, spec, pipeline, workload.task, mode)  # the real one says which
     return _budget_note(cfg, spec, workload, model)

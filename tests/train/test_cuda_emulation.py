@@ -205,3 +205,35 @@ def test_an_fp16_step_with_grad_scaler_runs() -> None:
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)  # step() reads found_inf with .item(): no fake value
         assert model[0].weight.grad.dtype == torch.float32
+
+
+def _live_after_dropout(device: str, emulate: bool) -> int:
+    with FakeTensorMode():
+        x = torch.empty(1024, 1024, device=device, requires_grad=True)
+        emulation = CudaEmulation() if emulate else contextmanager(lambda: iter([None]))()
+        with emulation, TensorMemoryTracker() as tracker:
+            y = F.dropout(x, 0.1, training=True)
+        del y
+        return tracker.peak_bytes
+
+
+def test_dropout_saves_cudas_bool_mask() -> None:
+    """aten::dropout runs native_dropout (a bool mask) on CUDA inputs only; on CPU its mask
+    has the input's dtype (4 B a value in fp32, not 1)."""
+    values = 1024 * 1024
+    assert _live_after_dropout("cuda", emulate=False) == values * (4 + 1)  # the reference
+    assert _live_after_dropout("cpu", emulate=True) == values * (4 + 1)
+    assert _live_after_dropout("cpu", emulate=False) == values * (4 + 4)  # CPU's own kernel
+
+
+def test_a_failed_registration_leaves_no_kernel_behind(monkeypatch) -> None:  # noqa: ANN001
+    """Half-registered, CUDA's casts would apply to real CPU training afterwards."""
+    import train.cuda_emulation as emulation
+
+    policy = {**emulation.CUDA_AUTOCAST_POLICY, "no_such_op": "fp32"}
+    monkeypatch.setattr(emulation, "CUDA_AUTOCAST_POLICY", policy)
+    with pytest.raises(Exception, match="no_such_op"):
+        CudaEmulation().__enter__()
+    with torch.autocast("cpu", torch.bfloat16):  # CPU's own policy: addmv not cast
+        out = torch.addmv(torch.zeros(4), torch.ones(4, 4), torch.ones(4))
+    assert out.dtype == torch.float32

@@ -15,7 +15,7 @@ from train.config import ConfigError, TrainerConfig
 from train.device import DeviceSpec
 from train.gpus import gpu
 from train.memory import MemoryStats
-from train.predict import MemoryPredictor
+from train.predict import MemoryPredictor, PredictionUnsupported
 from train.run import plan, planned_elsewhere
 
 CPU = torch.device("cpu")
@@ -115,8 +115,35 @@ def test_search_gpu_plans_for_a_card_this_machine_does_not_have(hydra_conf) -> N
 def test_search_gpu_names_a_known_card(hydra_conf) -> None:  # noqa: ANN001
     with pytest.raises(ConfigError, match=r"search\.gpu='?A100'? is ambiguous"):
         plan(hydra_conf(["search.gpu=A100"]), None)
-    with pytest.raises(ConfigError, match=r"bf16 cannot run on V100-16GB.*trainer.precision=fp32"):
-        plan(hydra_conf(["search.gpu=V100-16GB", "trainer.precision=bf16"]), None)
+    with pytest.raises(ConfigError, match=r"search\.gpu='?4090'? is not a known GPU"):
+        plan(hydra_conf(["search.gpu=4090"]), None)  # an int in the config: not a crash
+    # Every problem at once: the precision the card cannot run beside the budget it lacks.
+    overrides = ["search.gpu=V100-16GB", "trainer.precision=bf16"]
+    with pytest.raises(ConfigError) as raised:
+        plan(hydra_conf(overrides), "1TiB")
+    text = str(raised.value)
+    assert "bf16 cannot run on V100-16GB" in text and "trainer.precision=fp32 or fp16" in text
+    assert "search.memory_budget='1TiB'" in text and "that V100-16GB has" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_trainer_device_cuda_without_one_is_a_config_error(hydra_conf) -> None:  # noqa: ANN001
+    with pytest.raises(ConfigError, match="trainer.device=cuda but no CUDA device is visible"):
+        plan(hydra_conf(["trainer.device=cuda"]), "90%")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_builder_that_places_tensors_on_cuda_is_built_for_real() -> None:
+    """Fake mode makes CUDA tensors without a GPU: such a build is not trusted, and the real
+    one says what is wrong (no CUDA here)."""
+
+    def build() -> nn.Module:
+        model = _stack()
+        model.register_buffer("scale", torch.ones(1, device="cuda"))
+        return model
+
+    with pytest.raises(PredictionUnsupported, match="NVIDIA driver|CUDA"):
+        MemoryPredictor(build, _sgd, EXAMPLE, CPU)
 
 
 @pytest.mark.gpu
