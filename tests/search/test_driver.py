@@ -324,3 +324,18 @@ def test_the_probe_prunes_only_a_projection_far_over_the_budget() -> None:
         budget.on_probe(PROBE_MARGIN * 60.0 / 1000 * 1.01, 1000)
     assert info.value.reason == "slow"
     TimeBudget(None).on_probe(1e6, 1000)  # no budget: never pruned
+
+
+@pytest.mark.parametrize("budget", ["90%", "50GiB"])
+def test_a_plan_for_a_gpu_this_machine_lacks_opens_no_store(hydra_conf, stores, budget) -> None:
+    """search.gpu on a machine without that card: the study stops with a ConfigError before
+    its storage is opened, with the config otherwise valid (90%) or not (more than the
+    card has): the decision is the config's, not validate's."""
+    if torch.cuda.is_available():
+        pytest.skip("a machine without CUDA")
+    optuna_db = Path(stores["optuna"].removeprefix("sqlite:///"))
+    overrides = [*stores["overrides"], "search.gpu=A100-40GB", f"search.memory_budget={budget}"]
+    said = "plans for a GPU this machine does not have" if budget == "90%" else "A100-40GB has"
+    with pytest.raises(ConfigError, match=said):
+        _driver(hydra_conf, overrides)
+    assert not optuna_db.exists()
