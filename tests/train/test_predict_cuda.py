@@ -15,8 +15,8 @@ from train.config import ConfigError, TrainerConfig
 from train.device import DeviceSpec
 from train.gpus import gpu
 from train.memory import MemoryStats
-from train.predict import MemoryPredictor, PredictionUnsupported
-from train.run import plan, planned_elsewhere
+from train.predict import MemoryPredictor, Prediction, PredictionUnsupported
+from train.run import memory_figures, plan, planned_elsewhere
 
 CPU = torch.device("cpu")
 A100 = gpu("A100-40GB")
@@ -156,3 +156,19 @@ def test_on_a_gpu_its_card_is_the_target_and_another_card_is_refused(hydra_conf)
     other = "T4" if "T4" not in props.name else "A100-40GB"
     with pytest.raises(ConfigError, match=rf"search.gpu={other} plans for another GPU"):
         plan(hydra_conf(["trainer.device=cuda", f"search.gpu={other}"]), None)
+
+
+def test_a_cuda_runs_figures_carry_the_predicted_reserve_beside_the_limit(hydra_conf) -> None:  # noqa: ANN001
+    """memory/predicted_bytes is what the budget is compared with (the smallest limit);
+    memory/predicted_reserved_bytes the reserve under the run's limit, which
+    memory/prediction_error compares with the measured reserve."""
+    spec = plan(hydra_conf(["search.gpu=A100-40GB"]), "90%")
+    prediction = Prediction(peak_bytes=300, tensor_bytes=200, seconds=0.0, reserved_bytes=320)
+    measured = MemoryStats(peak_bytes=210, reserved_bytes=400)
+    figures = memory_figures(spec, prediction, measured)
+    assert figures["memory/predicted_bytes"] == 300
+    assert figures["memory/predicted_reserved_bytes"] == 320
+    assert figures["memory/prediction_error"] == pytest.approx((320 - 400) / 400)
+    cpu = memory_figures(spec, Prediction(300, 300, 0.0), MemoryStats(250, None))
+    assert "memory/predicted_reserved_bytes" not in cpu
+    assert cpu["memory/prediction_error"] == pytest.approx((300 - 250) / 250)
