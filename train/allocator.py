@@ -739,15 +739,22 @@ def replay(model: CachingAllocatorModel, events: Iterable[tuple[object, int]]) -
             malloc(key, nbytes)
 
 
-def live_peak_bytes(events: Iterable[tuple[object, int]], settings: AllocatorSettings) -> int:
-    """The peak of the live blocks' rounded sizes: no limit below it can hold the step."""
-    sizes: dict[object, int] = {}
-    live = peak = 0
+def live_peak_bytes(
+    events: Iterable[tuple[object, int]],
+    round_size: Callable[[int], int] = int,
+    live_blocks: Iterable[tuple[object, int]] = (),
+) -> int:
+    """The peak of the live bytes of `(key, nbytes)` / `(key, -1)` events, each allocation
+    rounded by `round_size` (AllocatorSettings.round_size: the blocks' sizes, which no limit
+    below can hold; unrounded: the tracker's live tensor bytes), from `live_blocks` already
+    live."""
+    sizes = dict(live_blocks)
+    live = peak = sum(sizes.values())
     for key, nbytes in events:
         if nbytes < 0:
             live -= sizes.pop(key)
         else:
-            sizes[key] = settings.round_size(nbytes)
+            sizes[key] = round_size(nbytes)
             live += sizes[key]
             peak = max(peak, live)
     return peak
@@ -793,11 +800,13 @@ def smallest_limit(
 
     unlimited = CachingAllocatorModel(settings)
     replay(unlimited, steps)
-    high = unlimited.peak_reserved_bytes + _expandable_slack(steps, settings)
-    return smallest_fitting_limit(fits, live_peak_bytes(steps, settings) - 1, high)
+    high = unlimited.peak_reserved_bytes + expandable_slack_bytes(steps, settings)
+    return smallest_fitting_limit(fits, live_peak_bytes(steps, settings.round_size) - 1, high)
 
 
-def _expandable_slack(events: Iterable[tuple[object, int]], settings: AllocatorSettings) -> int:
+def expandable_slack_bytes(
+    events: Iterable[tuple[object, int]], settings: AllocatorSettings
+) -> int:
     """With expandable segments alloc_block checks a whole get_allocation_size against the
     limit but may map less: the unlimited peak plus the largest such size always fits."""
     if not settings.expandable_segments:
@@ -810,7 +819,7 @@ def _async_reserved_bytes(events: Iterable[tuple[object, int]]) -> int:
     grows in 2 MiB chunks of physical memory and, with torch's release threshold, gives
     unused chunks back, so the live peak (512 B aligned) rounded to 2 MiB is the prediction
     (a lower bound: fragmentation inside the driver's pool is not modelled)."""
-    peak = live_peak_bytes(events, AllocatorSettings())
+    peak = live_peak_bytes(events, AllocatorSettings().round_size)
     return _round_up(peak, LIMIT_RESOLUTION_BYTES)
 
 

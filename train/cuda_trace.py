@@ -30,6 +30,9 @@ from train.allocator import (
     CachingAllocatorModel,
     SegmentState,
     allocation_size,
+    expandable_slack_bytes,
+    live_peak_bytes,
+    replay,
     smallest_fitting_limit,
 )
 
@@ -328,11 +331,7 @@ def _runs_under(trace: DeviceTrace, steps: list, state: StartState, limit_bytes:
         if model.reserved_bytes > limit_bytes:
             return False
     try:
-        for key, nbytes in steps:
-            if nbytes < 0:
-                model.free(key)
-            else:
-                model.malloc(key, nbytes)
+        replay(model, steps)
     except AllocatorOutOfMemory:
         return False
     return True
@@ -350,30 +349,11 @@ def model_limits(trace: DeviceTrace, skip: frozenset[int] = frozenset()) -> Limi
     steps, state = _steps(trace, skip), start_state(trace)
     unlimited = CachingAllocatorModel(trace.settings)
     unlimited.seed(state.segments, state.live_blocks)
-    for key, nbytes in steps:
-        if nbytes < 0:
-            unlimited.free(key)
-        else:
-            unlimited.malloc(key, nbytes)
-    high = unlimited.peak_reserved_bytes
-    if trace.settings.expandable_segments:  # alloc_block checks a whole allocation size
-        high += max(allocation_size(trace.settings.round_size(n)) for _, n in steps if n >= 0)
-    low = _live_peak_bytes(steps, state, trace.settings) - 1
+    replay(unlimited, steps)
+    high = unlimited.peak_reserved_bytes + expandable_slack_bytes(steps, trace.settings)
+    low = live_peak_bytes(steps, trace.settings.round_size, state.live_blocks) - 1
     least = smallest_fitting_limit(lambda limit: _runs_under(trace, steps, state, limit), low, high)
     return Limits(least, unlimited.peak_reserved_bytes)
-
-
-def _live_peak_bytes(steps: list, state: StartState, settings: AllocatorSettings) -> int:
-    sizes = dict(state.live_blocks)
-    live = peak = sum(sizes.values())
-    for key, nbytes in steps:
-        if nbytes < 0:
-            live -= sizes.pop(key)
-        else:
-            sizes[key] = settings.round_size(nbytes)
-            live += sizes[key]
-            peak = max(peak, live)
-    return peak
 
 
 def real_smallest_limit(trace: DeviceTrace) -> int:

@@ -31,7 +31,13 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from torch.utils._pytree import tree_map
 
-from train.allocator import AllocatorSettings, CudaReserve, cublas_workspaces, predict_reserved
+from train.allocator import (
+    AllocatorSettings,
+    CudaReserve,
+    cublas_workspaces,
+    live_peak_bytes,
+    predict_reserved,
+)
 from train.config import TrainerConfig
 from train.cuda_emulation import CudaEmulation
 from train.device import DeviceSpec, device_spec
@@ -250,7 +256,7 @@ class MemoryPredictor:
             events = self._run(sizes, trainer)
             if uniform and not first_step:  # the first has the optimizer's own events
                 line.add(sizes[0], events)
-        tensor_bytes = _live_peak(events)
+        tensor_bytes = live_peak_bytes(events)
         if self.target.type != "cuda":
             return Prediction(tensor_bytes, tensor_bytes, time.perf_counter() - started)
         reserve = self._reserve(events, limit_bytes)
@@ -288,7 +294,7 @@ class MemoryPredictor:
                     self.task,
                 )
         assert tracker.events is not None
-        assert _live_peak(tracker.events) == tracker.peak_bytes
+        assert live_peak_bytes(tracker.events) == tracker.peak_bytes
         return tracker.events
 
     def _as_target(self) -> AbstractContextManager:
@@ -344,19 +350,6 @@ class MemoryPredictor:
 
 
 Events = list[tuple[int, int]]  # (storage number, bytes) allocated, (number, -1) freed
-
-
-def _live_peak(events: Events) -> int:
-    live = peak = 0
-    sizes: dict[int, int] = {}
-    for key, nbytes in events:
-        if nbytes < 0:
-            live -= sizes.pop(key)
-        else:
-            sizes[key] = nbytes
-            live += nbytes
-            peak = max(peak, live)
-    return peak
 
 
 class _Line:

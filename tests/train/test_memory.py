@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from train.allocator import live_peak_bytes
 from train.config import TrainerConfig
 from train.data import Splits, synthetic
 from train.loop import fit, optimizer_step, steps_plan
@@ -24,7 +25,6 @@ from train.memory import (
 )
 from train.models import param_bytes, small_cnn
 from train.precision import Precision
-from train.predict import _live_peak
 
 CPU = torch.device("cpu")
 GiB, MiB = 2**30, 2**20
@@ -237,7 +237,7 @@ def test_tracker_records_a_resize_as_alloc_then_free():
     assert tracker.events[:3] == [(old, 40), (new, 400), (old, -1)]
     assert new != old
     assert tracker.peak_bytes == max(40 + 400, 400 + 100)  # old and new together; then both
-    assert _live_peak(tracker.events) == tracker.peak_bytes
+    assert live_peak_bytes(tracker.events) == tracker.peak_bytes
     assert tracker.live_bytes == 0
 
 
