@@ -115,27 +115,21 @@ def _fake_module(model: nn.Module, mode: FakeTensorMode, device: torch.device) -
                         tensors[name] = fake(tensor)
 
 
-def _build_fake(
-    build: Callable[[], nn.Module], mode: FakeTensorMode, device: torch.device
-) -> nn.Module:
-    """The model built under `mode`: its parameters are fake from the start, so a model of any
-    size costs its module objects, not its weights. A builder that needs real values (a
-    checkpoint read, `.item()` at init) is built for real, then made fake."""
+def fake_first(build: Callable[[], nn.Module], mode: FakeTensorMode) -> nn.Module:
+    """`build()` under `mode`: the model's parameters are fake from the start, so a model of
+    any size costs its module objects, not its weights. A builder that needs real values (a
+    checkpoint read, `.item()` at init), or that places tensors off the CPU (fake mode makes
+    CUDA tensors without a GPU, so its errors would not show), is built for real; a real
+    error then says what is wrong. (A builder that caches tensors of its own keeps fakes.)"""
     try:
         with mode:
             model = build()
-        if not on_cpu(model):  # fake mode makes CUDA tensors without a GPU: not trusted
-            raise ValueError("the builder placed tensors off the CPU")
-    except Exception:  # noqa: BLE001 - whatever a user's builder does on fake tensors
-        model = build()  # (a builder that caches tensors of its own would keep fakes)
-    _fake_module(model, mode, device)
-    return model
-
-
-def on_cpu(model: nn.Module) -> bool:
-    """Whether every parameter and buffer is on the CPU, where builders build."""
-    tensors = itertools.chain(model.parameters(), model.buffers())
-    return all(t.device.type == "cpu" for t in tensors)
+        tensors = itertools.chain(model.parameters(), model.buffers())
+        if all(t.device.type == "cpu" for t in tensors):
+            return model
+    except Exception:  # noqa: BLE001, S110 - whatever a user's builder does on fake tensors
+        pass
+    return build()
 
 
 def _resolve_implementation(optimizer: torch.optim.Optimizer, device_type: str) -> None:
@@ -194,7 +188,8 @@ class MemoryPredictor:
             if isinstance(model, nn.Module):
                 _fake_module(model, self.mode, self.device)
             else:
-                model = _build_fake(model, self.mode, self.device)
+                model = fake_first(model, self.mode)
+                _fake_module(model, self.mode, self.device)  # a real build's, if it was
             with self.mode:
                 self.model = model
                 self.optimizer = make_optimizer(list(model.parameters()))

@@ -42,7 +42,7 @@ from train.params import (
     PRECISION_KEY,
 )
 from train.precision import unsupported_reason
-from train.predict import MemoryPredictor, Prediction, PredictionUnsupported, on_cpu
+from train.predict import MemoryPredictor, Prediction, PredictionUnsupported, fake_first
 from train.tasks import Task
 from train.workload import Workload, Workloads, workload_key
 
@@ -202,15 +202,11 @@ def check_builds(cfg: DictConfig, spec: RunSpec, workloads: Workloads | None = N
     torch.manual_seed(spec.trainer.seed)
     pipeline = workload.pipeline(spec.device)
     mode = spec.trainer.activation_checkpointing
-    # Built on fake tensors, as the predictor builds it: a model of any size costs nothing
-    # here; one whose builder needs real values is built for real.
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model = _build_all(cfg, spec, pipeline, workload.task, mode)
-        if not on_cpu(model):  # a fake CUDA tensor needs no GPU: the real build must say
-            raise ValueError("the builder placed tensors off the CPU")
-    except Exception:  # noqa: BLE001 - a builder that needs real values, or a real error:
-        model = _build_all(cfg, spec, pipeline, workload.task, mode)  # the real one says which
+    # Built on fake tensors, as the predictor builds it: a model of any size costs nothing.
+    model = fake_first(
+        lambda: _build_all(cfg, spec, pipeline, workload.task, mode),
+        FakeTensorMode(allow_non_fake_inputs=True),
+    )
     return _budget_note(cfg, spec, workload, model)
 
 
