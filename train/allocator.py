@@ -865,13 +865,6 @@ def predict_reserved(
 # ------------------------------------------------------------------------------ cuBLAS
 
 
-def cublas_workspace_bytes(
-    capability: tuple[int, int], training: bool, environ: Mapping[str, str] = os.environ
-) -> int:
-    """The bytes the caching allocator holds for cuBLAS in a step (see cublas_workspaces)."""
-    return sum(cublas_workspaces(capability, training, environ))
-
-
 def cublas_workspaces(
     capability: tuple[int, int], training: bool, environ: Mapping[str, str] = os.environ
 ) -> tuple[int, ...]:
