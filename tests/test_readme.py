@@ -367,7 +367,15 @@ def test_quick_start_gpt(
         # On CPU the prediction is the same accounting as the measurement: exact.
         assert t.user_attrs["prediction_error"] == 0.0
         assert t.user_attrs["unit"] == "tokens"
-    # A micro-batch of 128 x 256 tokens needs ~680 MiB in fp32, over the experiment's 160 MiB.
+    # A micro-batch of 128 x 256 tokens needs ~680 MiB in fp32, over the experiment's 160 MiB:
+    # the fit report says so in both precisions and accumulations (its 4 cells), and a trial
+    # the sampler drew there (if one) is pruned before it trains.
+    big = [
+        cell
+        for cell in ran.study.user_attrs["fit_report"]
+        if cell["trainer.batch_size"] * cell["data.seq_len"] >= 128 * 256
+    ]
+    assert len(big) == 4 and not any(cell["fits"] for cell in big)
     for t in ran.study.trials:
         if t.params["trainer.batch_size"] * t.params["data.seq_len"] >= 128 * 256:
             assert t.state == TrialState.PRUNED and t.user_attrs["reason"] == "oom_predicted"
