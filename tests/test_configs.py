@@ -23,6 +23,7 @@ from train.build import (
 from train.config import ConfigError
 from train.data import Datasets, Splits, split
 from train.run import plan, run
+from train.tasks import logits_of
 
 CPU = torch.device("cpu")
 
@@ -32,7 +33,8 @@ OPTIONS = sorted(
     # A nested group (search/sampler) is chosen by its path: search/sampler=grid.
     (path.parent.relative_to(CONF).as_posix(), path.stem)
     for group in GROUPS
-    if group not in ("experiment", "budget")  # composed below: they are deltas, not options
+    # composed below: experiments and budgets are deltas, architectures values of model.config
+    if group not in ("experiment", "budget", "architecture")
     for path in (CONF / group).rglob("*.yaml")
 )
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").rglob("*.yaml"))
@@ -51,6 +53,9 @@ UNSET = {"cifar10": "data.root", "imagefolder": r"data.train.root is not set.*\n
 TEXT = ["data=python_stdlib", "data.max_bytes=20000", "data.seq_len=16", "task=language_model"]
 PARTNERS = {("model", "gpt"): TEXT, ("data", "python_stdlib"): [*TEXT, "model=gpt"]}
 PARTNERS[("task", "language_model")] = [*TEXT, "model=gpt"]
+LLM = ["model=hf_causal_lm", "data=text", "data.max_bytes=20000", "data.seq_len=16"]
+for _option in (("model", "hf_causal_lm"), ("data", "text"), ("task", "causal_lm")):
+    PARTNERS[_option] = [*LLM, "task=causal_lm"]
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -91,8 +96,8 @@ def test_every_option_composes_and_instantiates(hydra_conf, group: str, option: 
         assert torch.isfinite(task.loss(output, batch))
     if isinstance(data, Splits):
         assert output.shape == (2, data.num_classes)
-    else:  # the byte-level LM: a distribution over 256 bytes at every position
-        assert output.shape == (2, cfg.data.seq_len, 256)
+    else:  # the byte-level LMs: a distribution over 256 bytes at every position
+        assert logits_of(output).shape == (2, cfg.data.seq_len, 256)
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -101,6 +106,10 @@ def test_every_budget_preset_is_selected_by_its_model_and_data(hydra_conf, budge
     cfg = hydra_conf([f"model={model}", f"data={data}"])
     assert cfg.search.memory_budget is not None
     assert hydra_conf(["model=mlp", f"data={data}"]).search.memory_budget is None
+
+
+# Experiments planned for a real GPU's memory (the 8B fit report: search.gpu=H100-80GB).
+WHOLE_DEVICE = {"llm_lora"}
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -113,7 +122,10 @@ def test_every_experiment_composes_and_validates(hydra_conf, experiment: str, tm
     cfg = hydra_conf(overrides)
     checked = validate(cfg, experiment, lambda trial: hydra_conf([*overrides, *trial]))
     assert checked.space.distributions, "an experiment searches something"
-    assert checked.spec.budget_bytes is not None
+    if experiment in WHOLE_DEVICE:  # the device's memory: a GPU's, or search.gpu's card
+        assert checked.spec.budget_bytes is None and checked.spec.limit_bytes > 0
+    else:  # a simulated device, so that some of the space does not fit on a CPU
+        assert checked.spec.budget_bytes is not None
 
 
 def test_resnet_experiment_on_missing_cifar_names_data_root(hydra_conf, tmp_path) -> None:

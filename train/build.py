@@ -165,9 +165,13 @@ def build_model(
 def build_optimizer(
     cfg: DictConfig, params: Iterable[torch.nn.Parameter], lr: float
 ) -> torch.optim.Optimizer:
-    """The optimizer of `cfg.optimizer` (partial) over `params`, at rate `lr` (the scaled
-    one: RunSpec.lr), whatever optimizer.lr says."""
-    return instantiate(cfg.optimizer, lr=lr)(params)
+    """The optimizer of `cfg.optimizer` (partial) over the trainable ones of `params` (a
+    frozen weight, e.g. the base model under LoRA adapters, gets no optimizer state), at
+    rate `lr` (the scaled one: RunSpec.lr), whatever optimizer.lr says."""
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        raise ValueError("the model has no trainable parameters (every one is frozen)")
+    return instantiate(cfg.optimizer, lr=lr)(trainable)
 
 
 def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:

@@ -5,7 +5,10 @@ backward pass but recomputed there (`torch.utils.checkpoint`, non-reentrant): ab
 forward pass of compute for the activations of all but one block at a time. Which modules
 are blocks: the model's `checkpoint_blocks` attribute (a tuple of module types) if it has
 one, else the residual blocks batchfit knows (torchvision's BasicBlock and Bottleneck, the
-GPT's Block). A model with none of them is refused, naming the attribute to set.
+GPT's Block). A Hugging Face model (with or without peft adapters) checkpoints its decoder
+layers itself: its `activation_checkpointing_enable` (`gradient_checkpointing_enable`
+before transformers 5), non-reentrant. A model with none of them is refused, naming the
+attribute to set.
 
 BatchNorm layers inside a block see its forward twice, so their running statistics are
 updated twice per step (as with any checkpointing of BatchNorm models); the gradients are
@@ -45,6 +48,9 @@ def apply(model: nn.Module, mode: str) -> int:
     """Wrap the model's blocks for `mode` in place; the number wrapped."""
     if mode == "none":
         return 0
+    hf = _hugging_face_layers(model)
+    if hf:
+        return hf
     types = tuple(getattr(model, "checkpoint_blocks", ())) or _known_blocks()
     wrapped = 0
     for parent in list(model.modules()):
@@ -55,8 +61,22 @@ def apply(model: nn.Module, mode: str) -> int:
     if not wrapped:
         raise ValueError(
             f"trainer.activation_checkpointing={mode}: {type(model).__name__} has no block "
-            "batchfit knows (torchvision ResNet blocks, the GPT's Block); give the model a "
+            "batchfit knows (torchvision ResNet blocks, the GPT's Block, a Hugging Face "
+            "model's layers); give the model a "
             "`checkpoint_blocks` attribute, a tuple of its block classes, or use "
             "trainer.activation_checkpointing=none"
         )
     return wrapped
+
+
+def _hugging_face_layers(model: nn.Module) -> int:
+    """Checkpoint a transformers model's layers (a peft model forwards the call to its
+    base model); the number of layers checkpointed, 0 for any other model."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return 0
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    enable = enable or getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        return 0
+    enable({"use_reentrant": False})
+    return sum(1 for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True)

@@ -42,6 +42,7 @@ from train.config import TrainerConfig
 from train.cuda_emulation import CudaEmulation
 from train.device import DeviceSpec, device_spec
 from train.flops import count_flops
+from train.hf import eager_on_fakes
 from train.loop import RunResult, optimizer_step, state_tensors, step_micro_batch_sizes
 from train.memory import MemoryStats, TensorMemoryTracker
 from train.precision import Precision
@@ -292,13 +293,17 @@ class MemoryPredictor:
         assert live_peak_bytes(tracker.events) == tracker.peak_bytes
         return tracker.events
 
-    def _as_target(self) -> AbstractContextManager:
-        """For a CUDA target, CUDA's autocast policy and attention kernels on the fake CPU
-        tensors (train/cuda_emulation.py); nothing for the CPU."""
-        if self.target.type != "cuda":
-            return nullcontext()
-        assert self.target.capability is not None
-        return CudaEmulation(self.target.capability)
+    @contextmanager
+    def _as_target(self) -> Iterator[None]:
+        """The eager code path of libraries that take fakes for a traced graph (transformers:
+        train/hf.py), and for a CUDA target CUDA's autocast policy and attention kernels on
+        the fake CPU tensors (train/cuda_emulation.py)."""
+        emulation: AbstractContextManager = nullcontext()
+        if self.target.type == "cuda":
+            assert self.target.capability is not None
+            emulation = CudaEmulation(self.target.capability)
+        with eager_on_fakes(), emulation:
+            yield
 
     @contextmanager
     def _step_once(self, tracker: TensorMemoryTracker) -> Iterator[None]:

@@ -1,8 +1,8 @@
 """Tasks: how a batch feeds the model, what the loss is, and what validation measures.
 
 A task is chosen with the `task` config group (`task=classification | language_model |
-regression`) or a `_target_` of one's own: subclass `Task` and override what differs, as one
-overrides a LightningModule's `training_step` or HF Trainer's `compute_loss`:
+causal_lm | regression`) or a `_target_` of one's own: subclass `Task` and override what
+differs, as one overrides a LightningModule's `training_step` or HF Trainer's `compute_loss`:
 
 - `forward(model, batch)`: the model's output for a batch. A tuple or list batch calls
   `model(batch[0])`; a dict batch calls `model(**inputs)` with every key but the target.
@@ -187,6 +187,20 @@ class LanguageModel(Task):
 
     def derive(self, values: dict[str, float]) -> dict[str, float]:
         return {"perplexity": math.exp(min(values["loss"], 700.0))}
+
+
+class CausalLM(LanguageModel):
+    """Hugging Face's convention for causal language models: a sample's `labels` are its
+    `input_ids` (positions to leave out set to `ignore_index`), and position t predicts
+    token t+1. The task shifts the labels, not the model: they move one to the left and the
+    last position is ignored (as transformers' own ForCausalLMLoss does, so that the logits
+    are not copied into a shifted view). The model gets every key but `labels`, so it
+    computes no loss of its own (a mean, which accumulation would get wrong); the loss is
+    summed over target tokens. A model that returns a ModelOutput works as is."""
+
+    def target(self, batch: Any) -> torch.Tensor:
+        labels = super().target(batch)
+        return F.pad(labels[..., 1:], (0, 1), value=self.ignore_index)
 
 
 class Regression(Task):

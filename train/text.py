@@ -1,5 +1,10 @@
-"""A byte-level language-modelling corpus that every machine has offline: the source of the
-Python standard library, and a small GPT-style decoder to train on it.
+"""Language-modelling corpora, and a small GPT-style decoder to train on one.
+
+`python_stdlib` is a byte-level corpus that every machine has offline: the source of the
+Python standard library, as (input, next byte) pairs for the GPT (task=language_model).
+`text_corpus` reads local text or JSONL files (or that same stdlib source), tokenised by a
+Hugging Face tokenizer or at byte level, packed into full sequences in Hugging Face's
+convention for causal LMs (task=causal_lm).
 
 The corpus is the standard library's top-level modules (`*.py` directly in the stdlib
 directory, names not starting with "_"), in sorted order, concatenated until `max_bytes`.
@@ -10,9 +15,12 @@ The last `val_fraction` of the bytes is held out for validation.
 
 from __future__ import annotations
 
+import glob
 import hashlib
+import json
 import math
 import sysconfig
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -84,6 +92,119 @@ def python_stdlib(seq_len: int = 128, max_bytes: int = 400_000, val_fraction: fl
         vocab_size=VOCAB_SIZE,
         block_size=seq_len,
         corpus_sha256=hashlib.sha256(corpus).hexdigest(),
+    )
+
+
+class PackedSequences(Dataset):
+    """Non-overlapping windows of `seq_len` tokens of one packed token stream: sample i is
+    {input_ids: tokens[i*T : i*T+T], labels: the same} (int64, shape (T,)); the task shifts
+    the labels (train.tasks.CausalLM). A remainder shorter than T is dropped."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+
+    def __len__(self) -> int:
+        return len(self.tokens) // self.seq_len
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        window = self.tokens[i * self.seq_len : (i + 1) * self.seq_len].long()
+        return {"input_ids": window, "labels": window}
+
+
+def _documents(paths: Sequence[str], text_key: str, max_bytes: int | None) -> Iterator[str]:
+    """The documents of `paths` (files or glob patterns, in the order given, each pattern's
+    matches sorted): a JSONL file's lines (their `text_key` field), any other file whole."""
+    files: list[Path] = []
+    for pattern in paths:
+        matches = sorted(glob.glob(str(Path(pattern).expanduser()), recursive=True))
+        if not matches:
+            raise FileNotFoundError(f"data.paths: {pattern!r} matches no file")
+        files += [Path(m) for m in matches if Path(m).is_file()]
+    read = 0
+    for path in files:
+        if path.suffix == ".jsonl":
+            lines = path.read_text(encoding="utf-8").splitlines()
+            texts = []
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if text_key not in record:
+                    raise ValueError(
+                        f"{path}:{number} has no {text_key!r} field (it has "
+                        f"{sorted(record)}); set data.text_key"
+                    )
+                texts.append(str(record[text_key]))
+        else:
+            texts = [path.read_text(encoding="utf-8", errors="replace")]
+        for text in texts:
+            yield text
+            read += len(text.encode())
+            if max_bytes is not None and read >= max_bytes:
+                return
+
+
+def text_corpus(
+    paths: str | Sequence[str] | None = None,
+    tokenizer: str | None = None,
+    seq_len: int = 128,
+    max_bytes: int | None = 400_000,
+    val_fraction: float = 0.1,
+    text_key: str = "text",
+) -> Datasets:
+    """Local text as train and validation `PackedSequences` of `seq_len` tokens.
+
+    `paths`: text files and JSONL files (one document per line, its `text_key` field), or
+    glob patterns; None reads the Python standard library's source (`python_stdlib`'s
+    text). Reading stops after `max_bytes` of text (None: all of it). `tokenizer`: a local
+    Hugging Face tokenizer directory (AutoTokenizer, local files only), whose EOS token
+    ends each document; None tokenises at byte level (UTF-8 bytes, vocab_size 256).
+    Documents are packed: concatenated into one stream and cut into full sequences, so no
+    token is padding and a sequence may span documents (attention is not masked at their
+    boundaries). The last `val_fraction` of the tokens is held out."""
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"data.seq_len must be an integer >= 2, got {seq_len!r}")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction!r}")
+    if paths is None:
+        texts = [stdlib_source(max_bytes or 400_000).decode("utf-8", errors="replace")]
+    else:
+        texts = list(_documents([paths] if isinstance(paths, str) else paths, text_key, max_bytes))
+    if tokenizer is None:
+        ids = [list(text.encode("utf-8")) for text in texts]
+        vocab_size, name = VOCAB_SIZE, "bytes"
+    else:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+        except OSError as error:
+            raise FileNotFoundError(
+                f"data.tokenizer={tokenizer!r} cannot be loaded from local files: {error}"
+            ) from None
+        eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
+        ids = [tok(text, add_special_tokens=False)["input_ids"] + eos for text in texts]
+        vocab_size, name = len(tok), str(tokenizer)
+    tokens = torch.tensor([i for doc in ids for i in doc], dtype=torch.int32)
+    num_val = int(len(tokens) * val_fraction)
+    train = PackedSequences(tokens[: len(tokens) - num_val], seq_len)
+    val = PackedSequences(tokens[len(tokens) - num_val :], seq_len)
+    if len(val) == 0 or len(train) == 0:
+        raise ValueError(
+            f"data.seq_len={seq_len}: the corpus has {len(tokens)} tokens, {num_val} of them "
+            "held out, too few for one sequence of each; raise data.max_bytes or lower "
+            "data.seq_len"
+        )
+    return Datasets(
+        train,
+        val,
+        vocab_size=vocab_size,
+        block_size=seq_len,
+        tokenizer=name,
+        num_tokens=len(tokens),
+        corpus_sha256=hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
     )
 
 

@@ -1,0 +1,247 @@
+"""Hugging Face causal language models as batchfit models, with LoRA adapters through peft.
+
+    model=hf_causal_lm model.config=llama3_8b           # an architecture of conf/architecture/
+    model=hf_causal_lm model.name_or_path=/path/to/ckpt # a local checkpoint (from_pretrained)
+    model.lora=null                                     # full fine-tuning: every weight trains
+
+`model.config` names an architecture YAML of conf/architecture/ (its published sizes, no
+weights: `AutoModelForCausalLM.from_config`), or is a path to such a YAML (or a JSON) of
+one's own, or a checkpoint directory's config. `model.name_or_path` loads a checkpoint from
+local files only (nothing is downloaded). Attention runs through PyTorch's SDPA.
+
+`model.lora` (peft's LoraConfig: r, alpha, dropout, target_modules, and any other LoraConfig
+field by its own name) freezes the base weights and trains the adapters only; the optimizer
+is given the trainable parameters alone (train/build.py). `model.dtype` is what the weights
+are stored in (float32, bfloat16, or auto: a checkpoint's own); trainer.precision is the
+autocast on top of it.
+
+Under a fake-tensor mode (the memory predictor, the pre-study build check) a checkpoint is
+built from its config instead of its files: memory follows the shapes and dtypes, not the
+values, so a 70B checkpoint is predicted without reading it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+ARCHITECTURES = Path(__file__).resolve().parent.parent / "conf" / "architecture"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# peft's LoraConfig names for the short keys of model.lora; any other key is LoraConfig's own.
+LORA_KEYS = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
+
+
+def architectures() -> list[str]:
+    """The names `model.config` takes: the YAMLs of conf/architecture/."""
+    return sorted(path.stem for path in ARCHITECTURES.glob("*.yaml"))
+
+
+def _read_config(config: str | Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of `model.config`: a name of conf/architecture/, a YAML or JSON file, a
+    checkpoint directory (its config.json), or the settings themselves."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = Path(config).expanduser()
+    if not path.exists() and (ARCHITECTURES / f"{config}.yaml").exists():
+        path = ARCHITECTURES / f"{config}.yaml"
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"model.config={config!r} is neither an architecture of conf/architecture/ "
+            f"({', '.join(architectures())}) nor a YAML/JSON file or checkpoint directory"
+        )
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+
+
+def architecture(config: str | Mapping[str, Any], vocab_size: int | None = None):  # noqa: ANN201
+    """A transformers PretrainedConfig for `model.config`; a vocab_size of null takes the
+    data's (`vocab_size`)."""
+    from transformers import AutoConfig
+
+    settings = _read_config(config)
+    model_type = settings.pop("model_type", None)
+    if not model_type:
+        raise ValueError(f"model.config={config!r} has no model_type (llama, mistral, qwen2, ...)")
+    if settings.get("vocab_size") is None:
+        if vocab_size is None:
+            raise ValueError(
+                f"model.config={config!r} takes its vocab_size from the data, which gives none; "
+                "set vocab_size in the architecture or use data=text"
+            )
+        settings["vocab_size"] = vocab_size
+    settings.pop("architectures", None)
+    try:
+        return AutoConfig.for_model(model_type, **settings)
+    except (KeyError, ValueError) as error:
+        raise ValueError(f"model.config={config!r}: {error}") from None
+
+
+def _fake_mode() -> FakeTensorMode | None:
+    """The fake-tensor mode being built under, if any (the predictor's, the build check's)."""
+    modes = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, FakeTensorMode)]
+    return modes[-1] if modes else None
+
+
+@contextmanager
+def eager_on_fakes() -> Iterator[None]:
+    """Within: transformers runs its eager code on FakeTensors. It takes a FakeTensor for a
+    graph being traced (`is_tracing`: its `is_fake_tensor` check) and then follows its
+    export paths, which allocate what the eager step does not: a causal mask materialised
+    for SDPA instead of its `is_causal` flag, for one. The memory predictor computes the
+    eager step on fakes, so it must see the eager path. Nothing when transformers is not
+    imported (no model of it is being predicted)."""
+    imports = sys.modules.get("transformers.utils.import_utils")
+    masks = sys.modules.get("transformers.masking_utils")
+    if imports is None:
+        yield
+        return
+    patches = [(imports, "is_fake_tensor", lambda tensor: False)]
+    if masks is not None:
+        # The eager path reads the position ids' values to find sequences packed into one
+        # row (`.all()` of a tensor), which a fake has none of. The position ids of a
+        # predicted step are the model's own arange (the predictor's batches carry none):
+        # one sequence per row, what the eager path finds for them. Its temporaries are
+        # computed as the eager path computes them, up to the read.
+        find = masks.find_packed_sequence_indices
+
+        def unpacked(position_ids: torch.Tensor) -> None:
+            with suppress(DataDependentOutputException):
+                find(position_ids)
+
+        patches.append((masks, "find_packed_sequence_indices", unpacked))
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, value in patches:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def _dtype(dtype: str, checkpoint_dtype: Any) -> torch.dtype:
+    if dtype == "auto":
+        if isinstance(checkpoint_dtype, torch.dtype):
+            return checkpoint_dtype
+        return getattr(torch, str(checkpoint_dtype or "float32"))
+    if dtype not in DTYPES:
+        raise ValueError(
+            f"model.dtype={dtype!r}: the weights are stored in {' or '.join(DTYPES)} (or auto: "
+            "a checkpoint's own); float16 weights do not train (use trainer.precision=fp16)"
+        )
+    return DTYPES[dtype]
+
+
+def lora_config(lora: Mapping[str, Any]):  # noqa: ANN201
+    """peft's LoraConfig for `model.lora` (short keys r, alpha, dropout, target_modules)."""
+    from peft import LoraConfig
+
+    settings = {LORA_KEYS.get(key, key): value for key, value in lora.items()}
+    settings.setdefault("task_type", "CAUSAL_LM")
+    try:
+        return LoraConfig(**settings)
+    except TypeError as error:  # an unknown key
+        raise ValueError(
+            f"model.lora: {error}; its keys are r, alpha, dropout, target_modules and peft "
+            "LoraConfig's own fields"
+        ) from None
+
+
+def causal_lm(
+    config: str | Mapping[str, Any] | None = None,
+    name_or_path: str | None = None,
+    lora: Mapping[str, Any] | None = None,
+    dtype: str = "float32",
+    attn_implementation: str = "sdpa",
+    vocab_size: int | None = None,
+    block_size: int | None = None,
+) -> nn.Module:
+    """A causal LM of `model.name_or_path` (from_pretrained, local files only) when it is
+    set, else of `model.config` (from_config), with LoRA adapters when `lora` is given.
+    `vocab_size` and `block_size` (the sequence length) come from the data and are checked
+    against the architecture."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ValueError(
+            'Hugging Face models need transformers and peft: pip install -e ".[llm]"'
+        ) from None
+    if config is None and name_or_path is None:
+        raise ValueError(
+            "give model.config (an architecture: "
+            f"{', '.join(architectures())}) or model.name_or_path (a local checkpoint)"
+        )
+    fake = _fake_mode() is not None
+    if name_or_path is not None:
+        path = Path(name_or_path).expanduser()
+        if not path.is_dir():
+            raise ValueError(
+                f"model.name_or_path={name_or_path!r} is not a directory; batchfit loads local "
+                "checkpoints only (download it first, e.g. `hf download <repo> --local-dir DIR`)"
+            )
+        arch = AutoConfig.from_pretrained(path, local_files_only=True)
+    else:
+        arch = architecture(config, vocab_size)
+    arch.use_cache = False  # a training step keeps no key/value cache
+    weights = _dtype(dtype, arch.dtype)
+    _check_data(arch, vocab_size, block_size)
+    if name_or_path is not None and not fake:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, config=arch, local_files_only=True, dtype=weights,
+            attn_implementation=attn_implementation,
+        )  # fmt: skip
+    else:  # from the architecture, or a checkpoint's shapes when only memory is wanted
+        model = AutoModelForCausalLM.from_config(
+            arch, dtype=weights, attn_implementation=attn_implementation
+        )
+    if lora is None:
+        return model
+    from peft import get_peft_model
+
+    settings = lora_config(lora)
+    # peft moves each new adapter to its base layer's device with Module.to, which cannot
+    # swap a fake tensor's parameters; the adapters are built real (they are small) and the
+    # predictor makes them fake with the rest.
+    with unset_fake_temporarily(), warnings.catch_warnings():
+        # peft reads transformers' deprecated is_gradient_checkpointing (transformers 5)
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+        return get_peft_model(model, settings)
+
+
+def _check_data(arch: Any, vocab_size: int | None, block_size: int | None) -> None:
+    if vocab_size is not None and vocab_size > arch.vocab_size:
+        raise ValueError(
+            f"the data's tokens go up to vocab_size={vocab_size} but the model has "
+            f"vocab_size={arch.vocab_size}; use the model's own tokenizer (data.tokenizer)"
+        )
+    longest = getattr(arch, "max_position_embeddings", None)
+    if block_size is not None and longest is not None and block_size > longest:
+        raise ValueError(
+            f"data.seq_len={block_size} is longer than the model's max_position_embeddings="
+            f"{longest}; lower data.seq_len"
+        )
+
+
+def trainable_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
