@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import gc
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -196,7 +197,9 @@ def fit_report(
     num_train = workload.num_train
     for precision in precisions:
         for row in report.batch_sizes:
-            for accum in accums:
+            # The most micro-batches first: the predictor derives the step of one
+            # micro-batch from a step of several (train/predict.py _first_micro_batch).
+            for accum in sorted(accums, key=lambda a: -(a or 0)):
                 if precision in unsupported:
                     effective = row if accum is None else row * accum
                     batch = None if derived else row
@@ -208,6 +211,9 @@ def fit_report(
                     geometry = _geometry(trainer, row, accum, precision)
                     cell = _searched_cell(predictor, geometry, num_train, spec, settings)
                 report.cells[precision, row, accum] = cell
+    report.cells = {
+        key: report.cells[key] for key in itertools.product(precisions, report.batch_sizes, accums)
+    }
     report.seconds = time.perf_counter() - started
     return report
 
@@ -220,8 +226,8 @@ def layouts(cfg: DictConfig, space: SearchSpace, spec: RunSpec) -> list[dict[str
     """Every combination of trainer.activation_checkpointing and the other discrete searched
     keys a step's memory may follow (data.seq_len, a model's width: anything but the
     geometry and the optimizer's and schedule's numbers; not a group choice, e.g. optimizer,
-    which a trial composes), as {key: value}; the configured checkpointing alone when there
-    are more than MAX_LAYOUTS."""
+    which a trial composes), as {key: value}. At most MAX_LAYOUTS: the keys listed last in
+    the space are dropped first (held at their configured value)."""
     modes = _space_values(space, CHECKPOINTING_KEY, spec.trainer.activation_checkpointing)
     axes = {CHECKPOINTING_KEY: [str(m) for m in modes]}
     for key, dist in space.distributions.items():
@@ -231,10 +237,13 @@ def layouts(cfg: DictConfig, space: SearchSpace, spec: RunSpec) -> list[dict[str
         discrete = isinstance(dist, CategoricalDistribution)
         if discrete and key not in GEOMETRY_KEYS and not numeric and not group:
             axes[key] = list(dist.choices)
-    combos = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
-    if len(combos) > MAX_LAYOUTS:
-        return [{CHECKPOINTING_KEY: str(m)} for m in modes]
-    return combos
+    # Too many combinations: the last keys of the space are held at their configured value
+    # (the report says so), checkpointing and the first keys kept.
+    while len(axes) > 1 and math.prod(map(len, axes.values())) > MAX_LAYOUTS:
+        axes.popitem()
+    if math.prod(map(len, axes.values())) > MAX_LAYOUTS:
+        axes = {CHECKPOINTING_KEY: axes[CHECKPOINTING_KEY]}
+    return [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
 
 
 def fit_reports(

@@ -79,4 +79,15 @@ def _hugging_face_layers(model: nn.Module) -> int:
     if enable is None:
         return 0
     enable({"use_reentrant": False})
-    return sum(1 for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True)
+    return len(hugging_face_checkpointed(model))
+
+
+def hugging_face_checkpointed(model: nn.Module) -> list[nn.Module]:
+    """The layers of a transformers model that recompute their activations."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
+    ]

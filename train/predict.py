@@ -183,6 +183,9 @@ class MemoryPredictor:
         self._example_n = batch_size_of(example)
         self._cache: dict[tuple, Prediction] = {}
         self._lines: dict[tuple, _Line] = {}  # per micro-batch pattern and precision
+        # (micro-batch, precision, clip) -> (events, first step?): a step of that
+        # micro-batch alone, derived from one of several (_first_micro_batch)
+        self._singles: dict[tuple, tuple[Events, bool]] = {}
         self._step_bytes: int | None = None  # optimizer.step's own peak above its start
         self._flops: dict[int, float] = {}  # micro-batch size -> FLOPs per sample
         try:
@@ -247,11 +250,20 @@ class MemoryPredictor:
         line = self._lines.setdefault(pattern, _Line())
         uniform = all(n == sizes[0] for n in sizes)
         events = line.at(sizes[0]) if uniform else None
+        single = (sizes[0], trainer.precision, trainer.grad_clip_norm)
+        if events is None and len(sizes) == 1 and single in self._singles:
+            events, first_step = self._singles.pop(single)
+            if not first_step:
+                line.add(sizes[0], events)
         if events is None:
             first_step = self.target.type != "cuda" and self._step_bytes is None
-            events = self._run(sizes, trainer)
+            events, marks = self._run(sizes, trainer)
             if uniform and not first_step:  # the first has the optimizer's own events
                 line.add(sizes[0], events)
+            if len(sizes) > 1:  # the step of its first micro-batch alone, for free
+                self._singles[single] = (_first_micro_batch(events, marks), first_step)
+                while len(self._singles) > MAX_SINGLES:
+                    self._singles.pop(next(iter(self._singles)))
         tensor_bytes = live_peak_bytes(events)
         if self.target.type != "cuda":
             return Prediction(tensor_bytes, tensor_bytes, time.perf_counter() - started)
@@ -271,10 +283,13 @@ class MemoryPredictor:
         workspaces = cublas_workspaces(self.target.capability, training=True)
         return predict_reserved(events, settings, workspaces, limit_bytes)
 
-    def _run(self, sizes: list[int], trainer: TrainerConfig) -> list[tuple[int, int]]:
-        """The step's allocations and frees, computed on fake tensors."""
+    def _run(self, sizes: list[int], trainer: TrainerConfig) -> tuple[Events, list[int]]:
+        """The step's allocations and frees, computed on fake tensors, and where in them
+        each micro-batch after the first begins and where the last one ended (the
+        optimizer's part begins)."""
         precision = Precision(trainer.precision, self.device.type)
         tracker = TensorMemoryTracker(self.device, record=True)
+        marks: list[int] = []
         with self.mode, precision.matmul_mode(), self._as_target():
             scaler = _FakeGradScaler(self.device.type, enabled=precision.name == "fp16")
             tracker.register(state_tensors(self.model, self.optimizer))
@@ -284,14 +299,14 @@ class MemoryPredictor:
                     self.optimizer,
                     scaler,
                     precision,
-                    self._micro_batches(sizes),
+                    self._micro_batches(sizes, marks, tracker.events),
                     trainer.grad_clip_norm,
                     trainer.effective_batch_size,
                     self.task,
                 )
         assert tracker.events is not None
         assert live_peak_bytes(tracker.events) == tracker.peak_bytes
-        return tracker.events
+        return tracker.events, marks
 
     @contextmanager
     def _as_target(self) -> Iterator[None]:
@@ -336,8 +351,14 @@ class MemoryPredictor:
         finally:
             self.optimizer.__dict__.pop("step", None)
 
-    def _micro_batches(self, sizes: list[int]) -> Iterator[Any]:
-        for n in sizes:
+    def _micro_batches(
+        self, sizes: list[int], marks: list[int] | None = None, events: Events | None = None
+    ) -> Iterator[Any]:
+        """Fake micro-batches of `sizes`; with `marks`, the number of `events` when each one
+        after the first is asked for and when the loop asks for one more (its end)."""
+        for i, n in enumerate(sizes):
+            if i and marks is not None and events is not None:
+                marks.append(len(events))
 
             def fake(t: Any, n: int = n) -> Any:
                 if not isinstance(t, torch.Tensor):
@@ -347,7 +368,24 @@ class MemoryPredictor:
                 return torch.empty(shape, dtype=t.dtype, device=self.device)
 
             yield tree_map(fake, self._example)
+        if marks is not None and events is not None:
+            marks.append(len(events))
 
+
+def _first_micro_batch(events: Events, marks: list[int]) -> Events:
+    """The events of a step of the first micro-batch alone, from those of a step of
+    several: everything until the second micro-batch begins, then the optimizer's part
+    (from where the last micro-batch ended). The first micro-batch's tensors are alive
+    there, as they are when it is the only one: the frees of the micro-batches between
+    are left out with their allocations. Exact: the optimizer's part allocates the same
+    whatever micro-batch came last (its tensors have the parameters' shapes)."""
+    second, end = marks[0], marks[-1]
+    between = {key for key, nbytes in events[second:end] if nbytes >= 0}
+    tail = [(key, nbytes) for key, nbytes in events[end:] if key not in between]
+    return events[:second] + tail
+
+
+MAX_SINGLES = 16  # first-micro-batch steps held until asked for (a fit report asks soon)
 
 Events = list[tuple[int, int]]  # (storage number, bytes) allocated, (number, -1) freed
 

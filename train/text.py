@@ -180,7 +180,7 @@ def text_corpus(
 
         try:
             tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
-        except OSError as error:
+        except (OSError, ValueError) as error:  # not there, or not a tokenizer
             raise FileNotFoundError(
                 f"data.tokenizer={tokenizer!r} cannot be loaded from local files: {error}"
             ) from None
