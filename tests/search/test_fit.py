@@ -13,7 +13,7 @@ import torch
 from optuna.distributions import CategoricalDistribution
 from rich.console import Console
 
-from search.fit import FitReport, fit_report, render
+from search.fit import MAX_LAYOUTS, FitReport, fit_report, fit_reports, layouts, render
 from search.validate import validate
 from train.precision import unsupported_reason
 from train.run import plan
@@ -32,7 +32,7 @@ ACCUMS = [1, 2, 4]
 EFFECTIVE = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 PRECISIONS = ["fp32", "tf32", "bf16", "fp16"]
 TF32_ON_CPU = unsupported_reason("tf32", torch.device("cpu"))
-KiB, MiB = 2**10, 2**20
+KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 
 def _peak(cfg, batch: int, accum: int, precision: str = "fp32") -> int:
@@ -202,3 +202,65 @@ def test_a_report_for_a_gpu_this_machine_lacks_is_in_cuda_reserved_bytes(hydra_c
     v100 = _report(hydra_conf, [*SMALL, "search.gpu=V100-16GB", precisions])
     assert set(v100.unsupported) == {"tf32", "bf16"}
     assert "compute capability >= 8.0, V100-16GB has 7.x" in v100.unsupported["bf16"]
+
+
+# An 8B model planned for an H100 from this CPU-only machine: bf16 weights, 1024 tokens,
+# micro-batches 1 and 2, checkpointing off and on; the full report over the experiments'
+# spaces is the README's (minutes: 6 layouts x 24 cells).
+def _llama3_8b(experiment: str) -> list[str]:
+    return [
+        f"+experiment={experiment}", "model.config=llama3_8b", "model.dtype=bfloat16",
+        "search.gpu=H100-80GB", "data.max_bytes=40000",
+        '++search.params={trainer.batch_size:"choice(1,2)",trainer.accum_steps:"choice(1)",'
+        'trainer.precision:"choice(bf16)",data.seq_len:"choice(1024)",'
+        'trainer.activation_checkpointing:"choice(none,blocks)",model.lora.r:null}',
+    ]  # fmt: skip
+
+
+def _reports(hydra_conf, overrides: list[str]) -> list[FitReport]:
+    cfg = hydra_conf(overrides)
+    checked = validate(cfg, "fit", lambda extra: hydra_conf([*overrides, *extra]), False)
+    return fit_reports(cfg, checked.space, checked.spec, checked.settings)
+
+
+def test_8b_fit_reports_for_lora_and_full_fine_tuning(hydra_conf) -> None:
+    """What fits an H100 for Llama-3-8B (8.03B parameters, bf16 weights). With LoRA: the
+    frozen weights (2 bytes each) and the activations, which checkpointing cuts. Fully
+    fine-tuned with AdamW: weights, gradients (2 bytes each), two moments (4) and, while the
+    foreach step runs, a parameter-sized set of its intermediates (2): over 10 bytes per
+    parameter, whatever the batch."""
+    params = 8_030_261_248
+    lora = {r.checkpointing: r for r in _reports(hydra_conf, _llama3_8b("llm_lora"))}
+    full = {r.checkpointing: r for r in _reports(hydra_conf, _llama3_8b("llm_full"))}
+    for reports in (lora, full):
+        assert set(reports) == {"none", "blocks"}
+        for report in reports.values():
+            assert report.device.startswith("H100-80GB") and report.at == {"data.seq_len": 1024}
+            assert list(report.cells) == [("bf16", 1, 1), ("bf16", 2, 1)]
+    peak = {
+        (name, mode, b): reports[mode].cells["bf16", b, 1].peak_bytes
+        for name, reports in (("lora", lora), ("full", full))
+        for mode in ("none", "blocks")
+        for b in (1, 2)
+    }
+    for mode in ("none", "blocks"):
+        assert 2 * params < peak["lora", mode, 1] < peak["lora", mode, 2] < 40 * GiB, peak
+        assert 10 * params < peak["full", mode, 1] <= peak["full", mode, 2] < 80 * GiB, peak
+        assert peak["full", mode, 2] - peak["full", mode, 1] < 2 * GiB, peak  # the optimizer's
+    for b in (1, 2):  # one layer's activations kept instead of 32
+        assert peak["lora", "blocks", b] < peak["lora", "none", b] - (b + 4) * GiB, peak
+    assert all(cell.fits for report in lora.values() for cell in report.cells.values())
+
+
+def test_layouts_beyond_the_limit_hold_the_space_last_keys(hydra_conf) -> None:
+    """llm_lora searches checkpointing (2), seq_len (3) and the LoRA rank (3): 18
+    combinations, over MAX_LAYOUTS; the rank, listed last, is held at its configured 8."""
+    overrides = ["+experiment=llm_lora", "data.max_bytes=40000"]
+    cfg = hydra_conf(overrides)
+    checked = validate(cfg, "fit", lambda extra: hydra_conf([*overrides, *extra]), False)
+    found = layouts(cfg, checked.space, checked.spec)
+    assert len(found) == 6 <= MAX_LAYOUTS
+    assert {(d["trainer.activation_checkpointing"], d["data.seq_len"]) for d in found} == set(
+        itertools.product(["none", "blocks"], [128, 256, 512])
+    )
+    assert all("model.lora.r" not in d for d in found)
