@@ -14,6 +14,10 @@ Each of these has no public equivalent in the versions pinned (Optuna 5.0, torch
 - torch.utils._pytree tree_map, tree_leaves, tree_iter (train/batches.py, train/loop.py,
   train/tasks.py, train/memory.py, train/predict.py)
 - nn.Module._parameters, nn.Module._buffers (train/predict.py `_fake_module`)
+- torch._subclasses.fake_tensor.unset_fake_temporarily, DataDependentOutputException and
+  torch.utils._python_dispatch._get_current_dispatch_mode_stack (train/hf.py)
+- transformers.utils.import_utils.is_fake_tensor (via is_tracing) and
+  transformers.masking_utils.find_packed_sequence_indices (train/hf.py `eager_on_fakes`)
 """
 
 from __future__ import annotations
@@ -308,3 +312,54 @@ def test_a_modules_parameter_and_buffer_dicts_are_what_it_uses() -> None:
     assert any(p is new_weight for p in model.parameters())
     assert any(b is new_mean for b in model.buffers())
     assert "running_mean" in model.state_dict()  # still a (persistent) buffer
+
+
+# ---------------------------------------------------------------- transformers (train/hf.py)
+
+
+def test_transformers_takes_fakes_for_tracing_through_is_fake_tensor() -> None:
+    from transformers.utils import import_utils
+
+    from train.hf import eager_on_fakes
+
+    with FakeTensorMode():
+        fake = torch.empty(2)
+    assert import_utils.is_tracing(fake)  # what eager_on_fakes switches off
+    with eager_on_fakes():
+        assert not import_utils.is_tracing(fake)
+    assert import_utils.is_tracing(fake)
+
+
+def test_packed_sequence_detection_reads_the_position_ids_values() -> None:
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from transformers import masking_utils
+    from transformers.utils import import_utils
+
+    from train.hf import eager_on_fakes
+
+    find = masking_utils.find_packed_sequence_indices
+    assert find(torch.arange(8).unsqueeze(0)) is None  # eager: one sequence per row
+    with FakeTensorMode():
+        fake = torch.empty(1, 8, dtype=torch.long)
+        assert find(fake) is not None  # "tracing": a mask, the values left unread
+        saved = import_utils.is_fake_tensor
+        import_utils.is_fake_tensor = lambda tensor: False
+        try:
+            with pytest.raises(DataDependentOutputException):
+                find(fake)  # the eager path reads them, which eager_on_fakes answers
+        finally:
+            import_utils.is_fake_tensor = saved
+        with eager_on_fakes():
+            assert masking_utils.find_packed_sequence_indices(fake) is None
+    assert masking_utils.find_packed_sequence_indices is find
+
+
+def test_fake_mode_can_be_left_for_a_block() -> None:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    with FakeTensorMode():
+        assert any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+        with unset_fake_temporarily():
+            assert not isinstance(torch.empty(1), FakeTensor)
+        assert isinstance(torch.empty(1), FakeTensor)

@@ -73,6 +73,17 @@ VARIANT = "search.n_trials=2 search.speed_check=false"
 # The GPT variant's trials on a ninth of the text (40 kB: ~1,200 sequences of 32 bytes), so
 # that each takes seconds: it shows its objectives, not what the text teaches.
 GPT_VARIANT = f"{VARIANT} data.max_bytes=40000"
+# The LoRA study's trials on a third of its text, three of them: what the README says it
+# logs, not how far it gets in 30 trials.
+LLM_VARIANT = "search.n_trials=3 search.speed_check=false data.max_bytes=40000"
+OWN_MODEL = (
+    "python -m search +experiment=llm_lora model.name_or_path=/path/to/checkpoint "
+    "data.tokenizer=/path/to/checkpoint 'data.paths=[/data/train.jsonl]' model.dtype=bfloat16"
+)
+LLM_FIT = (
+    "the reports over the experiments' spaces take minutes on 2 cores (6 tables each); the "
+    "test plans both for an H100, 2 micro-batches x 2 checkpointing at 1024 tokens"
+)
 
 
 CLUSTER = "needs SLURM (and PostgreSQL), GPUs and CIFAR-10: run on the cluster of services.sh"
@@ -96,6 +107,26 @@ TABLE: dict[str, Check] = {
         "tests.search.test_fit::test_a_report_for_a_gpu_this_machine_lacks_is_in_cuda_reserved_bytes",
         "the same report over ResNet-18's grid takes minutes; the test plans a small CNN for "
         "a V100 and an A100",
+    ),
+    # Fine-tuning a language model
+    'pip install -e ".[llm]"': Check(
+        ".ci/run",
+        'needs PyPI; CI installs ".[dev]", which holds ".[llm]"',
+        'pip install -e ".[dev]"',
+    ),
+    "python -m search +experiment=llm_lora": Check("test_llm_lora_study", extra=LLM_VARIANT),
+    OWN_MODEL: Check(
+        "tests.train.test_hf::test_a_local_checkpoint_loads_and_predicts_without_its_weights",
+        "needs a checkpoint of one's own; the test saves a tiny one, loads it with LoRA and "
+        "predicts it without its weights (test_jsonl_and_text_files_are_tokenised_and_packed: "
+        "a local tokenizer and JSONL)",
+    ),
+    "python -m search.fit +experiment=llm_lora model.config=llama3_8b search.gpu=H100-80GB": Check(
+        "tests.search.test_fit::test_8b_fit_reports_for_lora_and_full_fine_tuning", LLM_FIT
+    ),
+    "python -m search.fit +experiment=llm_full model.config=llama3_8b model.dtype=bfloat16 "
+    "search.gpu=H100-80GB": Check(
+        "tests.search.test_fit::test_8b_fit_reports_for_lora_and_full_fine_tuning", LLM_FIT
     ),
     # Other entry points
     "python -m search +experiment=resnet_derived data=digits search.n_trials=4": Check(
@@ -521,6 +552,46 @@ def test_gpt_perplexity_study(quick_starts: dict[str, Ran], workdir: Path) -> No
     assert ran.study.metric_names == ["val/perplexity", "throughput/tokens_per_sec"]
     # A study of its own: the quick start's GPT study is untouched.
     assert quick_starts["test_quick_start_gpt"].study.metric_names[0] == "val/loss"
+
+
+def test_llm_lora_study(workdir: Path) -> None:
+    """The LoRA study of "Fine-tuning a language model": a tiny Llama built from its config,
+    its adapters trained on bytes of Python; each trial logs val loss, tokens/s, MFU and the
+    prediction error (0 on a CPU: the prediction is the measurement)."""
+    (command,) = commands_of("test_llm_lora_study")
+    ran = _run_study(command, workdir)
+    _check_study(ran, "llm_lora-text")
+    assert ran.study.metric_names == ["val/loss", "throughput/tokens_per_sec"]
+    done = [t for t in ran.study.trials if t.state == TrialState.COMPLETE]
+    assert len(done) == 3, ran.out
+    searched = {
+        "trainer.batch_size", "trainer.accum_steps", "trainer.precision", "data.seq_len",
+        "trainer.activation_checkpointing", "model.lora.r", "optimizer.lr",
+    }  # fmt: skip
+    for t in done:
+        assert set(t.params) == searched
+        assert 1 <= t.params["trainer.batch_size"] <= 8
+        figures = t.user_attrs["metrics"]
+        # Finite and near a uniform guess at worst: the first trials are the fit report's
+        # largest batches, a few optimizer steps over this text (test_hf: the tiny models
+        # learn; the README's full study reaches ~3.0 nats).
+        assert math.isfinite(figures["val/loss"]) and figures["val/loss"] < math.log(256) + 0.5
+        # Target tokens: seq_len - 1 of each packed sequence (the task shifts the labels).
+        assert figures["throughput/tokens_per_sec"] == pytest.approx(
+            figures["throughput/samples_per_sec"] * (t.params["data.seq_len"] - 1), rel=1e-6
+        )
+        assert t.user_attrs["prediction_error"] == 0.0
+    client = MlflowClient(f"sqlite:///{workdir}/mlruns/mlflow.db")
+    experiment = client.get_experiment_by_name(ran.study.study_name)
+    runs = client.search_runs([experiment.experiment_id], "tags.`batchfit.role` = 'trial'")
+    completed = [r for r in runs if r.data.tags["batchfit.state"] == "COMPLETE"]
+    assert len(completed) == 3
+    for run in completed:
+        metrics = run.data.metrics
+        for name in ("val/loss", "throughput/tokens_per_sec", "perf/mfu"):
+            assert metrics[name] > 0, name
+        assert metrics["memory/prediction_error"] == 0.0
+        assert run.data.params["data_info.tokenizer"] == "bytes"
 
 
 def test_four_levers(quick_starts: dict[str, Ran], workdir: Path) -> None:

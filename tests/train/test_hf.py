@@ -273,9 +273,7 @@ def test_bad_data_settings_say_which_key(tmp_path, make, error, match):
 # ------------------------------------------------------------------ models and their errors
 
 
-def test_a_local_checkpoint_loads_its_weights_and_predicts_without_reading_them(
-    hydra_conf, tmp_path
-):
+def test_a_local_checkpoint_loads_and_predicts_without_its_weights(hydra_conf, tmp_path):
     cfg = hydra_conf([*LLM, "model.lora=null"])
     pipeline, task = build_pipeline(cfg, torch.device("cpu")), build_task(cfg)
     torch.manual_seed(0)

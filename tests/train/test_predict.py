@@ -5,6 +5,7 @@ its own tests (test_allocator.py, test_cuda_trace.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import pytest
@@ -393,3 +394,41 @@ def test_tied_weights_are_counted_once():
     assert len(list(predictor.model.parameters())) == 3
     # parameters, gradients and momentum: three copies of each distinct parameter
     assert predictor.state_bytes == 3 * real_params
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [*CNN, *DIGITS],
+        [*CNN, *DIGITS, "search.gpu=A100-40GB"],
+        ["+experiment=llm_lora", "data.max_bytes=20000", "data.seq_len=32", "search.gpu=H100-80GB"],
+    ],
+    ids=["cpu", "a100", "lora-h100"],
+)
+def test_a_step_of_one_micro_batch_read_off_a_step_of_two_is_the_computed_one(
+    hydra_conf, overrides
+):
+    """The predictor derives a one-micro-batch step from the first micro-batch of a step of
+    two and the optimizer's part (train/predict.py `_first_micro_batch`): the same peak,
+    live tensors and CUDA reserve as that step computed."""
+    cfg = hydra_conf([*overrides, *STEPS, "trainer.device=cpu"])
+    spec = plan(cfg, None)
+    workload = Workloads().of(cfg)
+    derived = workload.predictor(spec, cfg.optimizer)
+    computed = Workloads().of(cfg).predictor(spec, cfg.optimizer)
+    for n in (3, 8):
+        one = dataclasses.replace(
+            spec.trainer, batch_size=n, accum_steps=1, effective_batch_size=None
+        )
+        two = dataclasses.replace(one, accum_steps=2, effective_batch_size=None)
+        derived.predict(two, workload.num_train, spec.limit_bytes)
+        assert (n, one.precision, None) in derived._singles
+        got = derived.predict(one, workload.num_train, spec.limit_bytes)
+        assert (n, one.precision, None) not in derived._singles  # used, not computed
+        want = computed.predict(one, workload.num_train, spec.limit_bytes)
+        assert (got.peak_bytes, got.tensor_bytes, got.reserved_bytes) == (
+            want.peak_bytes, want.tensor_bytes, want.reserved_bytes,
+        )  # fmt: skip
+        # and not the step of two: its second micro-batch runs over the first's output
+        two_bytes = derived.predict(two, workload.num_train, spec.limit_bytes).tensor_bytes
+        assert got.tensor_bytes < two_bytes
