@@ -23,6 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
 
+from search import interrupts
 from search.compose import task_overrides
 from search.driver import StudyDriver
 from search.storage import JournalWriteError
@@ -47,7 +48,9 @@ def stop_on_signals(errors: Console) -> None:
     def first(signum: int, frame: object) -> None:
         for each in (signal.SIGINT, signal.SIGTERM):
             signal.signal(each, later)
-        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        kind = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+        interrupts.request(kind)  # raised again at the next step if this one is swallowed
+        raise kind()
 
     def later(signum: int, frame: object) -> None:
         errors.print(
@@ -55,9 +58,19 @@ def stop_on_signals(errors: Console) -> None:
             "closed[/yellow]"
         )
 
+    default_hook = sys.unraisablehook
+
+    def unraisable(event: sys.UnraisableHookArgs) -> None:
+        # The stop raised in a weakref callback or __del__, which Python cannot raise: it
+        # is raised again at the next step (search/interrupts.py), not printed as an error.
+        if event.exc_type is not None and issubclass(event.exc_type, KeyboardInterrupt):
+            return
+        default_hook(event)
+
     try:
         for each in (signal.SIGINT, signal.SIGTERM):
             signal.signal(each, first)
+        sys.unraisablehook = unraisable
     except ValueError:  # not the main thread (a launcher's worker thread): leave them be
         pass
 
@@ -126,13 +139,16 @@ def main(cfg: DictConfig) -> float | None:
         what = f"{type(error).__name__} while preparing it (above); nothing was trained"
         crashed(errors, "The study did not start", what)
     try:
-        return driver.run()
+        result = driver.run()
+        interrupts.check()  # a stop swallowed after the last step is still a stop
+        return result
     except ConfigError as error:  # a trial met a config problem the checks could not see
         driver.parent.log.finish("FAILED")
         config_error(errors, error)
     except TrackingIncomplete as error:
         stopped(errors, "MLflow records incomplete", str(error))
     except KeyboardInterrupt as interrupt:
+        interrupts.delivered()
         driver.interrupted(type(interrupt).__name__)
         sys.exit(143 if isinstance(interrupt, Terminated) else 130)
     except Exception as error:  # a bug or a store gone for good: its traceback may hold a password

@@ -26,6 +26,7 @@ from dataclasses import replace
 import optuna
 from omegaconf import DictConfig, OmegaConf
 
+from search import interrupts
 from search.budget import answer_for, study_records
 from search.config import SearchConfig
 from search.configure import Configured, Configurer
@@ -128,6 +129,7 @@ class Objective:
         self._mfu_said = False
 
     def __call__(self, trial: optuna.Trial) -> list[float]:
+        interrupts.check()
         started = time.perf_counter()
         params = self.configure.space.suggest(trial)
         earlier = answer_for(study_records(trial.study), trial.number, params)
@@ -149,6 +151,7 @@ class Objective:
                 outcome = Outcome("PRUNED", PREDICTED_OOM, configured.misfit_message(margin))
             outcome.prediction = configured.prediction
         except KeyboardInterrupt:
+            interrupts.delivered()  # this trial ends here; the study's handler stops
             run_log.tags({STATE_TAG: "KILLED"})  # as a dead worker's runs are ended
             run_log.finish("KILLED")
             raise
@@ -195,7 +198,7 @@ class Objective:
 
         hooks = Hooks(
             on_probe=watch.probed,
-            on_step=watch.budget.on_step,
+            on_step=_checked(watch.budget.on_step),
             on_log=lambda step, metrics: log.metrics(metrics, step),
             on_eval=on_validation,
             on_memory=watch.memory_seen,
@@ -280,3 +283,14 @@ class Objective:
                         )
 
         return on_eval
+
+
+def _checked(on_step: Callable[[int, int, float], None]) -> Callable[[int, int, float], None]:
+    """on_step, after raising a stop a signal asked for and Python swallowed
+    (search/interrupts.py)."""
+
+    def checked(step: int, num_steps: int, elapsed_s: float) -> None:
+        interrupts.check()
+        on_step(step, num_steps, elapsed_s)
+
+    return checked

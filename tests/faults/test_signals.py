@@ -17,8 +17,9 @@ from tests.faults.study import NAME, STUDY, journal_of, run_study, start_study
 from tests.sweeps import journal_study, training, wait_for_trial
 
 pytestmark = pytest.mark.slow
-# Trials of several seconds, so that a signal lands inside one.
-LONGER = [*STUDY, "trainer.max_epochs=6"]
+# Trials of several seconds, so that a signal lands inside one: 6 epochs took under a second
+# a trial on a fast machine, and the study was over before its first Ctrl-C.
+LONGER = [*STUDY, "trainer.max_epochs=30"]
 
 
 def _in_training(cwd: Path, process: Process):  # noqa: ANN202 - a FrozenTrial
