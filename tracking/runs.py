@@ -475,11 +475,19 @@ class RunLog:
             chosen_ids = {run.info.run_id for run in chosen}
             for run in marked:
                 if run.info.run_id not in chosen_ids:
-                    self.client.delete_tag(run.info.run_id, RECOMMENDED_TAG)
+                    self._untag(run.info.run_id, RECOMMENDED_TAG)
             for run_id in chosen_ids - {run.info.run_id for run in marked}:
                 self.client.set_tag(run_id, RECOMMENDED_TAG, "true")
 
         self.outbox.put(write)
+
+    def _untag(self, run_id: str, key: str) -> None:
+        """Delete a tag another worker may have deleted since it was read: gone either way."""
+        try:
+            self.client.delete_tag(run_id, key)
+        except MlflowException:
+            if key in self.client.get_run(run_id).data.tags:
+                raise
 
     def finish(self, status: str = "FINISHED") -> None:
         self.flush()

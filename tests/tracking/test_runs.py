@@ -390,3 +390,28 @@ def test_a_slow_trials_name_gives_its_projection() -> None:
     assert TrialRecord.from_attrs(3, CONFIG | attrs).run_name() == (
         "trial-3 · 64x2 bf16 · PRUNED slow (projected 412 s, budget 60 s)"
     )
+
+
+def test_a_mark_another_worker_removed_meanwhile_is_no_error(tmp_path: Path) -> None:
+    """Two workers move the recommendation at once: both read trial 1's run as marked, one
+    untags it first; the other's untag finds no tag (MLflow raises) and goes on."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = Tracker(uri, "study", str(tmp_path / "a"))
+    parent, _ = tracker.study_run("study", None)
+    for number in range(3):
+        tracker.start_run(f"trial-{number}", {ROLE_TAG: "trial", TRIAL_TAG: number}, parent.run_id)
+    parent.mark_recommended(1)
+    assert tracker.close(30)
+
+    class Racing(MlflowClient):
+        def delete_tag(self, run_id: str, key: str) -> None:
+            MlflowClient(uri).delete_tag(run_id, key)  # the other worker, first
+            super().delete_tag(run_id, key)
+
+    outbox = Outbox()
+    RunLog(Racing(uri), outbox, parent.run_id).mark_recommended(2)
+    assert outbox.wait(30) and outbox.failed == []  # written, nothing refused
+    runs = MlflowClient(uri).search_runs(
+        [tracker.experiment_id], filter_string=f"tags.`{RECOMMENDED_TAG}` = 'true'"
+    )
+    assert [r.info.run_name for r in runs] == ["trial-2"]
