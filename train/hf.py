@@ -239,9 +239,3 @@ def _check_data(arch: Any, vocab_size: int | None, block_size: int | None) -> No
             f"data.seq_len={block_size} is longer than the model's max_position_embeddings="
             f"{longest}; lower data.seq_len"
         )
-
-
-def trainable_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts."""
-    params = list(model.parameters())
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from train.build import build_data, build_model, build_optimizer, build_pipeline, build_task
 from train.checkpointing import hugging_face_checkpointed
 from train.config import ConfigError
-from train.hf import architectures, causal_lm, trainable_parameters
+from train.hf import architectures, causal_lm
 from train.loop import optimizer_step
 from train.precision import Precision
 from train.run import check_builds, plan, run
@@ -33,6 +33,12 @@ PUBLISHED = {
 TINY = ["llama3_tiny", "llama2_tiny", "mistral_tiny", "qwen2_5_tiny"]
 LLM = ["+experiment=llm_lora", "data.max_bytes=20000", "data.seq_len=32", "trainer.device=cpu"]
 STEPS = ["trainer.max_steps=3", "trainer.max_epochs=null"]
+
+
+def trainable_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
 def test_the_architectures_are_the_published_ones_and_their_tiny_versions():
