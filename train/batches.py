@@ -28,34 +28,63 @@ SHAPE_SAMPLES = 256
 
 
 def steps_plan(num_train: int, cfg: TrainerConfig) -> tuple[int, int]:
-    """(steps per epoch, total steps) for the configured epoch/step budget."""
-    steps_per_epoch = -(-num_train // cfg.effective_batch_size)
+    """(steps per epoch, total steps) for the configured epoch/step budget; a step takes
+    the global batch (all devices')."""
+    steps_per_epoch = -(-num_train // cfg.global_batch_size)
     total = float("inf") if cfg.max_epochs is None else cfg.max_epochs * steps_per_epoch
     if cfg.max_steps is not None:
         total = min(total, cfg.max_steps)
     return steps_per_epoch, int(total)
 
 
-class StepSampler(Sampler[list[int]]):
-    """Micro-batch index lists for `num_steps` optimizer steps: each epoch a permutation of
-    the training set drawn from a generator seeded with trainer.seed, cut into steps of
-    effective_batch_size samples (the last one of an epoch may be short) and each step into
-    micro-batches of batch_size (its last one may be short)."""
+class Padding:
+    """A micro-batch that trains with weight 0: a rank whose share of a short last step
+    is empty still runs as many forward and backward passes as the others (their
+    collectives must meet), on one sample of the step that changes no gradient."""
 
-    def __init__(self, num_train: int, cfg: TrainerConfig, num_steps: int):
-        self.num_train, self.cfg, self.num_steps = num_train, cfg, num_steps
+    def __init__(self, batch: Any):
+        self.batch = batch
+
+
+def rank_share(chunk: torch.Tensor, size: int, rank: int) -> tuple[torch.Tensor, bool]:
+    """Rank `rank`'s `size` samples of a global micro-batch (`chunk`, its ranks' shares in
+    rank order), and whether it is padding: a short last chunk leaves the last ranks
+    without samples, and they take its first one with weight 0."""
+    share = chunk[rank * size : (rank + 1) * size]
+    return (share, False) if len(share) else (chunk[:1], True)
+
+
+class StepSampler(Sampler[list[int]]):
+    """Micro-batch index lists of one rank for `num_steps` optimizer steps: each epoch a
+    permutation of the training set drawn from a generator seeded with trainer.seed, cut
+    into steps of the global batch (the last one of an epoch may be short) and each step
+    into global micro-batches of batch_size x devices (its last one may be short), of
+    which rank r takes the r-th batch_size. Every rank runs as many micro-batches per step;
+    one with no samples left trains on padding (`padding`). One device: the step's
+    micro-batches of batch_size."""
+
+    def __init__(self, num_train: int, cfg: TrainerConfig, num_steps: int, rank: int = 0):
+        self.num_train, self.cfg, self.num_steps, self.rank = num_train, cfg, num_steps, rank
 
     def steps(self) -> Iterator[list[torch.Tensor]]:
+        """Per step, the indices of each micro-batch."""
+        for micro in self.shares():
+            yield [idx for idx, _ in micro]
+
+    def shares(self) -> Iterator[list[tuple[torch.Tensor, bool]]]:
+        """Per step, (indices, is padding) per micro-batch."""
         cfg = self.cfg
         steps_per_epoch, _ = steps_plan(self.num_train, cfg)
         gen = torch.Generator().manual_seed(cfg.seed)
         order = torch.empty(0, dtype=torch.int64)
+        size, step_size = cfg.batch_size, cfg.global_batch_size
         for step in range(self.num_steps):
             index_in_epoch = step % steps_per_epoch
             if index_in_epoch == 0:
                 order = torch.randperm(self.num_train, generator=gen)
-            start = index_in_epoch * cfg.effective_batch_size
-            yield list(order[start : start + cfg.effective_batch_size].split(cfg.batch_size))
+            start = index_in_epoch * step_size
+            chunks = order[start : start + step_size].split(size * cfg.devices)
+            yield [rank_share(chunk, size, self.rank) for chunk in chunks]
 
     def __iter__(self) -> Iterator[list[int]]:
         for micro in self.steps():
@@ -125,30 +154,43 @@ class Pipeline:
         )
 
     def train_steps(
-        self, cfg: TrainerConfig, num_steps: int
+        self, cfg: TrainerConfig, num_steps: int, rank: int = 0
     ) -> Iterator[tuple[list[Any], int, float]]:
-        """Per optimizer step: its host micro-batches, its samples, and the seconds the loop
-        waited for them (reading, decoding and collating not hidden by workers)."""
-        sampler = StepSampler(self.num_train, cfg, num_steps)
+        """Per optimizer step: rank `rank`'s host micro-batches (a `Padding` where it has no
+        samples left), its samples, and the seconds the loop waited for them (reading,
+        decoding and collating not hidden by workers)."""
+        sampler = StepSampler(self.num_train, cfg, num_steps, rank)
+
+        def counted(micro: list[tuple[torch.Tensor, bool]], batches: list[Any]) -> tuple:
+            samples = sum(len(idx) for idx, pad in micro if not pad)
+            batches = [Padding(b) if pad else b for b, (_, pad) in zip(batches, micro, strict=True)]
+            return batches, samples
+
         if self.in_memory:
             x, y = self.data.train_x, self.data.train_y
-            for micro in sampler.steps():
+            for micro in sampler.shares():
                 started = time.perf_counter()
-                batches = [(x[idx], y[idx]) for idx in micro]
-                yield batches, sum(len(idx) for idx in micro), time.perf_counter() - started
+                batches, samples = counted(micro, [(x[idx], y[idx]) for idx, _ in micro])
+                yield batches, samples, time.perf_counter() - started
             return
         self.seed = cfg.seed  # of the workers' RNGs, for validation too
         loader = self._dataloader(self.data.train, batch_sampler=sampler)
         batches = iter(loader)
         try:
-            for micro in sampler.steps():
+            for micro in sampler.shares():
                 started = time.perf_counter()
-                step = [next(batches) for _ in micro]
-                yield step, sum(len(idx) for idx in micro), time.perf_counter() - started
+                step, samples = counted(micro, [next(batches) for _ in micro])
+                yield step, samples, time.perf_counter() - started
         finally:
             del batches  # shuts its workers down
 
-    def val_batches(self, batch_size: int) -> Iterator[Any]:
+    def val_batches(self, batch_size: int, rank: int = 0, world: int = 1) -> Iterator[Any]:
+        """The validation split in batches; on `world` ranks, rank `rank`'s share of each
+        global batch of batch_size x world (`Padding` where it has none): the ranks
+        together see the split once."""
+        if world > 1:
+            yield from self._val_shares(batch_size, rank, world)
+            return
         if self.in_memory:
             x, y = self.data.val_x, self.data.val_y
             for start in range(0, len(y), batch_size):
@@ -158,6 +200,23 @@ class Pipeline:
             # One loader per run: persistent workers then serve every validation.
             self._val_loader = self._dataloader(self.data.val, batch_size=batch_size)
         yield from self._val_loader
+
+    def _val_shares(self, batch_size: int, rank: int, world: int) -> Iterator[Any]:
+        num_val = len(self.data.val_y) if self.in_memory else len(self.data.val)
+        shares = [
+            rank_share(chunk, batch_size, rank)
+            for chunk in torch.arange(num_val).split(batch_size * world)
+        ]
+        if self.in_memory:
+            x, y = self.data.val_x, self.data.val_y
+            for idx, pad in shares:
+                yield Padding((x[idx], y[idx])) if pad else (x[idx], y[idx])
+            return
+        if self._val_loader is None or self._val_loader.batch_size is not None:
+            sampler = [idx.tolist() for idx, _ in shares]
+            self._val_loader = self._dataloader(self.data.val, batch_sampler=sampler)
+        for batch, (_, pad) in zip(self._val_loader, shares, strict=True):
+            yield Padding(batch) if pad else batch
 
     def example(self, n: int) -> Any:
         """The first `n` training samples as one batch (host)."""

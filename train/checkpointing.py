@@ -82,6 +82,34 @@ def _hugging_face_layers(model: nn.Module) -> int:
     return len(hugging_face_checkpointed(model))
 
 
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks, as `apply` finds them (a checkpointed one with its wrapper): a
+    transformers model's decoder layers, else modules of the model's `checkpoint_blocks`
+    types or of the blocks batchfit knows. What FSDP shards as units (train/parallel.py)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # transformers is optional (the `llm` extra)
+        layers = []
+    else:
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if layers:
+        return layers
+    types = tuple(getattr(model, "checkpoint_blocks", ())) or _known_blocks()
+    found = []
+    for module in model.modules():
+        if (
+            isinstance(module, Checkpointed)
+            or isinstance(module, types)
+            and not (found and _inside(found[-1], module))
+        ):
+            found.append(module)
+    return found
+
+
+def _inside(wrapper: nn.Module, module: nn.Module) -> bool:
+    return isinstance(wrapper, Checkpointed) and wrapper.block is module
+
+
 def hugging_face_checkpointed(model: nn.Module) -> list[nn.Module]:
     """The layers of a transformers model that recompute their activations."""
     from transformers.modeling_layers import GradientCheckpointingLayer

@@ -16,6 +16,9 @@ from train.precision import PRECISIONS
 LR_SCALING_RULES = ("none", "linear", "sqrt")
 CHECKPOINTING_MODES = ("none", "blocks")  # train/checkpointing.py
 DEVICES = ("auto", "cpu", "cuda")
+STRATEGIES = ("none", "ddp", "fsdp")  # train/distributed.py
+FSDP_SHARDING = ("blocks", "model")  # blocks: each block and the rest; model: one unit
+FSDP_PARAM_DTYPES = ("float32", "bfloat16")
 
 
 class ConfigError(ValueError):
@@ -97,9 +100,38 @@ class TrainerConfig:
     # none | blocks: recompute each block's activations in the backward pass (less memory,
     # about one more forward of compute; train/checkpointing.py).
     activation_checkpointing: str = "none"
+    # none: one process on one device. ddp | fsdp: one process per device, `devices` of
+    # them on one node (train/distributed.py); batch_size and accum_steps are per device.
+    strategy: str = "none"
+    devices: int = 1
+    fsdp: FSDPConfig | dict | None = None  # FSDP2's settings (trainer.strategy=fsdp)
 
     def __post_init__(self) -> None:
         problems = []
+        fsdp = self.fsdp
+        if fsdp is None or isinstance(fsdp, dict):
+            try:
+                fsdp = section_from_mapping(FSDPConfig, "trainer.fsdp", fsdp or {})
+            except ConfigError as error:
+                problems += error.problems
+                fsdp = FSDPConfig()
+            object.__setattr__(self, "fsdp", fsdp)
+        _check_int(problems, "trainer.devices", self.devices, 1)
+        if self.strategy not in STRATEGIES:
+            problems.append(
+                f"trainer.strategy must be one of {', '.join(STRATEGIES)}, got "
+                f"{self.strategy!r}; override with trainer.strategy=ddp"
+            )
+        elif self.strategy == "none" and self.devices != 1:
+            problems.append(
+                f"trainer.devices={self.devices!r} needs a data-parallel strategy: set "
+                "trainer.strategy=ddp or trainer.strategy=fsdp, or trainer.devices=1"
+            )
+        if self.strategy == "fsdp" and self.precision == "fp16":
+            problems.append(
+                "trainer.precision=fp16 with trainer.strategy=fsdp needs a sharded gradient "
+                "scaler batchfit does not have; use trainer.precision=bf16"
+            )
         _check_int(problems, "trainer.batch_size", self.batch_size, 1)
         _check_int(problems, "trainer.accum_steps", self.accum_steps, 1)
         if not problems:
@@ -158,9 +190,56 @@ class TrainerConfig:
         if problems:
             raise ConfigError(problems)
 
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step over all devices: what the learning rate follows."""
+        assert self.effective_batch_size is not None
+        return self.effective_batch_size * self.devices
+
+    @property
+    def distributed(self) -> bool:
+        return self.strategy != "none"
+
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> TrainerConfig:
         return section_from_mapping(cls, "trainer", values)
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """FSDP2's settings (torch.distributed.fsdp.fully_shard), `trainer.fsdp.*`; searchable
+    like any key."""
+
+    # Free each unit's gathered parameters after its forward and gather them again for the
+    # backward (less memory, one more all-gather per unit).
+    reshard_after_forward: bool = True
+    # What is sharded as a unit: each block (the modules activation checkpointing wraps)
+    # and the rest of the model, or the whole model as one.
+    sharding: str = "blocks"
+    # The dtype the gathered parameters compute in (MixedPrecisionPolicy.param_dtype);
+    # gradients are reduced in float32. float32: no cast.
+    param_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.reshard_after_forward, bool):
+            problems.append(
+                "trainer.fsdp.reshard_after_forward must be true or false, got "
+                f"{self.reshard_after_forward!r}; override with "
+                "trainer.fsdp.reshard_after_forward=true"
+            )
+        if self.sharding not in FSDP_SHARDING:
+            problems.append(
+                f"trainer.fsdp.sharding must be one of {', '.join(FSDP_SHARDING)}, got "
+                f"{self.sharding!r}; override with trainer.fsdp.sharding=blocks"
+            )
+        if self.param_dtype not in FSDP_PARAM_DTYPES:
+            problems.append(
+                f"trainer.fsdp.param_dtype must be one of {', '.join(FSDP_PARAM_DTYPES)}, got "
+                f"{self.param_dtype!r}; override with trainer.fsdp.param_dtype=bfloat16"
+            )
+        if problems:
+            raise ConfigError(problems)
 
 
 @dataclass(frozen=True)

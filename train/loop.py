@@ -15,13 +15,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from train.batches import Pipeline, steps_plan, to_device
+from train.batches import Padding, Pipeline, steps_plan, to_device
 from train.config import TrainerConfig
 from train.data import Datasets, Splits
 from train.memory import (
@@ -33,6 +34,7 @@ from train.memory import (
     release_memory,
 )
 from train.precision import Precision
+from train.ranks import CONTINUE, END, Ranks, Stopped
 from train.tasks import Classification, Task, batch_size_of
 from train.throughput import Stopwatch, ThroughputClock
 
@@ -89,6 +91,8 @@ class RunResult:
     data_wait_s: float = 0.0  # of timed_seconds, waiting for the input pipeline
     # samples/s of each logging interval the clock timed: how steady the machine was
     interval_rates: list[float] = field(default_factory=list)
+    # A data-parallel run's: each rank's peak (peak_bytes is the largest)
+    rank_peak_bytes: list[int] = field(default_factory=list)
 
     @property
     def val_acc(self) -> float:
@@ -116,6 +120,9 @@ class RunResult:
             )
         if self.reserved_bytes is not None:
             values["memory/reserved_bytes"] = float(self.reserved_bytes)
+        if len(self.rank_peak_bytes) > 1:
+            for rank, peak in enumerate(self.rank_peak_bytes):
+                values[f"memory/rank_{rank}/peak_bytes"] = float(peak)
         if len(self.interval_rates) >= MIN_SPREAD_INTERVALS:
             rates = sorted(self.interval_rates)
             values["throughput/spread"] = (rates[-1] - rates[0]) / statistics.median(rates)
@@ -133,29 +140,41 @@ def optimizer_step(
     precision: Precision,
     micro_batches: Iterable[Any],
     grad_clip_norm: float | None = None,
-    num_units: int | None = None,
+    num_units: float | None = None,
     task: Task | None = None,
+    ranks: Ranks | None = None,
+    num_micro_batches: int | None = None,
 ) -> torch.Tensor:
     """One optimizer step over `micro_batches`; returns the step's mean loss per unit (on
     device).
 
     `micro_batches` may be a generator (one micro-batch on the device at a time), in which
-    case `num_units`, the task's units in the whole step, must be given.
+    case `num_units`, the task's units in the whole step, must be given. On several ranks
+    (`ranks`, with the step's `num_micro_batches`) `num_units` is the whole step's units
+    over the ranks' number: the gradients are averaged over the ranks. A `Padding`
+    micro-batch runs with weight 0.
     """
     task = task or Classification()
     if num_units is None:
         micro_batches = list(micro_batches)
         num_units = sum(task.units(batch) for batch in micro_batches)
     step_loss = None
-    for batch in micro_batches:
+    for i, batch in enumerate(micro_batches):
+        weight = 1.0
+        if isinstance(batch, Padding):
+            batch, weight = batch.batch, 0.0
         if step_loss is None:
             step_loss = torch.zeros((), device=_device_of(batch))
-        with precision.autocast():
-            output = task.forward(model, batch)
-        # A sum over the micro-batch's units, divided by the units of the whole step:
-        # micro-batches of unequal size contribute in proportion, as in one big batch.
-        loss = task.loss(output, batch) / max(num_units, 1)
-        scaler.scale(loss).backward()
+        last = num_micro_batches is None or i == num_micro_batches - 1
+        with ranks.micro_batch(last) if ranks else nullcontext():
+            with precision.autocast():
+                output = task.forward(model, batch)
+            # A sum over the micro-batch's units, divided by the units of the whole step:
+            # micro-batches of unequal size contribute in proportion, as in one big batch.
+            loss = task.loss(output, batch) / max(num_units, 1)
+            if not weight:
+                loss = loss * weight
+            scaler.scale(loss).backward()
         step_loss += loss.detach()
     if grad_clip_norm is not None:
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
@@ -222,27 +241,34 @@ def probe_seconds_per_sample(
 
 
 def samples_planned(num_train: int, cfg: TrainerConfig) -> int:
+    """Samples the run trains on, over all its devices."""
     steps_per_epoch, num_steps = steps_plan(num_train, cfg)
     full_epochs, rest_steps = divmod(num_steps, steps_per_epoch)
-    return full_epochs * num_train + min(rest_steps * cfg.effective_batch_size, num_train)
+    return full_epochs * num_train + min(rest_steps * cfg.global_batch_size, num_train)
 
 
 def step_micro_batch_sizes(num_train: int, cfg: TrainerConfig, step: int) -> list[int]:
-    """Samples per micro-batch of optimizer step `step`, sliced as `fit` slices them: the last
-    step of an epoch may be short, and so may its last micro-batch."""
+    """Samples per micro-batch of optimizer step `step` on rank 0 (the one with the most),
+    sliced as `fit` slices them: the last step of an epoch may be short, and so may its
+    last micro-batch."""
     steps_per_epoch, _ = steps_plan(num_train, cfg)
-    start = (step % steps_per_epoch) * cfg.effective_batch_size
-    samples = min(cfg.effective_batch_size, num_train - start)
-    return [min(cfg.batch_size, samples - i) for i in range(0, samples, cfg.batch_size)]
+    start = (step % steps_per_epoch) * cfg.global_batch_size
+    samples = min(cfg.global_batch_size, num_train - start)
+    chunk = cfg.batch_size * cfg.devices
+    return [min(cfg.batch_size, samples - i) for i in range(0, samples, chunk)]
 
 
 def memory_steps(num_train: int, cfg: TrainerConfig, num_steps: int) -> list[int]:
     """The steps whose memory the CPU tracker measures: step 0 (it may already exceed the
     budget: stop early) and the first full-size step with optimizer state in place, the
     steady-state peak that train/predict.py predicts. That is step 1, or step 2 when step 1
-    is the short last step of a two-step epoch. Both stay out of the throughput timing."""
+    is the short last step of a two-step epoch; with DDP, a step after the one where it
+    rebuilds its gradient buckets (the second forward: the probe's backward may be the
+    first). They stay out of the throughput timing."""
     full = sum(step_micro_batch_sizes(num_train, cfg, 0))
-    steady = 1 if sum(step_micro_batch_sizes(num_train, cfg, 1)) == full else 2
+    first = 2 if cfg.strategy == "ddp" else 1
+    full_size = sum(step_micro_batch_sizes(num_train, cfg, first)) == full
+    steady = first if full_size else first + 1
     return [s for s in (0, steady) if s < num_steps]
 
 
@@ -254,25 +280,33 @@ def evaluate(
     precision: Precision,
     device: torch.device,
     task: Task | None = None,
+    ranks: Ranks | None = None,
 ) -> Metrics:
     """The task's validation metrics, `val/loss` (mean per unit) and the derived ones, over
-    the validation split; one host sync per metric at the end."""
+    the validation split; one host sync per metric at the end. On several ranks each
+    evaluates its share of the split and the sums are the ranks' together."""
     task = task or Classification()
     pipeline = Pipeline.of(data)
     metrics = {name: metric.to(device) for name, metric in task.metrics().items()}
     model.eval()
     loss_sum = torch.zeros((), device=device)
     units = 0
-    for host_batch in pipeline.val_batches(batch_size):
-        units += task.units(host_batch)
+    rank, world = (ranks.rank, ranks.world) if ranks else (0, 1)
+    for host_batch in pipeline.val_batches(batch_size, rank, world):
+        padding = isinstance(host_batch, Padding)  # the forward the other ranks run
+        host_batch = host_batch.batch if padding else host_batch
         batch = to_device(host_batch, device)
         with precision.autocast():
             output = task.forward(model, batch)
+        if padding:
+            continue
+        units += task.units(host_batch)
         loss_sum += task.loss(output, batch)
         task.update(metrics, output, batch)
     model.train()
     values = {name: float(metric.compute()) for name, metric in metrics.items()}
-    values["loss"] = loss_sum.item() / max(units, 1)
+    total, units = ranks.sum([loss_sum.item(), units]) if ranks else (loss_sum.item(), units)
+    values["loss"] = total / max(units, 1)
     for metric in metrics.values():
         # torchmetrics wraps update and compute in closures over the metric, a reference
         # cycle: without them its device tensors go now, not at the next garbage collection.
@@ -292,8 +326,10 @@ def fit(
     meter: MemoryMeter,
     hooks: Hooks | None = None,
     task: Task | None = None,
+    ranks: Ranks | None = None,
 ) -> RunResult:
-    """Train under the memory budget. Raises OutOfMemory, Diverged, or what a hook raises.
+    """Train under the memory budget. Raises OutOfMemory, Diverged, or what a hook raises;
+    on several ranks (train/ranks.py) Stopped when rank 0's hooks asked to stop.
 
     A device OOM is turned into OutOfMemory only after its exception (whose traceback pins
     the failed step's activations) has been dropped and memory released.
@@ -305,7 +341,7 @@ def fit(
     try:
         result = _fit(
             model, optimizer, scheduler, pipeline, cfg, device, meter, hooks,
-            task or Classification(),
+            task or Classification(), ranks,
         )  # fmt: skip
         if hooks.on_end:
             hooks.on_end(model)
@@ -334,6 +370,7 @@ class _Run:
     meter: MemoryMeter
     hooks: Hooks
     task: Task
+    ranks: Ranks | None = None
     precision: Precision = field(init=False)
     scaler: torch.amp.GradScaler = field(init=False)
     steps_per_epoch: int = field(init=False)
@@ -366,15 +403,28 @@ class _Run:
         every = self.cfg.val_every_steps or self.steps_per_epoch
         return (step + 1) % every == 0 or step + 1 == self.num_steps
 
-    def optimizer_step(self, micro_batches: Iterable[Any], num_units: int) -> torch.Tensor:
+    def optimizer_step(
+        self, host_batches: list[Any], num_units: int, copy: bool = False
+    ) -> torch.Tensor:
+        """One step over the host micro-batches, moved to the device one at a time; on
+        several ranks `num_units` is the whole step's."""
+        ranks = self.ranks
+        micro = (_on_device(b, self.device, copy) for b in host_batches)
         return optimizer_step(
-            self.model, self.optimizer, self.scaler, self.precision, micro_batches,
-            self.cfg.grad_clip_norm, num_units, self.task,
+            self.model, self.optimizer, self.scaler, self.precision, micro,
+            self.cfg.grad_clip_norm, num_units / ranks.world if ranks else num_units, self.task,
+            ranks, len(host_batches),
         )  # fmt: skip
 
 
-def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task) -> RunResult:  # noqa: ANN001
-    run = _Run(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task)
+def _on_device(batch: Any, device: torch.device, copy: bool) -> Any:
+    if isinstance(batch, Padding):
+        return Padding(to_device(batch.batch, device, copy))
+    return to_device(batch, device, copy)
+
+
+def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task, ranks):  # noqa: ANN001, ANN202
+    run = _Run(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task, ranks)
     if hooks.on_probe:
         seconds = probe_seconds_per_sample(model, pipeline, cfg, run.precision, device, task)
         hooks.on_probe(seconds, samples_planned(pipeline.num_train, cfg))
@@ -382,16 +432,17 @@ def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task)
     interval_loss = _IntervalLoss(device)
     train_loss, num_samples, evals, done_steps = math.nan, 0, [], run.num_steps
     model.train()
-    steps = pipeline.train_steps(cfg, run.num_steps)
+    steps = pipeline.train_steps(cfg, run.num_steps, ranks.rank if ranks else 0)
     with run.precision.matmul_mode():
         for step in range(run.num_steps):
             clock.begin(step)
             host_batches, samples, waited = next(steps)
-            units = sum(task.units(batch) for batch in host_batches)
+            units = sum(task.units(b) for b in host_batches if not isinstance(b, Padding))
+            step_units = ranks.step_units(units) if ranks else units
             if step in run.measured_steps:
-                step_loss = _measured_step(run, host_batches, units)
+                step_loss = _measured_step(run, host_batches, step_units)
             else:
-                step_loss = run.optimizer_step((to_device(b, device) for b in host_batches), units)
+                step_loss = run.optimizer_step(host_batches, step_units)
             del host_batches  # this step's batches go before the next step's arrive
             if hooks.on_memory and step == run.memory_checked_step:
                 hooks.on_memory(meter.stats())
@@ -416,9 +467,8 @@ def _measured_step(run: _Run, host_batches: list[Any], num_units: int) -> torch.
     tracker = TensorMemoryTracker()
     tracker.register(state_tensors(run.model, run.optimizer))
     with tracker:  # the micro-batches count too: on a GPU they live on the device
-        micro = (to_device(b, run.device, copy=True) for b in host_batches)
-        step_loss = run.optimizer_step(micro, num_units)
-    run.meter.record_tracked_peak(tracker)
+        step_loss = run.optimizer_step(host_batches, num_units, copy=True)
+    run.meter.record_tracked_peak(tracker, run.ranks)
     return step_loss
 
 
@@ -444,10 +494,15 @@ class _IntervalLoss:
 
 def _log(run: _Run, clock: ThroughputClock, step: int, train_loss: float, lr: float) -> float:
     """Ends a logging interval: raises Diverged on a loss that is not finite, reads the
-    clock, and reports both to on_log. Returns the loss."""
+    clock, and reports both to on_log. Returns the loss. On several ranks the loss is
+    their mean and the interval's rates their sum."""
+    throughput = clock.interval(step)  # read even without on_log: the result's rates need it
+    if run.ranks:
+        train_loss, *rates = run.ranks.sum([train_loss, *throughput.values()])
+        train_loss /= run.ranks.world
+        throughput = dict(zip(throughput, rates, strict=True))
     if not math.isfinite(train_loss):
         raise Diverged(step + 1, train_loss)
-    throughput = clock.interval(step)  # read even without on_log: the result's rates need it
     if run.hooks.on_log:
         metrics = {"train/loss": train_loss, "train/lr": lr, "train/epoch": run.epoch(step)}
         run.hooks.on_log(step + 1, {**metrics, **throughput})
@@ -459,14 +514,21 @@ def _validate(run: _Run, clock: ThroughputClock, step: int, evals: list[Metrics]
     on_eval ends the run here."""
     clock.pause()
     metrics = evaluate(
-        run.model, run.pipeline, run.cfg.batch_size, run.precision, run.device, run.task
-    )
+        run.model, run.pipeline, run.cfg.batch_size, run.precision, run.device, run.task,
+        run.ranks,
+    )  # fmt: skip
     metrics.update(
         step=step + 1, epoch=run.epoch(step), num_epochs=run.num_steps / run.steps_per_epoch
     )
     metrics["time/train_s"] = clock.train_seconds(step + 1)
     evals.append(metrics)
-    if run.hooks.on_eval and run.hooks.on_eval(step + 1, metrics):
+    answer = run.hooks.on_eval(step + 1, metrics) if run.hooks.on_eval else None
+    if run.ranks:  # rank 0's answer (CONTINUE, END or STOP: its trial's side raised) for all
+        decision = run.ranks.decide(int(answer or CONTINUE))
+        if decision not in (CONTINUE, END):
+            raise Stopped
+        answer = decision == END
+    if answer:
         return True
     if step + 1 < run.num_steps:  # after the last step the clock stays stopped
         clock.resume(step)

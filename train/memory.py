@@ -16,6 +16,7 @@ import re
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -82,10 +83,20 @@ def format_bytes(num_bytes: float | None) -> str:
 class OutOfMemory(Exception):
     """A run needed more memory than its budget. Carries plain numbers, never tensors."""
 
-    def __init__(self, message: str, peak_bytes: int | None, budget_bytes: int | None):
+    def __init__(
+        self,
+        message: str,
+        peak_bytes: int | None,
+        budget_bytes: int | None,
+        rank: int | None = None,
+    ):
         super().__init__(message)
         self.peak_bytes = peak_bytes
         self.budget_bytes = budget_bytes
+        self.rank = rank  # of a data-parallel run: the rank that ran out
+
+    def __reduce__(self):  # noqa: ANN204 - pickled from a rank to the launching process
+        return type(self), (str(self), self.peak_bytes, self.budget_bytes, self.rank)
 
 
 class TensorMemoryTracker(TorchDispatchMode):
@@ -114,6 +125,9 @@ class TensorMemoryTracker(TorchDispatchMode):
             self._track(tensor, count=True)
 
     def _track(self, tensor: torch.Tensor, count: bool) -> None:
+        # A DTensor (FSDP2's sharded parameters, gradients and optimizer state) reports the
+        # storage of its whole logical shape; this rank holds its local shard.
+        tensor = getattr(tensor, "_local_tensor", tensor)
         storage = tensor.untyped_storage()
         cell = self._cells.get(storage)  # [bytes counted now, counted at all, number]
         if cell is None:
@@ -155,8 +169,10 @@ class TensorMemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
         for value in tree_iter((args, kwargs)):
-            if isinstance(value, torch.Tensor) and value.untyped_storage() not in self._cells:
-                self._track(value, count=False)
+            if isinstance(value, torch.Tensor):
+                local = getattr(value, "_local_tensor", value)
+                if local.untyped_storage() not in self._cells:
+                    self._track(local, count=False)
         out = func(*args, **kwargs)
         for value in tree_iter(out):
             if isinstance(value, torch.Tensor):
@@ -196,8 +212,14 @@ class MemoryMeter:
     def needs_tracker(self) -> bool:
         return self.device.type != "cuda"
 
-    def record_tracked_peak(self, tracker: TensorMemoryTracker) -> None:
-        """Take the peak of a tracked step and raise OutOfMemory if it exceeds the budget."""
+    def record_tracked_peak(self, tracker: TensorMemoryTracker, ranks: Any = None) -> None:
+        """Take the peak of a tracked step and raise OutOfMemory if it exceeds the budget;
+        of a data-parallel run (train/ranks.py), with what its strategy holds beside, on
+        any rank."""
+        if ranks is not None:
+            peak = tracker.peak_bytes + ranks.state_bytes()
+            self._cpu_peak = max(self._cpu_peak, ranks.agree_memory(peak, self.budget_bytes))
+            return
         self._cpu_peak = max(self._cpu_peak, tracker.peak_bytes)
         if self.budget_bytes is not None and tracker.peak_bytes > self.budget_bytes:
             raise OutOfMemory(

@@ -112,8 +112,8 @@ def plan(cfg: DictConfig, budget: Any) -> RunSpec:
         )
     if problems:
         raise ConfigError(problems)
-    lr = scaled_lr(
-        float(base_lr), trainer.effective_batch_size, trainer.lr_scaling, trainer.lr_ref_batch_size
+    lr = scaled_lr(  # to the global batch: all devices' samples per optimizer step
+        float(base_lr), trainer.global_batch_size, trainer.lr_scaling, trainer.lr_ref_batch_size
     )
     return RunSpec(trainer, device, target, budget_bytes, float(base_lr), lr)
 
@@ -286,6 +286,10 @@ def run(
     (cfg's, from a study's Workloads: trials share its data) and train."""
     workload = workload or Workloads().of(cfg)
     assert workload.key == workload_key(cfg), "the workload of another model, data or loader"
+    if spec.trainer.distributed:  # one process per device (train/distributed.py)
+        from train.distributed import launch
+
+        return launch(cfg, spec, hooks, workload)
     torch.manual_seed(spec.trainer.seed)
     pipeline = workload.pipeline(spec.device)
     task = workload.task
