@@ -162,6 +162,47 @@ class TensorMemoryTracker(TorchDispatchMode):
 
         return freed
 
+    def _resized(self, storage: Any, old_bytes: int) -> None:
+        """After `storage.resize_`: FSDP2 frees its gathered parameters by resizing their
+        storage to 0 and allocates them again by resizing it back (not a tensor op, so
+        not dispatched). Down to 0 is a free; up from 0 an allocation, with a number of
+        its own."""
+        new_bytes = storage.nbytes()
+        cell = self._cells.get(storage)
+        if new_bytes == old_bytes or (cell is not None and cell[0] == new_bytes):
+            return
+        if cell is None:
+            cell = [0, True, len(self._refs)]
+            self._cells[storage] = cell
+            self._refs.append(weakref.ref(storage, self._freed_callback(cell)))
+        if cell[0] > 0:  # a counted allocation ends
+            self.live_bytes -= cell[0]
+            if self.events is not None:
+                self.events.append((cell[2], -1))
+        cell[0], cell[1] = new_bytes, True
+        if new_bytes > 0:
+            cell[2] = len(self._refs)
+            self._refs.append(None)  # the number is taken; the storage's weakref is kept
+            self._add(new_bytes)
+            self._record(cell)
+
+    def __enter__(self):  # noqa: ANN204
+        tracker, resize = self, torch.UntypedStorage.resize_
+        self._resize = resize
+
+        def tracked_resize(storage, size):  # noqa: ANN001, ANN202
+            old_bytes = storage.nbytes()
+            result = resize(storage, size)
+            tracker._resized(storage, old_bytes)
+            return result
+
+        torch.UntypedStorage.resize_ = tracked_resize
+        return super().__enter__()
+
+    def __exit__(self, *args):  # noqa: ANN002, ANN204
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*args)
+
     def _add(self, nbytes: int) -> None:
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)

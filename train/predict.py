@@ -45,6 +45,7 @@ from train.flops import count_flops
 from train.hf import eager_on_fakes
 from train.loop import RunResult, optimizer_step, state_tensors, step_micro_batch_sizes
 from train.memory import MemoryStats, TensorMemoryTracker
+from train.parallel import ddp_bucket_sizes, fake_world, shard
 from train.precision import Precision
 from train.tasks import Classification, Task, batch_size_of
 
@@ -147,7 +148,9 @@ def _resolve_implementation(optimizer: torch.optim.Optimizer, device_type: str) 
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
-    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+    """Bytes of the tensors' storages, each once; of a DTensor its local shard's."""
+    local = [getattr(t, "_local_tensor", t) for t in tensors]
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in local}
     return sum(storages.values())
 
 
@@ -163,6 +166,7 @@ class MemoryPredictor:
         example: Any,
         device: torch.device | DeviceSpec,
         task: Task | None = None,
+        parallel: TrainerConfig | None = None,
     ):
         """`model` is a builder, called under the predictor's fake mode (nothing is
         allocated), or a built model, consumed (its tensors become fake). `example` is one
@@ -170,7 +174,9 @@ class MemoryPredictor:
         micro-batches copy its structure, and its tensors' shapes past the batch dimension
         and dtypes (a tensor whose first dimension is not the batch's is copied whole).
         Variable dimensions should be at their largest in it
-        (train.batches.Pipeline.shape_example)."""
+        (train.batches.Pipeline.shape_example). `parallel`: a data-parallel run's trainer
+        settings (strategy, devices, FSDP's): the prediction is then one rank's
+        (train/parallel.py)."""
         # The device predicted for (`device`: a torch device here, or a DeviceSpec, maybe
         # of a GPU this machine does not have); the step itself runs on fake CPU tensors,
         # with CUDA's autocast policy and kernel choices for a CUDA target.
@@ -188,12 +194,21 @@ class MemoryPredictor:
         self._singles: dict[tuple, tuple[Events, bool]] = {}
         self._step_bytes: int | None = None  # optimizer.step's own peak above its start
         self._flops: dict[int, float] = {}  # micro-batch size -> FLOPs per sample
+        self.parallel = parallel
+        self.strategy = parallel.strategy if parallel else "none"
+        # DDP's gradient buckets: held beside the one-device step's tensors all along
+        self.bucket_sizes: list[int] = []
         try:
             if isinstance(model, nn.Module):
                 _fake_module(model, self.mode, self.device)
             else:
                 model = fake_first(model, self.mode)
                 _fake_module(model, self.mode, self.device)  # a real build's, if it was
+            if parallel is not None and self.strategy == "fsdp":
+                with fake_world(parallel.devices) as mesh, self.mode:
+                    shard(model, parallel.fsdp, mesh)
+            elif self.strategy == "ddp":
+                self.bucket_sizes = ddp_bucket_sizes(model)
             with self.mode:
                 self.model = model
                 self.optimizer = make_optimizer(list(model.parameters()))
@@ -203,7 +218,8 @@ class MemoryPredictor:
                     if param.requires_grad:
                         param.grad = torch.empty_like(param)
                 self.optimizer.step()
-                self.state_bytes = _storage_bytes(state_tensors(model, self.optimizer))
+                state = state_tensors(model, self.optimizer)
+                self.state_bytes = _storage_bytes(state) + sum(self.bucket_sizes)
                 self.optimizer.zero_grad(set_to_none=True)
         except Exception as error:  # noqa: BLE001 - whatever a user's model does on fake tensors
             raise PredictionUnsupported(_reason(error)) from error
@@ -264,6 +280,8 @@ class MemoryPredictor:
                 self._singles[single] = (_first_micro_batch(events, marks), first_step)
                 while len(self._singles) > MAX_SINGLES:
                     self._singles.pop(next(iter(self._singles)))
+        if self.bucket_sizes:  # allocated when DDP wraps the model, alive all along
+            events = [(-10 - i, size) for i, size in enumerate(self.bucket_sizes)] + events
         tensor_bytes = live_peak_bytes(events)
         if self.target.type != "cuda":
             return Prediction(tensor_bytes, tensor_bytes, time.perf_counter() - started)

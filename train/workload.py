@@ -154,7 +154,7 @@ class Workload:
         settings.pop("lr", None)
         mode = spec.trainer.activation_checkpointing
         target = dataclasses.asdict(spec.target)  # the device predicted for, and its allocator
-        key = config_key([self.key, settings, target, mode])
+        key = config_key([self.key, settings, target, mode, _parallel_key(spec.trainer)])
         found = self._owner._predictors.get(key, lambda: self._build_predictor(spec, settings))
         if isinstance(found, PredictionUnsupported):
             raise found
@@ -174,6 +174,7 @@ class Workload:
                 pipeline.shape_example(),
                 spec.target,
                 self.task,
+                spec.trainer if spec.trainer.distributed else None,
             )
         except PredictionUnsupported as error:
             return error
@@ -182,6 +183,13 @@ class Workload:
         """Predicted peak memory of spec's training step (PredictionUnsupported: measure)."""
         predictor = self.predictor(spec, optimizer)
         return predictor.predict(spec.trainer, self.num_train, spec.limit_bytes)
+
+
+def _parallel_key(trainer: Any) -> list:
+    """What of the data-parallel layout changes one rank's memory (not the batch)."""
+    if not trainer.distributed:
+        return []
+    return [trainer.strategy, trainer.devices, dataclasses.asdict(trainer.fsdp)]
 
 
 class Workloads:
