@@ -44,7 +44,15 @@ from tracking.redact import redact_logging
 from train.config import ConfigError, TrainerConfig
 from train.device import DeviceSpec
 from train.memory import format_bytes
-from train.params import ACCUM_KEY, BATCH_KEY, CHECKPOINTING_KEY, EFFECTIVE_KEY, PRECISION_KEY
+from train.params import (
+    ACCUM_KEY,
+    BATCH_KEY,
+    CHECKPOINTING_KEY,
+    DEVICES_KEY,
+    EFFECTIVE_KEY,
+    PRECISION_KEY,
+    STRATEGY_KEY,
+)
 from train.precision import unsupported_reason
 from train.predict import (
     MemoryPredictor,
@@ -86,6 +94,8 @@ class FitReport:
     # this report is for: fit_reports gives one report per combination.
     at: dict[str, object] = field(default_factory=dict)
     device: str = ""  # what is predicted for: "cpu", "A100-40GB (CUDA reserve, planned)"
+    strategy: str = "none"  # a data-parallel layout: each cell is one rank's step
+    world_size: int = 1
 
     def largest(self, precision: str, accum: int | None = None) -> int | None:
         fitting = [b for b in self.batch_sizes if self.cells[precision, b, accum].fits]
@@ -111,6 +121,7 @@ class FitReport:
         columns: dict[str, list] = {
             "precision": [], "batch_size": [], "accum_steps": [], "effective_batch_size": [],
             "predicted_bytes": [], "fits": [], "reason": [], "activation_checkpointing": [],
+            "strategy": [], "world_size": [],
         }  # fmt: skip
         for key in self.at:
             columns[key] = []
@@ -119,6 +130,8 @@ class FitReport:
                 columns[key].append(value)
             columns["precision"].append(precision)
             columns["activation_checkpointing"].append(self.checkpointing)
+            columns["strategy"].append(self.strategy)
+            columns["world_size"].append(self.world_size)
             columns["batch_size"].append(cell.batch_size)
             columns["accum_steps"].append(cell.accum_steps)
             columns["effective_batch_size"].append(cell.effective_batch_size)
@@ -185,6 +198,7 @@ def fit_report(
     )
     geometry_keys = {*GEOMETRY_KEYS, "optimizer.lr"}
     report.checkpointing = trainer.activation_checkpointing
+    report.strategy, report.world_size = trainer.strategy, trainer.devices
     report.device = _device_words(spec.target)
     report.searched = tuple(space.distributions)
     report.held = {
@@ -219,6 +233,8 @@ def fit_report(
 
 
 GEOMETRY_KEYS = {BATCH_KEY, ACCUM_KEY, PRECISION_KEY, EFFECTIVE_KEY, CHECKPOINTING_KEY}
+# Trainer keys a layout sets on the run's TrainerConfig (the rest on the config it builds)
+TRAINER_LAYOUT = (CHECKPOINTING_KEY, STRATEGY_KEY, DEVICES_KEY)
 MAX_LAYOUTS = 8  # more combinations of the other keys: those are held at their configured value
 
 
@@ -230,12 +246,19 @@ def layouts(cfg: DictConfig, space: SearchSpace, spec: RunSpec) -> list[dict[str
     the space are dropped first (held at their configured value)."""
     modes = _space_values(space, CHECKPOINTING_KEY, spec.trainer.activation_checkpointing)
     axes = {CHECKPOINTING_KEY: [str(m) for m in modes]}
+    for key, default in (
+        (STRATEGY_KEY, spec.trainer.strategy),
+        (DEVICES_KEY, spec.trainer.devices),
+    ):
+        if key in space.distributions:  # searched: one report per data-parallel layout
+            axes[key] = _space_values(space, key, default)
     for key, dist in space.distributions.items():
         numeric = key.startswith(("optimizer.", "scheduler."))
         value = OmegaConf.select(cfg, key)
         group = value is None or OmegaConf.is_config(value)  # a config group, not a value
         discrete = isinstance(dist, CategoricalDistribution)
-        if discrete and key not in GEOMETRY_KEYS and not numeric and not group:
+        layout = key in GEOMETRY_KEYS or key in axes
+        if discrete and not layout and not numeric and not group:
             axes[key] = list(dist.choices)
     # Too many combinations: the last keys of the space are held at their configured value
     # (the report says so), checkpointing and the first keys kept.
@@ -264,11 +287,18 @@ def fit_reports(
         with open_dict(layout_cfg):
             for key, value in layout.items():
                 OmegaConf.update(layout_cfg, key, value, force_add=True)
-        mode = str(layout[CHECKPOINTING_KEY])
-        trainer = dataclasses.replace(spec.trainer, activation_checkpointing=mode)
+        try:
+            trainer = dataclasses.replace(
+                spec.trainer,
+                activation_checkpointing=str(layout[CHECKPOINTING_KEY]),
+                strategy=str(layout.get(STRATEGY_KEY, spec.trainer.strategy)),
+                devices=int(layout.get(DEVICES_KEY, spec.trainer.devices)),
+            )
+        except ConfigError:  # e.g. several devices without a strategy: no trial trains it
+            continue
         layout_spec = dataclasses.replace(spec, trainer=trainer)
         report = fit_report(layout_cfg, space, layout_spec, settings, workloads)
-        report.at = {k: v for k, v in layout.items() if k != CHECKPOINTING_KEY}
+        report.at = {k: v for k, v in layout.items() if k not in TRAINER_LAYOUT}
         report.held = {k: v for k, v in report.held.items() if k not in layout}
         reports.append(report)
     return reports
@@ -345,8 +375,12 @@ def render(report: FitReport) -> Table:
         else ""
     )
     lever += "".join(f"; {key}={value}" for key, value in report.at.items())
+    device = report.device
+    if report.strategy != "none":
+        device = f"one rank of {report.strategy} on {report.world_size} x {device}"
+        budget += " per rank"
     table = Table(
-        title=f"Fit report for {report.device}: {what}; budget {budget}, margin "
+        title=f"Fit report for {device}: {what}; budget {budget}, margin "
         f"{report.margin:.0%}{lever}",
         caption="\n".join([f"predicted in {report.seconds:.1f} s, nothing trained", *notes]),
     )

@@ -39,6 +39,7 @@ from search.record import (
     PRUNER,
     TrialRecord,
 )
+from search.scaling import SCALING_METRIC, scaling_efficiency
 from search.stopping import (
     TARGET_VALIDATIONS_PER_EPOCH,
     Prune,
@@ -206,7 +207,7 @@ class Objective:
         try:
             with self.tracker.system_metrics(log.run_id):
                 result = run(cfg, spec, hooks, workload)
-            outcome = self._completed(cfg, spec, result, watch, log)
+            outcome = self._completed(trial, cfg, spec, result, watch, log)
         except OutOfMemory as oom:
             outcome = Outcome("PRUNED", OOM, str(oom), peak_bytes=oom.peak_bytes)
             outcome.probe_s_per_sample = watch.probe_s_per_sample
@@ -225,12 +226,24 @@ class Objective:
         return outcome
 
     def _completed(
-        self, cfg: DictConfig, spec: RunSpec, result: RunResult, watch: _Watch, log: RunLog
+        self,
+        trial: optuna.Trial,
+        cfg: DictConfig,
+        spec: RunSpec,
+        result: RunResult,
+        watch: _Watch,
+        log: RunLog,
     ) -> Outcome:
         """A run that trained to its end (or its target); pruned as `missed_target` when it
         ended short of search.target, its figures kept (it cannot be ranked by time)."""
         perf, note = self._perf(cfg, spec, result, log)
         extra = {**perf, **watch.target.figures()}
+        throughput = result.figures().get(f"throughput/{result.unit}_per_sec")
+        efficiency = scaling_efficiency(
+            study_records(trial.study), trial.params, spec.params(), throughput
+        )
+        if efficiency is not None:
+            extra[SCALING_METRIC] = efficiency
         outcome = Outcome("COMPLETE", result=result, extra=extra, mfu_note=note)
         if watch.target.missed:
             outcome.state, outcome.reason = "PRUNED", MISSED_TARGET

@@ -27,7 +27,14 @@ from omegaconf import DictConfig
 from optuna.trial import FrozenTrial
 
 from search.record import TrialRecord
-from train.params import ACCUM_KEY, BATCH_KEY, CHECKPOINTING_KEY, PRECISION_KEY
+from train.params import (
+    ACCUM_KEY,
+    BATCH_KEY,
+    CHECKPOINTING_KEY,
+    DEVICES_KEY,
+    PRECISION_KEY,
+    STRATEGY_KEY,
+)
 from train.run import RunSpec
 from train.speed import ROUNDS, Speed, measure
 from train.workload import Workloads
@@ -36,7 +43,7 @@ SPEED_ATTR = "speed_check"
 MAX_GEOMETRIES = 4  # candidates timed side by side: a few seconds each, ROUNDS times
 # Searched keys under these whose values are numbers do not change a step's speed.
 SPEED_NEUTRAL = ("optimizer.", "scheduler.")
-GEOMETRY_KEYS = (BATCH_KEY, ACCUM_KEY, PRECISION_KEY, CHECKPOINTING_KEY)
+GEOMETRY_KEYS = (BATCH_KEY, ACCUM_KEY, PRECISION_KEY, CHECKPOINTING_KEY, STRATEGY_KEY, DEVICES_KEY)
 THROUGHPUT_UNITS = {"throughput/samples_per_sec": "samples", "throughput/tokens_per_sec": "tokens"}
 
 Geometry = tuple[tuple[str, Any], ...]
@@ -60,6 +67,9 @@ def label(geom: Geometry) -> str:
     values = dict(geom)
     text = f"{values.pop(BATCH_KEY)}x{values.pop(ACCUM_KEY)} {values.pop(PRECISION_KEY)}"
     checkpointing = values.pop(CHECKPOINTING_KEY, "none")
+    strategy, devices = values.pop(STRATEGY_KEY, "none"), values.pop(DEVICES_KEY, 1)
+    if strategy not in (None, "none"):
+        text += f" {strategy}x{devices}"
     rest = [f"{key.rsplit('.', 1)[-1]}={value}" for key, value in values.items()]
     if checkpointing not in (None, "none"):
         rest.append(f"checkpointing={checkpointing}")
@@ -77,9 +87,12 @@ def stored(study: optuna.Study) -> dict[str, Speed]:
 
 def to_check(candidates: Sequence[tuple[FrozenTrial, float]]) -> list[FrozenTrial]:
     """One trial per geometry (its first), the fastest MAX_GEOMETRIES geometries by the
-    trials' own throughput (`candidates`: trial, its throughput)."""
+    trials' own throughput (`candidates`: trial, its throughput). Data-parallel trials are
+    not timed again: this times one process on one device (they keep their own figures)."""
     first: dict[Geometry, tuple[FrozenTrial, float]] = {}
     for trial, rate in candidates:
+        if TrialRecord.of(trial).run.get(STRATEGY_KEY, "none") != "none":
+            continue
         geom = geometry(trial)
         if geom not in first or rate > first[geom][1]:
             first[geom] = (trial, rate)

@@ -13,6 +13,9 @@ ACCUM_KEY = "trainer.accum_steps"
 PRECISION_KEY = "trainer.precision"
 CHECKPOINTING_KEY = "trainer.activation_checkpointing"
 EFFECTIVE_KEY = "trainer.effective_batch_size"  # set with search.accumulation=derived
+STRATEGY_KEY = "trainer.strategy"  # none | ddp | fsdp
+DEVICES_KEY = "trainer.devices"  # ranks of a data-parallel run
 # What follows from them: derived values, not config keys.
 EFFECTIVE_PARAM = "effective_batch_size"  # batch_size x accum_steps
-LR_PARAM = "lr_scaled"  # optimizer.lr scaled to the effective batch by trainer.lr_scaling
+LR_PARAM = "lr_scaled"  # optimizer.lr scaled to the global batch by trainer.lr_scaling
+GLOBAL_PARAM = "global_batch_size"  # effective_batch_size x trainer.devices

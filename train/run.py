@@ -37,9 +37,12 @@ from train.params import (
     ACCUM_KEY,
     BATCH_KEY,
     CHECKPOINTING_KEY,
+    DEVICES_KEY,
     EFFECTIVE_PARAM,
+    GLOBAL_PARAM,
     LR_PARAM,
     PRECISION_KEY,
+    STRATEGY_KEY,
 )
 from train.precision import unsupported_reason
 from train.predict import MemoryPredictor, Prediction, PredictionUnsupported, fake_first
@@ -67,6 +70,9 @@ class RunSpec:
             CHECKPOINTING_KEY: self.trainer.activation_checkpointing,
             "optimizer.lr": self.base_lr,
             EFFECTIVE_PARAM: self.trainer.effective_batch_size,
+            STRATEGY_KEY: self.trainer.strategy,
+            DEVICES_KEY: self.trainer.devices,
+            GLOBAL_PARAM: self.trainer.global_batch_size,
             LR_PARAM: self.lr,
             "device": str(self.device),
         }
@@ -97,6 +103,13 @@ def plan(cfg: DictConfig, budget: Any) -> RunSpec:
         problems += error.problems
     device = resolve_device(trainer.device if trainer else "auto")
     target, budget_bytes = _target(cfg, device, problems), None
+    if trainer is not None and device.type == "cuda" and torch.cuda.is_available():
+        visible = torch.cuda.device_count()
+        if trainer.devices > visible:
+            problems.append(
+                f"trainer.devices={trainer.devices} but {visible} CUDA device(s) are visible; "
+                f"use trainer.devices={visible} or fewer"
+            )
     if target is not None and trainer is not None:
         problems += _precision_problems(trainer.precision, target)
     if target is not None:
@@ -334,9 +347,9 @@ def perf_figures(
         flops = predictor.flops_per_sample(spec.trainer.batch_size)
     except PredictionUnsupported:  # building the fake model, or counting on it
         return {}, None
-    return perf_metrics(
+    return perf_metrics(  # per device: a data-parallel run's throughput is all devices'
         flops,
-        result.throughput_samples_per_sec,
+        result.throughput_samples_per_sec / spec.trainer.devices,
         spec.device,
         spec.trainer.precision,
         spec.trainer.peak_flops,
