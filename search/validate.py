@@ -39,7 +39,14 @@ from search.storage import open_storage
 from tracking.runs import MlflowConfig
 from train.build import build_task
 from train.config import ConfigError, unknown_keys
-from train.params import ACCUM_KEY, BATCH_KEY, EFFECTIVE_KEY, PRECISION_KEY
+from train.params import (
+    ACCUM_KEY,
+    BATCH_KEY,
+    DEVICES_KEY,
+    EFFECTIVE_KEY,
+    PRECISION_KEY,
+    STRATEGY_KEY,
+)
 from train.precision import unsupported_reason
 from train.run import RunSpec, check_builds, plan, resolve_device
 from train.workload import Workloads
@@ -312,6 +319,7 @@ def _check_key(
             if derived and key == EFFECTIVE_KEY:  # a trial's first, consistent geometry
                 OmegaConf.update(trial_cfg, BATCH_KEY, value, merge=False)
                 OmegaConf.update(trial_cfg, ACCUM_KEY, 1, merge=False)
+            _with_layout(trial_cfg, key, value, space)
             plan(trial_cfg, trial_cfg.search.memory_budget)
         except ConfigError as error:
             problems += [
@@ -322,6 +330,25 @@ def _check_key(
         except HydraException as error:
             problems.append(f"{where}: value {value!r} is invalid: {error}")
     return problems
+
+
+def _with_layout(trial_cfg: DictConfig, key: str, value: object, space: SearchSpace) -> None:
+    """A searched number of devices is checked with a searched data-parallel strategy, and
+    a searched strategy with the searched devices: a trial draws them together. A
+    combination no trial can train (`none` on several devices) is then the problem."""
+    other = {STRATEGY_KEY: DEVICES_KEY, DEVICES_KEY: STRATEGY_KEY}.get(key)
+    dist = space.distributions.get(other) if other else None
+    if not isinstance(dist, CategoricalDistribution):
+        return
+    choices = list(dist.choices)
+    if key == DEVICES_KEY and isinstance(value, int) and value > 1:
+        # the strategy a trial on these devices may draw: `none` when it is a choice
+        pick = "none" if "none" in choices else choices[0]
+    elif key == STRATEGY_KEY and value == "none":
+        pick = max(choices, key=lambda c: c if isinstance(c, int) else 1)
+    else:
+        return
+    OmegaConf.update(trial_cfg, other, pick, merge=False)
 
 
 def _corner_values(dist) -> list[object]:  # noqa: ANN001

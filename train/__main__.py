@@ -280,8 +280,9 @@ def _lr(spec: RunSpec) -> str:
     if t.lr_scaling == "none":
         return f"lr {spec.lr:.4g} (optimizer.lr, used as given: trainer.lr_scaling=none)"
     return (
-        f"lr {spec.lr:.4g} (optimizer.lr={spec.base_lr:g} scaled {t.lr_scaling} to effective "
-        f"batch {t.effective_batch_size} from trainer.lr_ref_batch_size={t.lr_ref_batch_size})"
+        f"lr {spec.lr:.4g} (optimizer.lr={spec.base_lr:g} scaled {t.lr_scaling} to "
+        f"{'global' if t.distributed else 'effective'} batch {t.global_batch_size} from "
+        f"trainer.lr_ref_batch_size={t.lr_ref_batch_size})"
     )
 
 
@@ -291,9 +292,13 @@ def _training_line(ready: Prepared, run_id: str | None) -> str:
     where = f"MLflow run {run_id}"
     if ready.retrain is not None:
         where += f" in experiment {ready.retrain.study!r}"
+    on = f"{spec.device}"
+    if t.distributed:
+        on = f"{t.devices} x {spec.device.type} ({t.strategy}, one process each)"
+    per_device = f" per device, global batch {t.global_batch_size}" if t.distributed else ""
     return (
-        f"Training on {spec.device}: batch {t.batch_size} x {t.accum_steps} = "
-        f"{t.effective_batch_size}, {t.precision}, {_lr(spec)}"
+        f"Training on {on}: batch {t.batch_size} x {t.accum_steps} = "
+        f"{t.effective_batch_size}{per_device}, {t.precision}, {_lr(spec)}"
         + (f", predicted peak {format_bytes(prediction.peak_bytes)}" if prediction else "")
         + f"; {where}"
     )

@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -310,7 +311,7 @@ def _train_rank(job: _Job, rank: int, world: int, device: torch.device) -> dict:
 
     from train.build import build_model, build_optimizer, build_scheduler
     from train.memory import MemoryMeter
-    from train.parallel import shard
+    from train.parallel import settled_collectives, shard
     from train.ranks import Ranks, Stopped
     from train.workload import Workloads
 
@@ -334,9 +335,11 @@ def _train_rank(job: _Job, rank: int, world: int, device: torch.device) -> dict:
     scheduler = build_scheduler(cfg, optimizer, total_steps=num_steps)
     meter = MemoryMeter(device, spec.budget_bytes)
     hooks, proxy = _rank_hooks(job, ranks, model)
+    settled = settled_collectives() if device.type == "cpu" else nullcontext()
     try:
-        result = fit(trained, optimizer, scheduler, pipeline, trainer, device, meter, hooks,
-                     workload.task, ranks)  # fmt: skip
+        with settled:
+            result = fit(trained, optimizer, scheduler, pipeline, trainer, device, meter, hooks,
+                         workload.task, ranks)  # fmt: skip
     except OutOfMemory as oom:
         if oom.rank is None:  # this rank's own device OOM: the others wait in a collective
             oom = OutOfMemory(

@@ -18,6 +18,7 @@ the model's one-device step and its buckets are added (`ddp_bucket_sizes`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -81,3 +82,50 @@ def fake_world(world: int) -> Iterator[DeviceMesh]:
         yield init_device_mesh("cpu", (world,))
     finally:
         dist.destroy_process_group()
+
+
+# FSDP2's collectives, as it calls them (torch.distributed.<name>); made settled on gloo.
+FSDP_COLLECTIVES = ("all_gather_single", "reduce_scatter_single")
+SETTLE_S = 1.0  # at most this long for gloo's worker thread to let go of a collective's tensors
+
+
+@contextmanager
+def settled_collectives() -> Iterator[None]:
+    """FSDP2's all-gathers and reduce-scatters on gloo (CPU ranks), each run to its end
+    and returned only once gloo's worker thread has dropped its references to the
+    tensors. Gloo's work object holds them; its thread lets go of them after the op has
+    completed, so their storage was freed there at a moment that varied from run to run
+    (measured peaks differed by up to a buffer between identical runs). Settled, a rank
+    frees them where FSDP2 drops them, in program order, as the fake process group's
+    prediction does. The ops are synchronous here (FSDP2 takes a result that is not a
+    Work as done): on CPU there is nothing to overlap them with."""
+    originals = {name: getattr(dist, name) for name in FSDP_COLLECTIVES}
+
+    def settled(collective):  # noqa: ANN001, ANN202
+        def call(output, input, *args, async_op: bool = False, **kwargs):  # noqa: A002, ANN001, ANN002, ANN003, ANN202
+            tensors = [output, input]
+            before = [_uses(t) for t in tensors]
+            work = collective(output, input, *args, async_op=True, **kwargs)
+            work.wait()
+            del work
+            deadline = time.monotonic() + SETTLE_S
+            while any(_uses(t) > n for t, n in zip(tensors, before, strict=True)):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0)
+            return None
+
+        return call
+
+    for name, collective in originals.items():
+        setattr(dist, name, settled(collective))
+    try:
+        yield
+    finally:
+        for name, collective in originals.items():
+            setattr(dist, name, collective)
+
+
+def _uses(tensor: torch.Tensor) -> int:
+    """References to the tensor's storage, C++ ones included."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)

@@ -104,17 +104,21 @@ def _untrained(hydra_conf: Callable[..., DictConfig]) -> nn.Module:
 
 class Lopsided(nn.Module):
     """An MLP whose rank 1 (of a real process group) holds `ballast` floats per sample
-    during its forward: a rank that needs more memory than the others."""
+    during its forward, at micro-batches of `from_batch` samples or more: a rank that
+    needs more memory than the others (the one the predictor sees)."""
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 1, ballast: int = 0):
+    def __init__(
+        self, num_classes: int = 10, in_channels: int = 1, ballast: int = 0, from_batch: int = 1
+    ):
         super().__init__()
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 64, 32), nn.ReLU())
         self.head = nn.Linear(32, num_classes)
-        self.ballast = ballast
+        self.ballast, self.from_batch = ballast, from_batch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.net(x)
-        if dist.is_initialized() and dist.get_backend() != "fake" and dist.get_rank() == 1:
+        real = dist.is_initialized() and dist.get_backend() != "fake"
+        if real and dist.get_rank() == 1 and x.shape[0] >= self.from_batch:
             h = h + torch.zeros(x.shape[0], self.ballast).sum() * 0
         return self.head(h)
 

@@ -1,0 +1,233 @@
+"""Studies of data-parallel trials, `python -m search` in a subprocess as a user runs it: a
+study that searches the strategy and the number of devices (one rank over its budget
+pruned as `oom`, the global figures in MLflow, the winner rerun from best.yaml), and one
+whose trial loses a rank to SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import psutil
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+from optuna.trial import TrialState
+
+from tests.sweeps import REPO, clean_env
+from train.run import plan
+from train.workload import Workloads
+
+pytestmark = pytest.mark.slow
+
+DATA = [
+    "data=synthetic",
+    "data.num_samples=90",
+    "data.channels=1",
+    "data.image_size=8",
+    "trainer.max_epochs=2",
+    "trainer.log_every_steps=2",
+    "optimizer.lr=0.1",
+]
+LOPSIDED = ["model._target_=tests.train.test_distributed.Lopsided", "~model.width"]
+BALLAST = 4096  # floats per sample rank 1 holds in its forward at batch 16
+
+
+def _env() -> dict[str, str]:
+    return clean_env(PYTHONPATH=str(REPO))  # the ranks import the test's model
+
+
+def _search(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, "-m", "search", *args],
+        cwd=cwd, env=_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def _journal(cwd: Path, name: str) -> optuna.Study:
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(cwd / "mlruns" / "optuna.journal"))
+    )
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+def test_a_study_searches_strategy_and_devices_and_logs_global_figures(
+    tmp_path: Path, hydra_conf
+) -> None:
+    # Rank 1 of a 2-device trial at batch 16 holds BALLAST x 16 floats more than rank 0,
+    # which the predictor sees: a per-rank budget with room for rank 0 (and the margin)
+    # but not for rank 1.
+    model = [*LOPSIDED, f"+model.ballast={BALLAST}", "+model.from_batch=16"]
+    peaks = []
+    for strategy in ("ddp", "fsdp"):
+        cfg = hydra_conf([*DATA, *model, f"trainer.strategy={strategy}", "trainer.devices=2",
+                          "trainer.batch_size=16"])  # fmt: skip
+        peaks.append(Workloads().of(cfg).predict(plan(cfg, None), cfg.optimizer).peak_bytes)
+    budget = int(max(peaks) * 1.06)
+    assert min(peaks) + 16 * BALLAST * 4 > budget  # rank 1 at batch 16 is over, either way
+    study = [
+        *DATA,
+        *model,
+        "search/sampler=grid",
+        "search.study_name=spread",
+        "search.n_trials=8",
+        f"search.memory_budget={budget}",
+        "search.objectives=[val/acc]",
+        "+search.params={trainer.strategy:'choice(ddp,fsdp)',trainer.devices:'choice(1,2)',"
+        "trainer.batch_size:'choice(4,16)'}",
+    ]
+    out = _search(study, tmp_path).stdout
+    trials = _journal(tmp_path, "spread").get_trials()
+    assert len(trials) == 8
+    over = [
+        t
+        for t in trials
+        if t.params["trainer.devices"] == 2 and t.params["trainer.batch_size"] == 16
+    ]
+    assert len(over) == 2
+    for t in over:  # predicted to fit (rank 0), over on rank 1: every rank stopped
+        assert t.state == TrialState.PRUNED and t.user_attrs["reason"] == "oom", t.user_attrs
+        assert "rank 1 of 2" in t.user_attrs["message"]
+        assert t.constraints["memory"] > 0  # the sampler learns it did not fit
+    done = [t for t in trials if t not in over]
+    assert all(t.state == TrialState.COMPLETE for t in done), [t.user_attrs for t in done]
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    experiment = client.get_experiment_by_name("spread")
+    runs = {
+        int(r.data.tags["batchfit.trial"]): r
+        for r in client.search_runs([experiment.experiment_id])
+        if r.data.tags.get("batchfit.role") == "trial"
+    }
+    efficiencies = 0
+    for t in done:
+        run = runs[t.number]
+        metrics, params = run.data.metrics, run.data.params
+        devices, batch = t.params["trainer.devices"], t.params["trainer.batch_size"]
+        assert params["trainer.strategy"] == t.params["trainer.strategy"]
+        assert params["global_batch_size"] == str(batch * devices)
+        # Validation ran once per epoch over the whole split, not once per rank.
+        assert len(client.get_metric_history(run.info.run_id, "val/acc")) == 2
+        assert metrics["throughput/samples_per_sec"] > 0
+        assert metrics["memory/prediction_error"] == 0.0  # the per-rank prediction is exact
+        if devices == 2:
+            ranks = [metrics["memory/rank_0/peak_bytes"], metrics["memory/rank_1/peak_bytes"]]
+            assert metrics["memory/peak_bytes"] == max(ranks)
+            one = [
+                s
+                for s in done
+                if s.number < t.number
+                and s.params["trainer.devices"] == 1
+                and s.params["trainer.batch_size"] == batch
+            ]
+            if one:  # the same per-device configuration on one device, trained before
+                efficiencies += 1
+                expected = metrics["throughput/samples_per_sec"] / (
+                    2 * max(runs[s.number].data.metrics["throughput/samples_per_sec"] for s in one)
+                )
+                assert metrics["throughput/scaling_efficiency"] == pytest.approx(expected)
+            else:
+                assert "throughput/scaling_efficiency" not in metrics
+        else:
+            assert "memory/rank_0/peak_bytes" not in metrics
+    assert efficiencies >= 1
+
+    (best_path,) = (tmp_path / "mlruns" / "hydra").glob("*/*/best.yaml")
+    best = yaml.safe_load(best_path.read_text())
+    winner = next(t for t in trials if t.number == best["trial"])
+    for key in ("trainer.strategy", "trainer.devices"):
+        assert f"{key}={winner.params[key]}" in best["overrides"]
+    assert "python -m train" in out
+    rerun = subprocess.run(
+        [sys.executable, "-m", "train", f"+best={best_path}"],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    devices = winner.params["trainer.devices"]
+    if devices > 1:
+        assert f"Training on {devices} x cpu ({winner.params['trainer.strategy']}" in rerun.stdout
+    retrained = [
+        r for r in client.search_runs([experiment.experiment_id])
+        if r.data.tags.get("batchfit.role") == "train"
+    ]  # fmt: skip
+    assert len(retrained) == 1
+    assert retrained[0].data.params["trainer.devices"] == str(devices)
+    assert retrained[0].data.metrics["val/acc"] == pytest.approx(
+        runs[winner.number].data.metrics["val/acc"]
+    )
+
+
+def _ranks(study: psutil.Process) -> list[psutil.Process]:
+    """The study's rank processes (spawned by the launcher: `multiprocessing.spawn`), not
+    multiprocessing's resource tracker."""
+    found = []
+    for child in study.children(recursive=True):
+        try:
+            line = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "spawn_main" in line and "resource_tracker" not in line:
+            found.append(child)
+    return found
+
+
+def test_a_rank_killed_mid_trial_fails_the_trial_in_bounded_time_and_the_study_goes_on(
+    tmp_path: Path,
+) -> None:
+    args = [
+        "data=synthetic",
+        "data.num_samples=1000",
+        "data.channels=1",
+        "data.image_size=8",
+        "model=mlp",
+        "model.hidden=64",
+        "trainer.max_epochs=40",
+        "trainer.strategy=ddp",
+        "trainer.devices=2",
+        "trainer.batch_size=16",
+        "search.study_name=killed",
+        "search.n_trials=2",
+        "search.objectives=[val/acc]",
+        "+search.params={optimizer.lr:'tag(log, interval(0.01, 0.1))'}",
+    ]
+    study = subprocess.Popen(
+        [sys.executable, "-m", "search", *args],
+        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        parent = psutil.Process(study.pid)
+        deadline = time.monotonic() + 300
+        ranks: list[psutil.Process] = []
+        while len(ranks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            ranks = _ranks(parent)
+        assert len(ranks) == 2, "the first trial's ranks never started"
+        time.sleep(4)  # into training (they build data and the model first)
+        victim, survivor = ranks
+        killed_at = time.time()
+        os.kill(victim.pid, signal.SIGKILL)
+        # The other rank waits in a collective for the dead one: the launcher stops it.
+        gone, _ = psutil.wait_procs([survivor], timeout=30)
+        assert gone, "the surviving rank was left running"
+        out, _ = study.communicate(timeout=600)
+    finally:
+        if study.poll() is None:
+            study.kill()
+    assert study.returncode == 0, out
+    trials = _journal(tmp_path, "killed").get_trials()
+    first = trials[0]
+    assert first.state == TrialState.FAIL
+    message = first.user_attrs["message"]
+    assert "rank" in message and "SIGKILL" in message, message
+    assert first.datetime_complete.timestamp() - killed_at < 30  # bounded: not a hang
+    assert len(trials) == 2  # a trial that failed with an error counts as one of n_trials
+    assert trials[1].state == TrialState.COMPLETE  # the study went on
+    # No rank outlives its study, the killed trial's included.
+    assert not [p for p in (victim, survivor) if p.is_running() and p.status() != "zombie"]
