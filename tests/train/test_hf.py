@@ -26,6 +26,7 @@ from train.workload import Workloads
 # The published parameter counts (the checkpoints' own model cards and config.json).
 PUBLISHED = {
     "llama3_8b": 8_030_261_248,
+    "llama3_2_1b": 1_235_814_400,
     "llama2_7b": 6_738_415_616,
     "mistral_7b": 7_241_732_096,
     "qwen2_5_7b": 7_615_616_512,
