@@ -128,6 +128,19 @@ TABLE: dict[str, Check] = {
     "search.gpu=H100-80GB": Check(
         "tests.search.test_fit::test_8b_fit_reports_for_lora_and_full_fine_tuning", LLM_FIT
     ),
+    # One trial on several GPUs
+    "python -m search +experiment=llm_lora trainer.strategy=fsdp trainer.devices=2": Check(
+        "tests.search.test_distributed_study::"
+        "test_a_study_searches_strategy_and_devices_and_logs_global_figures",
+        "30 trials of 2 ranks take longer than CI has; the test runs a study of ddp and fsdp "
+        "on 1 and 2 gloo ranks with a small model",
+    ),
+    "python -m search.fit +experiment=llm_full model.config=llama3_8b model.dtype=bfloat16 "
+    "trainer.strategy=fsdp trainer.devices=8 search.gpu=H100-80GB": Check(
+        "tests.search.test_fit::test_a_fit_report_per_rank_of_a_data_parallel_layout",
+        "the 8B report over the space takes 4 minutes on 2 cores; the test reports one rank "
+        "of FSDP on 8 H100s for the tiny Llama and checks it against the predictor",
+    ),
     # Other entry points
     "python -m search +experiment=resnet_derived data=digits search.n_trials=4": Check(
         "test_derived_accumulation", extra=VARIANT

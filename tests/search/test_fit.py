@@ -252,6 +252,37 @@ def test_8b_fit_reports_for_lora_and_full_fine_tuning(hydra_conf) -> None:
     assert all(cell.fits for report in lora.values() for cell in report.cells.values())
 
 
+def test_a_fit_report_per_rank_of_a_data_parallel_layout(hydra_conf) -> None:
+    """Full fine-tuning of the tiny Llama on 8 H100s with FSDP, and the strategy searched:
+    a report per strategy, each cell one rank's step as the trial's predictor predicts it,
+    FSDP's below DDP's (its parameters, gradients and moments are sharded 8 ways)."""
+    overrides = [
+        "+experiment=llm_full", "data.max_bytes=40000", "search.gpu=H100-80GB",
+        "trainer.devices=8", "trainer.strategy=fsdp",
+        '++search.params={trainer.batch_size:"choice(1,4)",trainer.accum_steps:"choice(1)",'
+        'trainer.precision:"choice(bf16)",data.seq_len:"choice(128)",'
+        'trainer.activation_checkpointing:"choice(none)",trainer.strategy:"choice(ddp,fsdp)",'
+        "model.lora.r:null}",
+    ]  # fmt: skip
+    reports = {r.strategy: r for r in _reports(hydra_conf, overrides)}
+    assert set(reports) == {"ddp", "fsdp"}
+    predictions = {}
+    for strategy, report in reports.items():
+        assert report.world_size == 8
+        assert report.rows()["strategy"] == [strategy, strategy]
+        title = str(render(report).title)
+        assert f"one rank of {strategy} on 8 x H100-80GB" in title and "per rank" in title
+        cfg = hydra_conf([*overrides, f"trainer.strategy={strategy}", "trainer.batch_size=4",
+                          "data.seq_len=128", "trainer.precision=bf16"])  # fmt: skip
+        spec = plan(cfg, None)
+        predictions[strategy] = Workloads().of(cfg).predict(spec, cfg.optimizer)
+        assert report.cells["bf16", 4, 1].peak_bytes == predictions[strategy].peak_bytes
+    for b in (1, 4):  # the tiny model's reserve is mostly the allocator's fixed blocks
+        fsdp, ddp = (reports[s].cells["bf16", b, 1].peak_bytes for s in ("fsdp", "ddp"))
+        assert fsdp <= ddp
+    assert predictions["fsdp"].tensor_bytes < predictions["ddp"].tensor_bytes
+
+
 def test_layouts_beyond_the_limit_hold_the_space_last_keys(hydra_conf) -> None:
     """llm_lora searches checkpointing (2), seq_len (3) and the LoRA rank (3): 18
     combinations, over MAX_LAYOUTS; the rank, listed last, is held at its configured 8."""
