@@ -18,6 +18,12 @@ Each of these has no public equivalent in the versions pinned (Optuna 5.0, torch
   torch.utils._python_dispatch._get_current_dispatch_mode_stack (train/hf.py)
 - transformers.utils.import_utils.is_fake_tensor (via is_tracing) and
   transformers.masking_utils.find_packed_sequence_indices (train/hf.py `eager_on_fakes`)
+- torch.testing._internal.distributed.fake_pg.FakeStore and the `fake` backend
+  (train/parallel.py `fake_world`); DTensor._local_tensor (train/memory.py, train/predict.py);
+  FSDP2 calling torch.distributed.all_gather_single / reduce_scatter_single and resizing
+  storages in alloc_storage / free_storage (train/parallel.py `settled_collectives`,
+  train/memory.py `_resized`); torch._C._storage_Use_Count (train/parallel.py `_uses`);
+  DistributedDataParallel._get_ddp_logging_data's bucket sizes (train/ranks.py)
 """
 
 from __future__ import annotations
@@ -363,3 +369,35 @@ def test_fake_mode_can_be_left_for_a_block() -> None:
         with unset_fake_temporarily():
             assert not isinstance(torch.empty(1), FakeTensor)
         assert isinstance(torch.empty(1), FakeTensor)
+
+
+def test_fsdp2_on_a_fake_process_group_shards_into_local_tensors() -> None:
+    """fake_world's FakeStore and `fake` backend, a CPU mesh built outside the fake mode,
+    DTensor._local_tensor holding the rank's shard, and FSDP2's storage resizes seen by
+    the tracker (train/parallel.py, train/memory.py)."""
+    import inspect
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param
+
+    from train.config import FSDPConfig
+    from train.memory import TensorMemoryTracker
+    from train.parallel import fake_world, shard
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_world(4) as mesh, mode:
+        model = shard(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)), FSDPConfig(), mesh)
+        weight = model[0].weight
+        assert weight._local_tensor.shape == (16, 64)
+        tracker = TensorMemoryTracker()
+        with tracker:
+            model(torch.empty(2, 64)).sum().backward()
+        assert tracker.peak_bytes >= 64 * 64 * 4  # the gathered weight, allocated by resize_
+    assert not dist.is_initialized()
+    source = inspect.getsource(_fsdp_collectives)
+    assert "dist.all_gather_single(" in source and "dist.reduce_scatter_single(" in source
+    assert "storage.resize_(" in inspect.getsource(_fsdp_param.alloc_storage)
+    t = torch.zeros(4)
+    assert torch._C._storage_Use_Count(t.untyped_storage()._cdata) >= 1
+    # Its bucket sizes are checked by tests/train/test_distributed.py (DDP to the byte).
+    assert hasattr(torch.nn.parallel.DistributedDataParallel, "_get_ddp_logging_data")
