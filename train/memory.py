@@ -259,7 +259,8 @@ class MemoryMeter:
         any rank."""
         if ranks is not None:
             peak = tracker.peak_bytes + ranks.state_bytes()
-            self._cpu_peak = max(self._cpu_peak, ranks.agree_memory(peak, self.budget_bytes))
+            ranks.agree_memory(peak, self.budget_bytes)  # over on any rank: OOM on all
+            self._cpu_peak = max(self._cpu_peak, peak)  # this rank's own
             return
         self._cpu_peak = max(self._cpu_peak, tracker.peak_bytes)
         if self.budget_bytes is not None and tracker.peak_bytes > self.budget_bytes:

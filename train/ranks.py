@@ -89,7 +89,7 @@ class Ranks:
 
     def agree_memory(self, peak_bytes: int, budget_bytes: int | None) -> int:
         """The largest peak over the ranks; OutOfMemory on every rank, naming the first
-        rank over the budget, when any is."""
+        rank over the budget, when any is. Each rank keeps its own peak as its figure."""
         peaks = [p for (p,) in self.gather([peak_bytes])]
         over = [r for r, p in enumerate(peaks) if budget_bytes is not None and p > budget_bytes]
         if over:

@@ -141,6 +141,11 @@ def test_one_rank_over_its_budget_is_an_oom_of_the_run_on_every_rank(
     assert raised.value.rank == 1
     assert raised.value.peak_bytes > budget >= predicted
     assert "rank 1 of 2" in str(raised.value) and "per rank" in str(raised.value)
+    # Without a budget it trains: the ranks' peaks differ, the run's is the larger.
+    result, _, _ = _trained(hydra_conf, [*base, "+model.ballast=8192"])
+    rank_0, rank_1 = result.rank_peak_bytes
+    assert rank_0 == predicted < rank_1 == result.peak_bytes
+    assert result.metrics()["memory/rank_1/peak_bytes"] == rank_1
 
 
 def test_the_global_batch_sets_the_learning_rate_and_bad_layouts_are_refused(
