@@ -46,7 +46,13 @@ def _fds() -> list[str]:
 
 def _signals() -> dict:
     status = Path("/proc/self/status").read_text().splitlines()
-    kernel = {k: v.strip() for k, v in (line.split(":", 1) for line in status) if k[:3] == "Sig"}
+    # SigQ counts the signals queued to the whole user, not this process: other processes
+    # of the machine move it (seen when a test of killed ranks ran beside).
+    kernel = {
+        k: v.strip()
+        for k, v in (line.split(":", 1) for line in status)
+        if k[:3] == "Sig" and k != "SigQ"
+    }
     python = {s.name: repr(signal.getsignal(s)) for s in signal.valid_signals() - {0}
               if isinstance(s, signal.Signals)}  # fmt: skip
     return {"kernel": kernel, "python": python, "blocked": sorted(signal.pthread_sigmask(0, []))}
