@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from search.record import TrialRecord
+from search.speed import GEOMETRY_KEYS
 from train.params import DEVICES_KEY, STRATEGY_KEY
 
 SCALING_METRIC = "throughput/scaling_efficiency"
@@ -52,6 +53,4 @@ def scaling_efficiency(
 
 
 def _geometry(run: Mapping[str, Any]) -> dict[str, Any]:
-    from search.speed import GEOMETRY_KEYS
-
     return {key: run.get(key) for key in GEOMETRY_KEYS}

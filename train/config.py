@@ -36,6 +36,19 @@ def _check_int(problems: list[str], key: str, value: Any, minimum: int) -> None:
         )
 
 
+def _check_choice(
+    problems: list[str], key: str, value: Any, choices: Iterable[str], suggest: str
+) -> bool:
+    """Whether `value` is one of `choices`; if not, the problem, suggesting `key=suggest`."""
+    choices = tuple(choices)
+    if value in choices:
+        return True
+    problems.append(
+        f"{key} must be one of {', '.join(choices)}, got {value!r}; override with {key}={suggest}"
+    )
+    return False
+
+
 def _positive_or_none(value: Any) -> bool:
     if value is None:
         return True
@@ -117,12 +130,8 @@ class TrainerConfig:
                 fsdp = FSDPConfig()
             object.__setattr__(self, "fsdp", fsdp)
         _check_int(problems, "trainer.devices", self.devices, 1)
-        if self.strategy not in STRATEGIES:
-            problems.append(
-                f"trainer.strategy must be one of {', '.join(STRATEGIES)}, got "
-                f"{self.strategy!r}; override with trainer.strategy=ddp"
-            )
-        elif self.strategy == "none" and self.devices != 1:
+        strategy = _check_choice(problems, "trainer.strategy", self.strategy, STRATEGIES, "ddp")
+        if strategy and self.strategy == "none" and self.devices != 1:
             problems.append(
                 f"trainer.devices={self.devices!r} needs a data-parallel strategy: set "
                 "trainer.strategy=ddp or trainer.strategy=fsdp, or trainer.devices=1"
@@ -156,27 +165,16 @@ class TrainerConfig:
                 "trainer.max_epochs and trainer.max_steps are both null: a run needs a budget; "
                 "override with trainer.max_epochs=3"
             )
-        if self.precision not in PRECISIONS:
-            problems.append(
-                f"trainer.precision must be one of {', '.join(PRECISIONS)}, got "
-                f"{self.precision!r}; override with trainer.precision=bf16"
-            )
-        if self.lr_scaling not in LR_SCALING_RULES:
-            problems.append(
-                f"trainer.lr_scaling must be one of {', '.join(LR_SCALING_RULES)}, got "
-                f"{self.lr_scaling!r}; override with trainer.lr_scaling=linear"
-            )
-        if self.device not in DEVICES:
-            problems.append(
-                f"trainer.device must be one of {', '.join(DEVICES)}, got {self.device!r}; "
-                "override with trainer.device=auto"
-            )
-        if self.activation_checkpointing not in CHECKPOINTING_MODES:
-            problems.append(
-                f"trainer.activation_checkpointing must be one of "
-                f"{', '.join(CHECKPOINTING_MODES)}, got {self.activation_checkpointing!r}; "
-                "override with trainer.activation_checkpointing=blocks"
-            )
+        _check_choice(problems, "trainer.precision", self.precision, PRECISIONS, "bf16")
+        _check_choice(problems, "trainer.lr_scaling", self.lr_scaling, LR_SCALING_RULES, "linear")
+        _check_choice(problems, "trainer.device", self.device, DEVICES, "auto")
+        _check_choice(
+            problems,
+            "trainer.activation_checkpointing",
+            self.activation_checkpointing,
+            CHECKPOINTING_MODES,
+            "blocks",
+        )
         if not _positive_or_none(self.peak_flops):
             problems.append(
                 f"trainer.peak_flops must be FLOP/s > 0 or null, got {self.peak_flops!r}; e.g. "
@@ -228,16 +226,10 @@ class FSDPConfig:
                 f"{self.reshard_after_forward!r}; override with "
                 "trainer.fsdp.reshard_after_forward=true"
             )
-        if self.sharding not in FSDP_SHARDING:
-            problems.append(
-                f"trainer.fsdp.sharding must be one of {', '.join(FSDP_SHARDING)}, got "
-                f"{self.sharding!r}; override with trainer.fsdp.sharding=blocks"
-            )
-        if self.param_dtype not in FSDP_PARAM_DTYPES:
-            problems.append(
-                f"trainer.fsdp.param_dtype must be one of {', '.join(FSDP_PARAM_DTYPES)}, got "
-                f"{self.param_dtype!r}; override with trainer.fsdp.param_dtype=bfloat16"
-            )
+        _check_choice(problems, "trainer.fsdp.sharding", self.sharding, FSDP_SHARDING, "blocks")
+        _check_choice(
+            problems, "trainer.fsdp.param_dtype", self.param_dtype, FSDP_PARAM_DTYPES, "bfloat16"
+        )
         if problems:
             raise ConfigError(problems)
 

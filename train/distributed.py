@@ -26,6 +26,7 @@ import ctypes
 import math
 import os
 import queue
+import shutil
 import signal
 import tempfile
 import threading
@@ -111,13 +112,15 @@ def launch(
         while thread.is_alive():
             served.pump(job.requests, timeout=0.05)
             served.check_grace()
+        thread.join()
     except BaseException as error:  # a signal in this process: stop the ranks, then go
         served.stop(error)
         thread.join(STOP_GRACE_S)
         served.kill()
         thread.join()
         raise
-    thread.join()
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)  # a failure's message was read from it
     served.pump(job.requests, timeout=0)  # what the ranks said last
     return _ended(served, done, cfg, spec, hooks, workload)
 
@@ -131,7 +134,6 @@ class _Serve:
         self.raised: BaseException | None = None
         self.oom: OutOfMemory | None = None
         self.pids: dict[int, int] = {}
-        self.model_state: Any = None
         self._stop_at: float | None = None
 
     def pump(self, requests: Any, timeout: float) -> None:
@@ -309,6 +311,7 @@ def _train_rank(job: _Job, rank: int, world: int, device: torch.device) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
+    from train.batches import steps_plan
     from train.build import build_model, build_optimizer, build_scheduler
     from train.memory import MemoryMeter
     from train.parallel import settled_collectives, shard
@@ -322,15 +325,13 @@ def _train_rank(job: _Job, rank: int, world: int, device: torch.device) -> dict:
     pipeline = workload.pipeline(device)
     model = build_model(cfg, pipeline, workload.task, trainer.activation_checkpointing)
     model = model.to(device)
-    ranks = Ranks(rank, world, trainer.strategy, device)
+    ranks = Ranks(rank, world, device)
     if trainer.strategy == "ddp":
         ids = [device.index] if device.type == "cuda" else None
         trained = ranks.wrapper = DistributedDataParallel(model, device_ids=ids)
     else:
         trained = shard(model, trainer.fsdp, init_device_mesh(device.type, (world,)))
     optimizer = build_optimizer(cfg, model.parameters(), spec.lr)
-    from train.batches import steps_plan
-
     _, num_steps = steps_plan(workload.num_train, trainer)
     scheduler = build_scheduler(cfg, optimizer, total_steps=num_steps)
     meter = MemoryMeter(device, spec.budget_bytes)

@@ -35,7 +35,6 @@ class Stopped(Exception):
 class Ranks:
     rank: int
     world: int
-    strategy: str  # ddp | fsdp
     device: torch.device
     # Rank 0 only: a stop the search side asked for, polled at each step (train/distributed.py)
     stop_requested: Any = None
@@ -49,9 +48,10 @@ class Ranks:
         stop = int(self.rank == 0 and self.stop_requested is not None and self.stop_requested())
         both = self._tensor([units, stop], torch.int64)
         dist.all_reduce(both)
-        if both[1].item():
+        total, stopped = both.tolist()  # the step's one host sync for it
+        if stopped:
             raise Stopped
-        return int(both[0].item())
+        return total
 
     def decide(self, code: int) -> int:
         """Rank 0's `code` (CONTINUE, END, STOP) on every rank."""
