@@ -128,10 +128,14 @@ def test_a_slurm_job_cancelled_mid_trial(slurm: None, postgres_url: str, tmp_pat
     longer = [*STUDY, "trainer.max_epochs=20"]
     args = [*SLURM, "search.workers=2", "search.n_trials=10", f"search.storage={postgres_url}"]
     sweep = search_process([*args, *longer], tmp_path)
+    # One storage for every poll: a storage per poll (20 a second) is an engine whose pooled
+    # connection stays open until the garbage collector finds it, and 50 were open at once,
+    # a quarter of the server's max_connections, shared with the other tests.
+    storage = optuna.storages.RDBStorage(postgres_url)
 
     def load() -> optuna.Study | None:
         try:
-            return optuna.load_study(study_name="slurm", storage=postgres_url)
+            return optuna.load_study(study_name="slurm", storage=storage)
         except KeyError:
             return None
 
