@@ -23,11 +23,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
 
-from search import interrupts
 from search.compose import task_overrides
 from search.driver import StudyDriver
 from search.storage import JournalWriteError
 from search.tracking_state import TrackingIncomplete
+from tracking import interrupts
 from tracking.console import config_error, crashed, stopped
 from tracking.redact import redact_logging
 from tracking.runs import http_defaults, quiet_logging
@@ -50,7 +50,8 @@ def stop_on_signals(errors: Console) -> None:
             signal.signal(each, later)
         kind = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
         interrupts.request(kind)  # raised again at the next step if this one is swallowed
-        raise kind()
+        if not interrupts.deferring():  # else raised when the write in progress has ended
+            raise kind()
 
     def later(signum: int, frame: object) -> None:
         errors.print(
@@ -62,7 +63,7 @@ def stop_on_signals(errors: Console) -> None:
 
     def unraisable(event: sys.UnraisableHookArgs) -> None:
         # The stop raised in a weakref callback or __del__, which Python cannot raise: it
-        # is raised again at the next step (search/interrupts.py), not printed as an error.
+        # is raised again at the next step (tracking/interrupts.py), not printed as an error.
         if event.exc_type is not None and issubclass(event.exc_type, KeyboardInterrupt):
             return
         default_hook(event)

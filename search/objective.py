@@ -26,7 +26,6 @@ from dataclasses import replace
 import optuna
 from omegaconf import DictConfig, OmegaConf
 
-from search import interrupts
 from search.budget import answer_for, study_records
 from search.config import SearchConfig
 from search.configure import Configured, Configurer
@@ -47,6 +46,7 @@ from search.stopping import (
     TimeBudget,
     Yardstick,
 )
+from tracking import interrupts
 from tracking.runs import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG, RunLog, Tracker
 from train.batches import steps_plan
 from train.config import ConfigError
@@ -300,7 +300,7 @@ class Objective:
 
 def _checked(on_step: Callable[[int, int, float], None]) -> Callable[[int, int, float], None]:
     """on_step, after raising a stop a signal asked for and Python swallowed
-    (search/interrupts.py)."""
+    (tracking/interrupts.py)."""
 
     def checked(step: int, num_steps: int, elapsed_s: float) -> None:
         interrupts.check()

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from mlflow.exceptions import MlflowException
 
+from tracking import interrupts
 from tracking.overhead import CallClock
 from tracking.redact import redact
 
@@ -58,22 +59,32 @@ class Outbox:
         while self._queue:
             if time.monotonic() < self._retry_at:
                 return False
-            try:
-                self.clock.wrap(self._queue[0])()
-            except Exception as error:
-                if not is_transient(error):
-                    # It would fail again. Raising it here would hit whichever call drains
-                    # next (another trial's metrics); it is said and reported at the end.
-                    self._queue.popleft()
-                    self.failed.append(f"{type(error).__name__}: {redact(str(error))[:500]}")
-                    continue
+            # Ctrl-C or SIGTERM waits for the write: cut short, a SQLite transaction held the
+            # store locked while the study closed its runs (tracking/interrupts.py).
+            with interrupts.deferred():
+                passing = self._write_first()
+            if passing:
+                return False
+        return True
+
+    def _write_first(self) -> bool:
+        """The first queued write, made and dequeued; True if it met a passing failure,
+        and stays queued for its retry."""
+        try:
+            self.clock.wrap(self._queue[0])()
+        except Exception as error:
+            if is_transient(error):
                 self.last_error = redact(str(error).splitlines()[0])
                 self._retry_at = time.monotonic() + self._delay_s
                 self._delay_s = min(2 * self._delay_s, RETRY_MAX_S)
-                return False
-            self._queue.popleft()
+                return True
+            # It would fail again. Raising it here would hit whichever call drains next
+            # (another trial's metrics); it is said and reported at the end.
+            self.failed.append(f"{type(error).__name__}: {redact(str(error))[:500]}")
+        else:
             self._delay_s = RETRY_MIN_S
-        return True
+        self._queue.popleft()
+        return False
 
     def wait(self, timeout_s: float) -> bool:
         """Retry until everything is written or `timeout_s` has passed."""

@@ -31,6 +31,7 @@ from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from tracking import interrupts
 from tracking.outbox import RETRY_MIN_S, Outbox, is_transient
 from tracking.redact import redact
 from train.config import ConfigError, section_from_mapping
@@ -508,7 +509,8 @@ def _retry_at_start(call: Callable[[], Any], tracking_uri: str) -> Any:
     delay = RETRY_MIN_S
     while True:
         try:
-            return call()
+            with interrupts.deferred():  # as the outbox's writes (tracking/interrupts.py)
+                return call()
         except Exception as error:
             retry = is_transient(error) or "already exists" in str(error)
             if not retry or time.monotonic() > deadline:
