@@ -87,9 +87,9 @@ class Ranks:
         sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
         return sum(int(size) for size in str(sizes).split(",") if size.strip())
 
-    def agree_memory(self, peak_bytes: int, budget_bytes: int | None) -> int:
-        """The largest peak over the ranks; OutOfMemory on every rank, naming the first
-        rank over the budget, when any is. Each rank keeps its own peak as its figure."""
+    def agree_memory(self, peak_bytes: int, budget_bytes: int | None) -> None:
+        """OutOfMemory on every rank, naming the first rank over the budget, when any is;
+        each rank keeps its own peak as its figure."""
         peaks = [p for (p,) in self.gather([peak_bytes])]
         over = [r for r, p in enumerate(peaks) if budget_bytes is not None and p > budget_bytes]
         if over:
@@ -102,4 +102,3 @@ class Ranks:
                 budget_bytes=budget_bytes,
                 rank=r,
             )
-        return max(peaks)
