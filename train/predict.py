@@ -47,6 +47,7 @@ from train.loop import RunResult, optimizer_step, state_tensors, step_micro_batc
 from train.memory import MemoryStats, TensorMemoryTracker
 from train.parallel import ddp_bucket_sizes, fake_world, shard
 from train.precision import Precision
+from train.stack import DEPTHS, DepthLine, Step, find_stack, shallow_copy
 from train.tasks import Classification, Task, batch_size_of
 
 
@@ -167,6 +168,7 @@ class MemoryPredictor:
         device: torch.device | DeviceSpec,
         task: Task | None = None,
         parallel: TrainerConfig | None = None,
+        whole: bool = False,
     ):
         """`model` is a builder, called under the predictor's fake mode (nothing is
         allocated), or a built model, consumed (its tensors become fake). `example` is one
@@ -176,7 +178,9 @@ class MemoryPredictor:
         Variable dimensions should be at their largest in it
         (train.batches.Pipeline.shape_example). `parallel`: a data-parallel run's trainer
         settings (strategy, devices, FSDP's): the prediction is then one rank's
-        (train/parallel.py)."""
+        (train/parallel.py). A model with a stack of identical layers (a decoder's) is
+        computed at DEPTHS of them and built for its depth (train/stack.py), unless
+        `whole`."""
         # The device predicted for (`device`: a torch device here, or a DeviceSpec, maybe
         # of a GPU this machine does not have); the step itself runs on fake CPU tensors,
         # with CUDA's autocast policy and kernel choices for a CUDA target.
@@ -198,12 +202,35 @@ class MemoryPredictor:
         self.strategy = parallel.strategy if parallel else "none"
         # DDP's gradient buckets: held beside the one-device step's tensors all along
         self.bucket_sizes: list[int] = []
+        # The same model cut to DEPTHS layers of its stack, and per step pattern the line
+        # through their events (None: not periodic, computed whole)
+        self.depth: int | None = None
+        self._shallow: dict[int, MemoryPredictor] = {}
+        self._depth_lines: dict[tuple, DepthLine | None] = {}
         try:
             if isinstance(model, nn.Module):
                 _fake_module(model, self.mode, self.device)
             else:
                 model = fake_first(model, self.mode)
                 _fake_module(model, self.mode, self.device)  # a real build's, if it was
+            stack = None if whole else find_stack(model)
+            if stack is not None:  # cut before sharding: each copy is sharded as a whole
+                self.depth = len(stack)
+                self._shallow = {
+                    depth: MemoryPredictor(
+                        shallow_copy(model, stack, depth, self.mode),
+                        make_optimizer,
+                        example,
+                        self.target,
+                        task,
+                        parallel,
+                        whole=True,
+                    )
+                    for depth in DEPTHS
+                }
+            # On CPU optimizer.step runs once, then counts as its peak (_step_once); a
+            # step built from shallow ones holds their optimizer events, so these run whole.
+            self._collapse_step = self.target.type != "cuda" and not whole and stack is None
             if parallel is not None and self.strategy == "fsdp":
                 with fake_world(parallel.devices) as mesh, self.mode:
                     shard(model, parallel.fsdp, mesh)
@@ -272,7 +299,7 @@ class MemoryPredictor:
             if not first_step:
                 line.add(sizes[0], events)
         if events is None:
-            first_step = self.target.type != "cuda" and self._step_bytes is None
+            first_step = self._collapse_step and self._step_bytes is None
             events, marks = self._run(sizes, trainer)
             if uniform and not first_step:  # the first has the optimizer's own events
                 line.add(sizes[0], events)
@@ -302,9 +329,41 @@ class MemoryPredictor:
         return predict_reserved(events, settings, workspaces, limit_bytes)
 
     def _run(self, sizes: list[int], trainer: TrainerConfig) -> tuple[Events, list[int]]:
-        """The step's allocations and frees, computed on fake tensors, and where in them
-        each micro-batch after the first begins and where the last one ended (the
-        optimizer's part begins)."""
+        """The step's allocations and frees, and where in them each micro-batch after the
+        first begins and where the last one ended (the optimizer's part begins): built
+        from the shallow copies' steps where the model's stack allows, else computed."""
+        if self._shallow:
+            built = self._built(sizes, trainer)
+            if built is not None:
+                return built.events, built.marks
+        return self._computed(sizes, trainer)
+
+    def _built(self, sizes: list[int], trainer: TrainerConfig) -> Step | None:
+        """The step at the stack's full depth from the shallow copies' (train/stack.py):
+        the line of this step pattern is learned once from DEPTHS, then each micro-batch
+        size needs the shallowest step only. None when the events are not periodic."""
+        assert self.depth is not None
+        pattern = (len(sizes), trainer.precision, trainer.grad_clip_norm)
+
+        def step(depth: int) -> Step:
+            return Step(*self._shallow[depth]._computed(sizes, trainer))
+
+        if pattern in self._depth_lines and self._depth_lines[pattern] is None:
+            return None  # not periodic: computed whole
+        one = step(DEPTHS[0])
+        line = self._depth_lines.get(pattern)
+        if line is not None:
+            built = line.at(self.depth, one)
+            if built is not None:
+                return built
+        # Not learned yet, or these sizes free other allocations: learn from them.
+        steps = {DEPTHS[0]: one, **{depth: step(depth) for depth in DEPTHS[1:]}}
+        line = DepthLine.learn(steps)
+        self._depth_lines.setdefault(pattern, line)
+        return line and line.at(self.depth, one)
+
+    def _computed(self, sizes: list[int], trainer: TrainerConfig) -> tuple[Events, list[int]]:
+        """The step's events computed on fake tensors, with its marks (_run)."""
         precision = Precision(trainer.precision, self.device.type)
         tracker = TensorMemoryTracker(self.device, record=True)
         marks: list[int] = []
@@ -362,7 +421,7 @@ class MemoryPredictor:
             events.extend([(-2, self._step_bytes), (-2, -1)])
             tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes + self._step_bytes)
 
-        if self.target.type != "cuda":
+        if self._collapse_step:
             self.optimizer.step = measured_step if self._step_bytes is None else cached_step
         try:
             yield

@@ -1,0 +1,420 @@
+"""A step's allocations as a function of the depth of a stack of identical layers.
+
+A decoder repeats one layer N times (Llama 3 8B: 32 decoder layers). A step on fake tensors
+costs time in proportion to the layers it runs, but what it allocates is periodic in them:
+each layer's forward, backward and optimizer update allocate and free the same sizes in the
+same order, except at the stack's ends (the first layer's input needs no gradient when
+the embedding is frozen, so its backward is shorter). So the predictor (train/predict.py)
+computes the step of the same model cut to 2, 3 and 4 layers (`shallow_copy`) and builds
+the events of all N from them (`DepthLine`):
+
+- Structure (depths 2 and 3): the events of 3 layers are those of 2 with one more instance
+  of each periodic region inserted (the fewest insertions that do it, a dynamic program;
+  each is slid to the front of its run, where the depth-2 events hold the same tokens after
+  it, so a region is a span of the depth-2 events and depth k holds k - 1 instances of it).
+  A token is an allocation's size, or a free with the size it frees.
+- References (depth 3): which allocation each free frees, as a rule in the instance
+  numbers: the same instance (a layer's temporaries), one before (the previous layer's
+  output), the mirror instance n-1-i (a layer's backward freeing what its forward saved),
+  the first or last (what the stack's ends exchange with the rest), or outside the regions.
+  Of the rules that explain every free, the one with the smallest shift is taken.
+- Verified at depth 4, which the rules were not learned from: the events built for 4
+  layers must equal the computed ones, free by free. Only then is the line used, for any
+  depth and for every micro-batch size whose depth-2 events free the same allocations as
+  the learned ones (the sizes come from the depth-2 step of that size).
+
+A model without such a stack, or whose events are not periodic in it, is computed whole.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+Events = list[tuple[object, int]]  # (key, bytes) allocated, (key, -1) freed
+MIN_DEPTH = 4  # a shallower stack is computed whole: nothing to gain
+DEPTHS = (2, 3, 4)  # the depths computed: 2 and 3 define the line, 4 verifies it
+
+
+def find_stack(model: nn.Module) -> nn.ModuleList | None:
+    """The longest ModuleList of at least MIN_DEPTH layers of one class with the same
+    parameters and buffers (names, shapes, dtypes), or None."""
+    stacks = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList) and len(m) >= MIN_DEPTH and _identical(m)
+    ]
+    return max(stacks, key=len, default=None)
+
+
+def _identical(layers: nn.ModuleList) -> bool:
+    first = _signature(layers[0])
+    return all(_signature(layer) == first for layer in layers)
+
+
+def _signature(module: nn.Module) -> tuple:
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return (
+        type(module),
+        tuple((name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in tensors),
+    )
+
+
+@contextmanager
+def _cut(stack: nn.ModuleList, depth: int) -> Iterator[None]:
+    layers = dict(stack._modules)
+    stack._modules.clear()
+    stack._modules.update(dict(list(layers.items())[:depth]))
+    try:
+        yield
+    finally:
+        stack._modules.clear()
+        stack._modules.update(layers)
+
+
+def shallow_copy(
+    model: nn.Module, stack: nn.ModuleList, depth: int, mode: FakeTensorMode
+) -> nn.Module:
+    """A copy of `model`, whose tensors are fakes of `mode`, with the first `depth` layers
+    of its stack; every tensor of the copy is a new fake of the same shape (nothing is
+    allocated). Tensors are not deep-copied: torch 2.14 copies a fake's mode with it,
+    which corrupts the heap."""
+    with _cut(stack, depth):
+        memo: dict[int, torch.Tensor] = {}
+        with mode:
+            for module in model.modules():
+                tensors = [*module._parameters.values(), *module._buffers.values()]
+                tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+                for tensor in tensors:
+                    if tensor is not None and id(tensor) not in memo:
+                        memo[id(tensor)] = _new_fake(tensor)
+        return copy.deepcopy(model, memo)
+
+
+def _new_fake(tensor: torch.Tensor) -> torch.Tensor:
+    empty = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(empty, tensor.requires_grad)
+    return empty
+
+
+# ------------------------------------------------------------------------------ the steps
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step's events and the marks in them (event counts: where each micro-batch after
+    the first begins, and where the last one ends)."""
+
+    events: Events
+    marks: list[int]
+
+
+@dataclass(frozen=True)
+class _Canon:
+    """A step as positions: every event and mark in order; each free as the position of
+    the allocation it frees."""
+
+    tokens: list[int]  # alignment tokens: 3 x bytes (alloc), 3 x freed bytes + 1, 3 x mark + 2
+    sizes: list[int]  # bytes of an allocation, else -1
+    targets: list[int]  # a free's allocation, else -1
+
+    @classmethod
+    def of(cls, step: Step) -> _Canon | None:
+        tokens, sizes, targets = [], [], []
+        where: dict[object, int] = {}
+        marks = iter(enumerate(step.marks))
+        mark = next(marks, None)
+        for i, (key, nbytes) in enumerate([*step.events, (None, -1)]):
+            while mark is not None and mark[1] == i:
+                tokens.append(3 * mark[0] + 2)
+                sizes.append(-1)
+                targets.append(-1)
+                mark = next(marks, None)
+            if key is None:
+                break
+            if nbytes >= 0:
+                where[key] = len(tokens)
+                tokens.append(3 * nbytes)
+                sizes.append(nbytes)
+                targets.append(-1)
+            else:
+                if key not in where:  # freed what the step never allocated
+                    return None
+                target = where.pop(key)
+                tokens.append(3 * sizes[target] + 1)
+                sizes.append(-1)
+                targets.append(target)
+        _order_frees(tokens, targets)
+        return cls(tokens, sizes, targets)
+
+    def pattern(self) -> tuple[list[int], list[bool]]:
+        """What a step of another micro-batch size must share with this one: which
+        allocation each free frees, where the marks are."""
+        return self.targets, [t % 3 == 2 for t in self.tokens]
+
+
+def _order_frees(tokens: list[int], targets: list[int]) -> None:
+    """Frees in a row, in the order of their allocations. Their order changes nothing that
+    is predicted (the live bytes between them are not a peak; free blocks merge with
+    their neighbours whatever the order), and some is not deterministic: CPU autocast's
+    cast cache is a hash map of tensor addresses, emptied when the region exits."""
+    p, n = 0, len(tokens)
+    while p < n:
+        end = p
+        while end < n and targets[end] >= 0:
+            end += 1
+        if end - p > 1:
+            run = sorted(zip(targets[p:end], tokens[p:end], strict=True))
+            targets[p:end] = [t for t, _ in run]
+            tokens[p:end] = [k for _, k in run]
+        p = end + 1
+
+
+# Origins of a position in the events of depth k: ("c", q) the depth-1 position q outside
+# every region; ("r", j, i, o) offset o of instance i of region j.
+_Origin = tuple
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """Where a free's allocation is, given the free's instance i at depth k."""
+
+    family: str  # "const": origin; "same": i + shift; "mirror": k-1-i + shift;
+    # "first": shift; "last": k-1-shift
+    shift: int
+    region: int  # the allocation's region and offset there (family != "const")
+    offset: int
+    const: int  # the depth-1 position outside the regions, for "const" and out of range
+
+    def target(self, i: int | None, k: int) -> _Origin:
+        if self.family == "const":
+            return ("c", self.const)
+        instance = {
+            "same": (i or 0) + self.shift,
+            "mirror": k - 1 - (i or 0) + self.shift,
+            "first": self.shift,
+            "last": k - 1 - self.shift,
+        }[self.family]
+        if 0 <= instance < k:
+            return ("r", self.region, instance, self.offset)
+        return ("c", self.const)
+
+
+_REGION_FAMILIES = ("same", "mirror")
+_CONST_FAMILIES = ("first", "last")
+
+
+class DepthLine:
+    """The events of a step as a function of the stack's depth (module docstring)."""
+
+    def __init__(
+        self,
+        base: _Canon,
+        regions: list[tuple[int, int]],
+        rules: dict[tuple, _Rule],
+    ):
+        self.base = base  # the step at DEPTHS[0] it was learned from
+        self.regions = regions  # (start, length) in the depth-1 positions, in order
+        self.rules = rules  # (template of a free) -> _Rule
+
+    # --- learning ------------------------------------------------------------------------
+
+    @classmethod
+    def learn(cls, steps: dict[int, Step]) -> DepthLine | None:
+        """From the steps at DEPTHS; None when they are not periodic in the depth."""
+        one, two, three = (_Canon.of(steps[d]) for d in DEPTHS)
+        if one is None or two is None or three is None:
+            return None
+        regions = _regions(one.tokens, two.tokens)
+        if regions is None:
+            return None
+        line = cls(one, regions, {})
+        origins = line._origins(2)
+        if not line._same_shape(origins, two):
+            return None
+        rules = _learn_rules(origins, two)
+        if rules is None:
+            return None
+        line.rules = rules
+        built = line._build(3, one)
+        if built is None or _Canon.of(built) != three:
+            return None
+        return line
+
+    @staticmethod
+    def instances(depth: int) -> int:
+        """How many instances of each region the step at `depth` holds."""
+        return depth - DEPTHS[0] + 1
+
+    # --- building ------------------------------------------------------------------------
+
+    def at(self, depth: int, one: Step) -> Step | None:
+        """The step at `depth` for the micro-batch sizes of `one`, the step at DEPTHS[0];
+        None when it does not free the same allocations as the one the line was learned
+        from."""
+        first = _Canon.of(one)
+        if first is None or first.pattern() != self.base.pattern():
+            return None
+        return self._build(self.instances(depth), first)
+
+    def _origins(self, k: int) -> list[_Origin]:
+        origins: list[_Origin] = []
+        q, n = 0, len(self.base.tokens)
+        for j, (start, length) in enumerate([*self.regions, (n, 0)]):
+            origins += [("c", p) for p in range(q, start)]
+            origins += [("r", j, i, o) for i in range(k) for o in range(length)]
+            q = start + length
+        return origins
+
+    def _source(self, origin: _Origin) -> int:
+        """The depth-1 position whose token `origin` repeats."""
+        return origin[1] if origin[0] == "c" else self.regions[origin[1]][0] + origin[3]
+
+    def _same_shape(self, origins: list[_Origin], step: _Canon) -> bool:
+        """Whether `step` has, position by position, the kinds and allocation sizes of
+        the depth-1 tokens `origins` repeat (frees are checked by their rules)."""
+        if len(origins) != len(step.tokens):
+            return False
+        tokens = self.base.tokens
+        for origin, token in zip(origins, step.tokens, strict=True):
+            expected = tokens[self._source(origin)]
+            if token % 3 != expected % 3 or (token % 3 != 1 and token != expected):
+                return False
+        return True
+
+    def _build(self, k: int, one: _Canon) -> Step | None:
+        """The events with k instances of each region, sizes from `one`, each free freeing
+        what its rule says."""
+        origins = self._origins(k)
+        position = {origin: p for p, origin in enumerate(origins)}
+        events: Events = []
+        marks: list[int] = []
+        for p, origin in enumerate(origins):
+            q = self._source(origin)
+            token = one.tokens[q]
+            if token % 3 == 2:
+                marks.append(len(events))
+            elif token % 3 == 0:
+                events.append((p, one.sizes[q]))
+            else:
+                rule = self.rules[_template(origin)]
+                target = position.get(rule.target(_instance(origin), k))
+                if target is None:
+                    return None
+                events.append((target, -1))
+        return Step(events, marks)
+
+
+def _regions(one: list[int], two: list[int]) -> list[tuple[int, int]] | None:
+    """The regions (start, length) of `one` whose second instance turns it into `two`;
+    None when `two` is not `one` with runs inserted, each a copy of what follows it."""
+    regions = []
+    for start, run in _insertions(one, two) or [(-1, [])]:
+        if start < 0:
+            return None
+        # Slide to the front of its run of copies: inserting run[-1:] + run[:-1] one
+        # earlier is the same insertion while the token before is run's last.
+        while start > 0 and one[start - 1] == run[-1]:
+            run, start = run[-1:] + run[:-1], start - 1
+        if one[start : start + len(run)] != run:
+            return None
+        regions.append((start, len(run)))
+    regions.sort()
+    if any(s1 + l1 > s2 for (s1, l1), (s2, _) in zip(regions, regions[1:], strict=False)):
+        return None
+    return regions
+
+
+def _insertions(one: list[int], two: list[int]) -> list[tuple[int, list[int]]] | None:
+    """`two` as `one` with the fewest runs inserted: (position in `one`, run) in order,
+    or None when `one` is not a subsequence of `two`. A dynamic program over (i, d): the
+    fewest runs that embed one[:i] in two[:i + d] with one[i - 1] matched last, vectorised
+    over d (0 <= d <= len(two) - len(one))."""
+    a, b = np.asarray(one, dtype=np.int64), np.asarray(two, dtype=np.int64)
+    n, width = len(a), len(b) - len(a) + 1
+    if width < 1:
+        return None
+    big = np.int64(1 << 40)
+    index = np.arange(width)
+    runs = np.where(index == 0, 0, 1).astype(np.int64)  # a leading run of d tokens
+    came = np.empty((n, width), dtype=np.int32)  # the d a match came from
+    for i in range(n):
+        best = np.minimum.accumulate(runs)  # best[d]: fewest over d' <= d
+        where = np.maximum.accumulate(np.where(runs == best, index, 0))
+        opened = np.concatenate(([big], best[:-1] + 1))  # a new run ends at d - 1
+        from_d = np.concatenate(([0], where[:-1]))
+        stay = runs <= opened
+        came[i] = np.where(stay, index, from_d)
+        runs = np.where(b[i : i + width] == a[i], np.minimum(runs, opened), big)
+    last = width - 1
+    trailing = int(np.argmin(runs[:last])) if last else -1
+    if runs[last] >= big and (trailing < 0 or runs[trailing] >= big):
+        return None
+    d = last if last == 0 or runs[last] <= runs[trailing] + 1 else trailing
+    found = [] if d == last else [(n, list(two[n + d :]))]
+    for i in range(n - 1, -1, -1):
+        before = int(came[i][d]) if i else 0
+        if before != d:
+            found.append((i, list(two[i + before : i + d])))
+        d = before
+    return found[::-1]
+
+
+def _template(origin: _Origin) -> tuple:
+    return origin if origin[0] == "c" else ("r", origin[1], origin[3])
+
+
+def _instance(origin: _Origin) -> int | None:
+    return origin[2] if origin[0] == "r" else None
+
+
+def _learn_rules(origins: list[_Origin], step: _Canon) -> dict[tuple, _Rule] | None:
+    """A rule per free template explaining every free of `step` (depth 2), or None."""
+    seen: dict[tuple, list[tuple[int | None, _Origin]]] = {}
+    for p, target in enumerate(step.targets):
+        if target >= 0:
+            origin = origins[p]
+            seen.setdefault(_template(origin), []).append((_instance(origin), origins[target]))
+    rules = {}
+    for template, observed in seen.items():
+        rule = _rule(template, observed, 2)
+        if rule is None:
+            return None
+        rules[template] = rule
+    return rules
+
+
+def _rule(template: tuple, observed: list[tuple[int | None, _Origin]], k: int) -> _Rule | None:
+    """The rule with the smallest shift that gives every observed (instance, target)."""
+    if all(target == observed[0][1] and target[0] == "c" for _, target in observed):
+        return _Rule("const", 0, -1, -1, observed[0][1][1])
+    in_regions = [(i, t) for i, t in observed if t[0] == "r"]
+    if not in_regions:
+        return None
+    _, (_, region, instance, offset) = in_regions[0]
+    i0 = in_regions[0][0] or 0
+    outside = {t[1] for _, t in observed if t[0] == "c"}
+    if len(outside) > 1:
+        return None
+    const = next(iter(outside), -1)
+    families = _REGION_FAMILIES if template[0] == "r" else _CONST_FAMILIES
+    candidates = []
+    for family in families:
+        shift = {
+            "same": instance - i0,
+            "mirror": instance - (k - 1 - i0),
+            "first": instance,
+            "last": k - 1 - instance,
+        }[family]
+        rule = _Rule(family, shift, region, offset, const)
+        if all(rule.target(i, k) == t for i, t in observed):
+            candidates.append(rule)
+    return min(candidates, key=lambda r: abs(r.shift), default=None)
