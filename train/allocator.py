@@ -11,6 +11,7 @@ One stream, no CUDA graphs, no `empty_cache`: what a training step of this proje
 from __future__ import annotations
 
 import bisect
+import operator
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -38,6 +39,9 @@ _POWER2_INTERVALS = 16
 # 9/8 of the device (find_expandable_block); it only has to exceed any hole unmapping leaves.
 _EXPANDABLE_VA_BYTES = 1 << 40
 _SYNTHETIC_BASE = 1 << 48  # new segments without a caller's address go above any real one
+# Under a limit alloc_block checks get_allocation_size (a large request rounded to 2 MiB) but
+# an expandable segment maps whole 20 MiB pages: it may end up to 18 MiB over the limit.
+_EXPANDABLE_LIMIT_SLACK = _LARGE_BUFFER - _ROUND_LARGE
 
 _CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _IGNORED_KEYS = {  # known to torch 2.14, no effect on the reserved bytes of one stream
@@ -275,6 +279,10 @@ class _Segment:
     def page_bytes(self) -> int:
         return _SMALL_BUFFER if self.small else _LARGE_BUFFER
 
+    @property
+    def end(self) -> int:
+        return self.address + self.size_bytes
+
 
 @dataclass(eq=False, slots=True)
 class _Block:
@@ -297,7 +305,9 @@ def _expandable_size(block: _Block) -> int:
 @dataclass(eq=False)
 class _Pool:
     """A BlockPool: free mapped blocks by (size, address) (BlockComparatorSize on one stream),
-    unmapped ones by address (BlockComparatorAddress)."""
+    unmapped ones by address (BlockComparatorAddress). `blocks` and `unmapped_blocks` map an
+    address to its block: no two segments the model holds overlap (CachingAllocatorModel._place),
+    so no two blocks share one."""
 
     small: bool
     keys: list[tuple[int, int]] = field(default_factory=list)
@@ -346,6 +356,9 @@ class CachingAllocatorModel:
         self.reserved_bytes = 0
         self.peak_reserved_bytes = 0
         self.num_segments = 0  # as a snapshot counts: an expandable one per mapped range
+        self._segments: dict[int, _Segment] = {}  # by address; never two over one byte
+        self._segment_starts: list[int] = []  # their addresses, sorted
+        self._seed_reserved_bytes = 0  # a seeded state may be over the limit
         self._next_synthetic_address = _SYNTHETIC_BASE
         self._gc = limit_bytes is not None and self.settings.garbage_collection_threshold > 0
 
@@ -359,7 +372,8 @@ class CachingAllocatorModel:
 
     def malloc(self, key: object, nbytes: int, segment_address: int | None = None) -> int:
         """c10's malloc; returns the block's address. `segment_address` is where a new
-        segment goes if one is needed (a trace's segment_alloc), else a synthetic one."""
+        segment goes if one is needed (a trace's segment_alloc), else a synthetic one; also
+        a synthetic one when the model holds a segment over that range (see _place)."""
         size = self.settings.round_size(nbytes)
         pool = self.pools[size <= _SMALL_SIZE]
         block = self._get_free_block(pool, size)
@@ -403,29 +417,86 @@ class CachingAllocatorModel:
             for segment in by_segment.values()
         )
 
+    def check(self) -> None:
+        """Raises AssertionError naming the first broken invariant, read from the blocks
+        themselves: every segment, walked by its links, is tiled by its blocks; each free
+        block is in its pool's index once and the index holds nothing else; no two free
+        neighbours of one mapped state (they merge); the live keys name the allocated
+        blocks; no two segments overlap; the reserved bytes, segment count and peak agree
+        with the blocks; the limit and the device's memory hold. For tests and debugging:
+        O(blocks), and malloc and free never call it."""
+        assert self._segment_starts == sorted(self._segments), (
+            "the sorted segment addresses and the segment map disagree"
+        )
+        live_at = {b.address: b for b in self.live.values()}
+        totals, previous = _Totals(), None
+        for address in self._segment_starts:
+            segment = self._segments[address]
+            assert previous is None or previous.end <= address, (
+                f"the segments at {previous.address:#x} ({previous.size_bytes} bytes) and "
+                f"{address:#x} overlap"
+            )
+            pool = self.pools[segment.small]
+            head = live_at.get(address) or pool.blocks.get(address)
+            totals.add(segment, _segment_blocks(segment, head or pool.unmapped_blocks.get(address)))
+            previous = segment
+        _check_blocks(self, totals)
+        for pool in self.pools.values():
+            _check_index(pool)
+        self._check_totals(totals)
+
+    def _check_totals(self, totals: _Totals) -> None:
+        figures = (self.reserved_bytes, self.num_segments)
+        walked = (totals.reserved_bytes, totals.num_segments)
+        assert figures == walked, (
+            f"reserved bytes and segments are {figures}, the blocks give {walked}"
+        )
+        assert self.peak_reserved_bytes >= self.reserved_bytes, "peak below reserved"
+        seeded = self._seed_reserved_bytes
+        if self.limit_bytes is not None:
+            slack = _EXPANDABLE_LIMIT_SLACK if self.settings.expandable_segments else 0
+            assert self.reserved_bytes <= max(self.limit_bytes + slack, seeded), (
+                f"{self.reserved_bytes} bytes reserved under a limit of {self.limit_bytes}"
+            )
+        if self.device_bytes is not None:
+            assert self.reserved_bytes <= max(self.device_bytes, seeded), (
+                f"{self.reserved_bytes} bytes reserved on a device of {self.device_bytes}"
+            )
+
     # --- seeding ------------------------------------------------------------------------
 
     def seed(self, segments: Iterable[SegmentState], live_blocks: Iterable[tuple[int, int]]):
         """Starts from an existing state: `segments` and the live `(address, size)` blocks in
         them (keyed by address); the rest of each segment is free, merged as c10 keeps it."""
-        live = sorted(live_blocks)
-        plain = [s for s in segments if not s.expandable]
-        for state in plain:
-            segment = _Segment(state.address, state.size_bytes, state.small, False)
-            self._carve(segment, [(state.address, state.size_bytes)], live)
-            self._reserve(state.size_bytes)
-            self.num_segments += 1
+        segments, live = list(segments), sorted(live_blocks)
+        for state in segments:
+            if not state.expandable:
+                segment = _Segment(state.address, state.size_bytes, state.small, False)
+                self._add_seeded(segment, [(state.address, state.size_bytes)], live)
+        starts = sorted(s.address for s in segments)
         for small in (False, True):
             ranges = sorted(
                 (s.address, s.size_bytes) for s in segments if s.expandable and s.small == small
             )
             if ranges:
-                segment = _Segment(ranges[0][0], self.expandable_va_bytes, small, True)
-                self._carve(segment, ranges, live)
-                self._reserve(sum(size for _, size in ranges))
-                self.num_segments += len(ranges)
-        ends = [s.address + s.size_bytes for s in plain] + [_SYNTHETIC_BASE]
-        self._next_synthetic_address = _round_up(max(ends), _LARGE_BUFFER)
+                # The address space runs to the next segment at most: c10 reserved it apart.
+                start, last_end = ranges[0][0], ranges[-1][0] + ranges[-1][1]
+                following = starts[bisect.bisect_right(starts, ranges[-1][0]) :]
+                room = (following[0] if following else start + self.expandable_va_bytes) - start
+                va_bytes = max(min(self.expandable_va_bytes, room), last_end - start)
+                self._add_seeded(_Segment(start, va_bytes, small, True), ranges, live)
+        self._seed_reserved_bytes = self.reserved_bytes
+
+    def _add_seeded(self, segment: _Segment, mapped: list[tuple[int, int]], live: list) -> None:
+        if self._overlapping(segment.address, segment.size_bytes) is not None:
+            raise ValueError(
+                f"seeded segment at {segment.address:#x} of {segment.size_bytes} bytes overlaps "
+                f"{self._overlapping(segment.address, segment.size_bytes)}; give disjoint segments"
+            )
+        self._add_segment(segment)
+        self._carve(segment, mapped, live)
+        self._reserve(sum(size for _, size in mapped))
+        self.num_segments += len(mapped)
 
     def _carve(self, segment: _Segment, mapped: list[tuple[int, int]], live: list) -> None:
         """Blocks of a seeded segment: live blocks, free gaps, unmapped space between the
@@ -520,18 +591,42 @@ class CachingAllocatorModel:
             and self.reserved_bytes + segment_bytes > self.device_bytes
         ):
             return None  # cudaMalloc fails
-        address = self._segment_address(segment_address, segment_bytes)
+        address = self._place(segment_address, segment_bytes)
         segment = _Segment(address, segment_bytes, pool.small, False)
+        self._add_segment(segment)
         self._reserve(segment_bytes)
         self.num_segments += 1
         return _Block(address, segment_bytes, segment)
 
-    def _segment_address(self, wanted: int | None, nbytes: int) -> int:
-        if wanted is not None:
+    def _place(self, wanted: int | None, nbytes: int) -> int:
+        """A new segment's address: the caller's unless the model holds a segment over any
+        of that range (the real allocator released a segment there that the model keeps, or
+        placed differently), else a synthetic one above every segment. Two segments over one
+        address would put two free blocks under one key of a pool's block map."""
+        if wanted is not None and self._overlapping(wanted, nbytes) is None:
             return wanted
         address = self._next_synthetic_address
         self._next_synthetic_address = _round_up(address + nbytes, _LARGE_BUFFER)
         return address
+
+    def _overlapping(self, address: int, nbytes: int) -> _Segment | None:
+        """The segment over [address, address + nbytes), if any: segments are disjoint, so
+        the last one starting before the end is the only candidate."""
+        i = bisect.bisect_left(self._segment_starts, address + nbytes)
+        if i == 0:
+            return None
+        segment = self._segments[self._segment_starts[i - 1]]
+        return segment if segment.end > address else None
+
+    def _add_segment(self, segment: _Segment) -> None:
+        bisect.insort(self._segment_starts, segment.address)
+        self._segments[segment.address] = segment
+        end = _round_up(segment.end, _LARGE_BUFFER)
+        self._next_synthetic_address = max(self._next_synthetic_address, end)
+
+    def _remove_segment(self, segment: _Segment) -> None:
+        del self._segment_starts[bisect.bisect_left(self._segment_starts, segment.address)]
+        del self._segments[segment.address]
 
     def _alloc_found_block(self, pool: _Pool, block: _Block, size: int) -> None:
         """alloc_found_block with should_split: the rest goes back to the pool."""
@@ -573,6 +668,7 @@ class CachingAllocatorModel:
     def _release_block(self, pool: _Pool, block: _Block) -> None:
         """release_block: cudaFree of a wholly free, non-expandable segment."""
         pool.remove(block)
+        self._remove_segment(block.segment)
         self.reserved_bytes -= block.size
         self.num_segments -= 1
 
@@ -657,8 +753,9 @@ class CachingAllocatorModel:
             if room >= size:
                 return candidate
         va_bytes = self.expandable_va_bytes
-        address = self._segment_address(segment_address, va_bytes)
+        address = self._place(segment_address, va_bytes)
         segment = _Segment(address, va_bytes, pool.small, True)
+        self._add_segment(segment)
         block = _Block(segment.address, va_bytes, segment, mapped=False)
         pool.insert(block)
         return block
@@ -724,6 +821,115 @@ class CachingAllocatorModel:
 
 def _is_mapped(block: _Block | None) -> int:
     return int(block is not None and block.mapped)
+
+
+# ------------------------------------------------------------------------------ invariants
+
+
+def _increasing(values: list) -> bool:
+    return all(map(operator.lt, values, values[1:]))
+
+
+@dataclass
+class _Totals:
+    """What the walk of every segment gives, to compare with the model's counters."""
+
+    blocks: list[_Block] = field(default_factory=list)
+    reserved_bytes: int = 0
+    num_segments: int = 0  # as a snapshot counts: an expandable segment per mapped range
+
+    def add(self, segment: _Segment, blocks: list[_Block]) -> None:
+        self.blocks += blocks
+        if not segment.expandable:
+            self.reserved_bytes += segment.size_bytes
+            self.num_segments += 1
+            return
+        for block in blocks:
+            prev = block.prev
+            if block.mapped:
+                self.reserved_bytes += block.size
+                self.num_segments += prev is None or not prev.mapped
+            if prev is not None and prev.mapped != block.mapped:
+                offset = block.address - segment.address  # c10 maps whole pages
+                assert offset % segment.page_bytes == 0, (
+                    f"mapped space of the segment at {segment.address:#x} starts or ends at "
+                    f"offset {offset:#x}, off a page boundary"
+                )
+
+
+def _segment_blocks(segment: _Segment, block: _Block | None) -> list[_Block]:
+    """A segment's blocks by their next links from the one at its address, checked to tile
+    it: each starts where the last ended, links back to it and names the segment."""
+    assert block is not None, f"no block at the segment at {segment.address:#x}"
+    blocks, cursor, prev = [], segment.address, None
+    while block is not None:
+        assert (
+            block.address == cursor
+            and block.size > 0
+            and block.prev is prev
+            and block.segment is segment
+        ), f"the segment at {segment.address:#x} breaks at {cursor:#x}: {block}"
+        blocks.append(block)
+        cursor += block.size
+        prev, block = block, block.next
+    assert cursor == segment.end, (
+        f"the blocks of the segment at {segment.address:#x} end at {cursor:#x}, "
+        f"it at {segment.end:#x}"
+    )
+    return blocks
+
+
+def _check_blocks(model: CachingAllocatorModel, totals: _Totals) -> None:
+    """The walked blocks against the live keys and the pools' maps: allocated ones are the
+    live ones, free mapped ones those of the maps, unmapped ones (only in expandable
+    segments) those of the unmapped maps, and no two free neighbours share a mapped state."""
+    blocks = totals.blocks
+    allocated = [b for b in blocks if b.allocated]
+    assert set(map(id, allocated)) == set(map(id, model.live.values())), (
+        f"{len(allocated)} allocated blocks in the segments, {len(model.live)} live keys, "
+        "not the same blocks"
+    )
+    assert len(allocated) == len(model.live), "a block is live under two keys"
+    assert all(b.mapped for b in allocated), "an allocated block is unmapped"
+    for pool in model.pools.values():
+        free = [b for b in blocks if not b.allocated and b.segment.small == pool.small]
+        for mapped, index in ((True, pool.blocks), (False, pool.unmapped_blocks)):
+            walked = [b for b in free if b.mapped == mapped]
+            assert len(walked) == len(index) and all(index.get(b.address) is b for b in walked), (
+                f"{'small' if pool.small else 'large'} pool: {len(walked)} free "
+                f"{'' if mapped else 'un'}mapped blocks in the segments, {len(index)} in its map"
+            )
+    assert not any(not b.mapped and not b.segment.expandable for b in blocks), (
+        "an unmapped block in a plain segment"
+    )
+    unmerged = [
+        b
+        for b in blocks
+        if not b.allocated and b.next is not None and not b.next.allocated
+        if b.next.mapped == b.mapped
+    ]
+    assert not unmerged, f"free neighbours of one mapped state, unmerged: {unmerged[0]}"
+
+
+def _check_index(pool: _Pool) -> None:
+    """The sorted indexes against the maps (which the walk matched with the blocks): as
+    many entries, sorted without repeats, each naming a block of its size."""
+    name = "small" if pool.small else "large"
+    keys, unmapped = pool.keys, pool.unmapped
+    assert len(keys) == len(pool.blocks), (
+        f"{name} pool: {len(keys)} index keys, {len(pool.blocks)} free blocks in its map"
+    )
+    assert _increasing(keys), f"{name} pool: index out of order or repeated"
+    for size, address in keys:
+        block = pool.blocks.get(address)
+        assert block is not None and block.size == size, (
+            f"{name} pool: index key ({size}, {address:#x}) names no free block of that size"
+        )
+    assert len(unmapped) == len(pool.unmapped_blocks), (
+        f"{name} pool: {len(unmapped)} unmapped keys, {len(pool.unmapped_blocks)} in its map"
+    )
+    assert _increasing(unmapped), f"{name} pool: unmapped index out of order or repeated"
+    assert all(a in pool.unmapped_blocks for a in unmapped), f"{name} pool: unmapped key"
 
 
 # ------------------------------------------------------------------------------ replaying

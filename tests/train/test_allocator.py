@@ -106,6 +106,22 @@ def test_best_fit_breaks_ties_by_address():
     assert allocator.malloc("f", 2 * MiB) == 200 * MiB  # the other 4 MiB block, now smallest
 
 
+def test_a_new_segment_never_goes_over_one_the_model_holds():
+    # A trace's cudaMalloc may return the address of a segment the real allocator released
+    # (empty_cache) while the model still caches it. Placed there, the two free blocks at one
+    # address shared one entry of the pool's map, and a later best fit raised KeyError.
+    allocator = CachingAllocatorModel()
+    allocator.malloc("a", 5 * MiB, segment_address=100 * MiB)  # a 20 MiB segment
+    allocator.free("a")  # cached whole
+    elsewhere = allocator.malloc("b", 30 * MiB, segment_address=100 * MiB)
+    assert elsewhere >= 2**48  # a synthetic address, above any real one
+    assert allocator.malloc("c", 40 * MiB, segment_address=130 * MiB) == 130 * MiB  # free
+    allocator.free("b")
+    assert allocator.malloc("d", 15 * MiB) == 100 * MiB  # best fit: the 20 MiB block
+    assert allocator.malloc("e", 18 * MiB) == elsewhere  # raised KeyError
+    allocator.check()
+
+
 def test_a_seeded_state_has_its_gaps_free_and_merged():
     allocator = CachingAllocatorModel()
     allocator.seed(
@@ -184,6 +200,18 @@ def test_under_a_limit_cached_segments_are_released_before_giving_up():
     assert allocator.reserved_bytes == 20 * MiB and allocator.peak_reserved_bytes == 26 * MiB
     with pytest.raises(AllocatorOutOfMemory, match="allocating 12582912 bytes with 20971520"):
         allocator.malloc(3, 12 * MiB)  # 20 live + 12 > 30 even with nothing cached
+
+
+def test_an_expandable_segment_may_map_past_the_limit_as_c10_does():
+    # alloc_block checks get_allocation_size (22 MiB, rounded to 2 MiB) against the limit,
+    # then try_allocate_expandable_block maps whole 20 MiB pages: 40 MiB under a 30 MiB limit.
+    # Hypothesis found it (CachingAllocatorModel.check allows these 18 MiB, no more).
+    allocator = CachingAllocatorModel(EXPANDABLE, limit_bytes=30 * MiB)
+    allocator.malloc(0, 22 * MiB)
+    assert allocator.reserved_bytes == 40 * MiB
+    allocator.check()
+    with pytest.raises(AllocatorOutOfMemory):
+        allocator.malloc(1, 100)  # 40 + 2 > 30: no more
 
 
 def test_smallest_limit_is_exact_to_2_mib():

@@ -1,0 +1,147 @@
+"""Invariants of the CUDA caching allocator model (CachingAllocatorModel.check: blocks tile
+their segments, the free-block indexes agree with the blocks, segments are disjoint, the
+counters agree, the limit holds) under random streams of malloc, free and empty_cache with
+random settings, limits and caller-given segment addresses (Hypothesis), and after the events
+of every real trace of tests/fixtures/cuda-traces."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from train.allocator import (
+    AllocatorOutOfMemory,
+    AllocatorSettings,
+    CachingAllocatorModel,
+)
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+# Requests across c10's size classes: under 512 B, the small pool (<= 1 MiB), 20 MiB segments
+# (1-10 MiB), segments of their own (> 10 MiB), and some larger than any limit drawn below.
+SIZES = st.one_of(
+    st.integers(1, 511),
+    st.integers(512, MiB),
+    st.integers(MiB + 1, 10 * MiB),
+    st.integers(10 * MiB, 120 * MiB),
+    st.integers(120 * MiB, 2 * GiB),
+)
+DIVISIONS = st.sampled_from([0, 1, 2, 4, 8])
+ROUNDUPS = st.one_of(
+    DIVISIONS.map(lambda d: (d,) * 16), st.lists(DIVISIONS, min_size=16, max_size=16).map(tuple)
+)
+LIMITS = st.none() | st.integers(10, 300).map(lambda n: n * 2 * MiB)
+# Real-looking segment addresses (2 MiB aligned, as cudaMalloc returns them), few enough that
+# they repeat and overlap the model's segments.
+ADDRESSES = st.integers(0, 64).map(lambda n: (1 << 40) + n * 2 * MiB)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Drives one model; `check()` after every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.model: CachingAllocatorModel | None = None
+        self.num_keys = 0
+
+    @initialize(
+        expandable=st.booleans(),
+        max_split=st.sampled_from([None, 20 * MiB, 40 * MiB, 100 * MiB]),
+        roundup=ROUNDUPS,
+        gc_threshold=st.sampled_from([0.0, 0.5, 0.8]),
+        limit_bytes=LIMITS,
+        device_bytes=LIMITS,
+    )
+    def build(self, expandable, max_split, roundup, gc_threshold, limit_bytes, device_bytes):
+        allocator = AllocatorSettings(
+            expandable_segments=expandable,
+            max_split_size_bytes=max_split,
+            roundup_power2_divisions=roundup,
+            garbage_collection_threshold=gc_threshold,
+        )
+        self.model = CachingAllocatorModel(allocator, limit_bytes, device_bytes)
+
+    @rule(nbytes=SIZES, address=st.none() | ADDRESSES)
+    def malloc(self, nbytes, address):
+        model, key = self.model, self.num_keys
+        self.num_keys += 1
+        try:
+            model.malloc(key, nbytes, address)
+        except AllocatorOutOfMemory:
+            # only a limit or the device's memory refuses, and the request is not live
+            assert model.limit_bytes is not None or model.device_bytes is not None
+            assert key not in model.live
+            return
+        assert model.live[key].size >= model.settings.round_size(nbytes)
+
+    @precondition(lambda self: self.model.live)
+    @rule(data=st.data())
+    def free(self, data):
+        self.model.free(data.draw(st.sampled_from(sorted(self.model.live))))
+
+    @rule()
+    def empty_cache(self):
+        self.model.release_cached_blocks()
+
+    @invariant()
+    def invariants_hold(self):
+        self.model.check()
+
+
+# Derandomized and without a database: CI runs the same examples every time (~15 s here).
+AllocatorMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+# ------------------------------------------------------------------ check() itself
+
+
+def _cached_segment() -> CachingAllocatorModel:
+    model = CachingAllocatorModel()
+    model.malloc("a", 5 * MiB)
+    model.malloc("b", 5 * MiB)
+    model.free("a")  # a 20 MiB segment: 5 MiB free, 5 MiB live, 10 MiB free
+    model.check()
+    return model
+
+
+def test_check_finds_a_free_block_missing_from_its_index():
+    model = _cached_segment()
+    model.pools[False].keys.pop()
+    with pytest.raises(AssertionError, match="large pool: 1 index keys, 2 free blocks"):
+        model.check()
+
+
+def test_check_finds_a_block_freed_behind_the_models_back():
+    model = _cached_segment()
+    model.live["b"].allocated = False
+    with pytest.raises(AssertionError, match="0 allocated blocks in the segments, 1 live keys"):
+        model.check()
+
+
+def test_check_finds_a_wrong_reserved_count():
+    model = _cached_segment()
+    model.reserved_bytes += 2 * MiB
+    with pytest.raises(AssertionError, match="reserved bytes and segments are"):
+        model.check()
+
+
+def test_check_finds_two_segments_over_one_address(monkeypatch):
+    # The state behind the KeyError of real replays: a segment placed where the model holds
+    # one (as before _place looked for overlaps).
+    monkeypatch.setattr(CachingAllocatorModel, "_overlapping", lambda self, address, n: None)
+    model = CachingAllocatorModel()
+    model.malloc("a", 5 * MiB, segment_address=100 * MiB)
+    model.free("a")
+    model.malloc("b", 30 * MiB, segment_address=110 * MiB)
+    with pytest.raises(AssertionError, match="overlap"):
+        model.check()
