@@ -404,6 +404,37 @@ class CachingAllocatorModel:
                 elif block.prev is None and block.next is None:
                     self._release_block(pool, block)
 
+    def release_segment(self, address: int) -> bool:
+        """Frees the segment at `address` (cudaFree) if the model holds it wholly free, as the
+        real allocator did where a trace shows segment_free (empty_cache in user code, c10's
+        release-and-retry or garbage collection); says whether it did. The model keeps a
+        segment it holds blocks of, or none at that address: it placed them differently."""
+        segment = self._segments.get(address)
+        if segment is None or segment.expandable:
+            return False
+        pool = self.pools[segment.small]
+        block = pool.blocks.get(address)
+        if block is None or block.next is not None:
+            return False
+        self._release_block(pool, block)
+        return True
+
+    def unmap(self, address: int, nbytes: int) -> bool:
+        """Unmaps the pages [address, address + nbytes) of an expandable segment if the model
+        holds them mapped and free, as the real allocator did where a trace shows
+        segment_unmap; says whether it did."""
+        segment = self._overlapping(address, 1)
+        if segment is None or not segment.expandable or nbytes <= 0:
+            return False
+        if (address - segment.address) % segment.page_bytes or nbytes % segment.page_bytes:
+            return False
+        pool, end = self.pools[segment.small], address + nbytes
+        for block in pool.blocks.values():  # free neighbours merge: one block holds them all
+            if block.address <= address and end <= block.address + block.size:
+                self._unmap_pages(pool, block, address, end)
+                return True
+        return False
+
     def segment_blocks(self) -> list[list[tuple[int, int, bool]]]:
         """`(address, size, allocated)` of every mapped block, per segment, by address."""
         blocks = list(self.live.values())
@@ -789,8 +820,12 @@ class CachingAllocatorModel:
         base, page = block.segment.address, block.segment.page_bytes
         begin = base + _round_up(block.address - base, page)
         end = base + (block.address + block.size - base) // page * page
-        if begin >= end:
-            return
+        if begin < end:
+            self._unmap_pages(pool, block, begin, end)
+
+    def _unmap_pages(self, pool: _Pool, block: _Block, begin: int, end: int) -> None:
+        """Unmaps [begin, end), whole pages inside the free `block`; what the block holds
+        before and after stays free and mapped."""
         pool.remove(block)
         if begin > block.address:  # prev? -> before -> block
             self._split_free(pool, block, begin - block.address, before=True)
@@ -882,24 +917,30 @@ def _segment_blocks(segment: _Segment, block: _Block | None) -> list[_Block]:
 def _check_blocks(model: CachingAllocatorModel, totals: _Totals) -> None:
     """The walked blocks against the live keys and the pools' maps: allocated ones are the
     live ones, free mapped ones those of the maps, unmapped ones (only in expandable
-    segments) those of the unmapped maps, and no two free neighbours share a mapped state."""
+    segments) those of the unmapped maps, each map keyed by its blocks' addresses and
+    holding its pool's; and no two free neighbours share a mapped state."""
     blocks = totals.blocks
     allocated = [b for b in blocks if b.allocated]
-    assert set(map(id, allocated)) == set(map(id, model.live.values())), (
+    assert _same_blocks(allocated, model.live.values()), (
         f"{len(allocated)} allocated blocks in the segments, {len(model.live)} live keys, "
         "not the same blocks"
     )
-    assert len(allocated) == len(model.live), "a block is live under two keys"
     assert all(b.mapped for b in allocated), "an allocated block is unmapped"
-    for pool in model.pools.values():
-        free = [b for b in blocks if not b.allocated and b.segment.small == pool.small]
-        for mapped, index in ((True, pool.blocks), (False, pool.unmapped_blocks)):
-            walked = [b for b in free if b.mapped == mapped]
-            assert len(walked) == len(index) and all(index.get(b.address) is b for b in walked), (
-                f"{'small' if pool.small else 'large'} pool: {len(walked)} free "
-                f"{'' if mapped else 'un'}mapped blocks in the segments, {len(index)} in its map"
+    for mapped in (True, False):
+        walked = [b for b in blocks if not b.allocated and b.mapped == mapped]
+        maps = [p.blocks if mapped else p.unmapped_blocks for p in model.pools.values()]
+        kind = "free mapped" if mapped else "unmapped"
+        assert _same_blocks(walked, [b for m in maps for b in m.values()]), (
+            f"{len(walked)} {kind} blocks in the segments, {sum(map(len, maps))} in the pools"
+        )
+        for pool, blocks_at in zip(model.pools.values(), maps, strict=True):
+            assert all(
+                a == b.address and b.segment.small == pool.small for a, b in blocks_at.items()
+            ), (
+                f"{'small' if pool.small else 'large'} pool: a {kind} block under another "
+                "address or of the other pool"
             )
-    assert not any(not b.mapped and not b.segment.expandable for b in blocks), (
+    assert all(b.segment.expandable for b in blocks if not b.mapped), (
         "an unmapped block in a plain segment"
     )
     unmerged = [
@@ -909,6 +950,12 @@ def _check_blocks(model: CachingAllocatorModel, totals: _Totals) -> None:
         if b.next.mapped == b.mapped
     ]
     assert not unmerged, f"free neighbours of one mapped state, unmerged: {unmerged[0]}"
+
+
+def _same_blocks(these: list[_Block], those: Iterable[_Block]) -> bool:
+    """The same block objects, each once."""
+    those = list(those)
+    return len(these) == len(those) == len(set(map(id, these)) & set(map(id, those)))
 
 
 def _check_index(pool: _Pool) -> None:

@@ -17,7 +17,7 @@ import bisect
 import gzip
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -246,10 +246,17 @@ def oom_device_bytes(trace: DeviceTrace) -> int | None:
 
 
 def replay_device(
-    trace: DeviceTrace, limit_bytes: int | None = None, device_bytes: int | None = None
+    trace: DeviceTrace,
+    limit_bytes: int | None = None,
+    device_bytes: int | None = None,
+    on_event: Callable[[int, CachingAllocatorModel], None] | None = None,
 ) -> Replay:
     """Replays one device seeded at its first event; a device that ran out of memory runs
-    with the memory it had (oom_device_bytes) unless `device_bytes` is given."""
+    with the memory it had (oom_device_bytes) unless `device_bytes` is given. A segment the
+    real allocator freed (segment_free) or pages it unmapped (segment_unmap) are released
+    in the model too if it holds them free: user code may call empty_cache, which the
+    allocations alone do not show. `on_event(i, model)` runs after each event `i` the model
+    acted on (tests check its invariants there)."""
     state = start_state(trace)
     if device_bytes is None:
         device_bytes = oom_device_bytes(trace)
@@ -267,6 +274,12 @@ def replay_device(
             continue
         if action in _UNMAPS:
             real.unmap(address, event["size"])
+            if action == "segment_free":
+                model.release_segment(address)
+            else:
+                model.unmap(address, event["size"])
+            if on_event is not None:
+                on_event(i, model)
             continue
         if action == "alloc":
             model.malloc(address, event["size"], pending_address)
@@ -278,6 +291,8 @@ def replay_device(
             model_oom = not _fits_one_more(model, ("oom", i), event["size"])
         else:
             continue
+        if on_event is not None:
+            on_event(i, model)
         num_events += 1
         num_matching += (model.reserved_bytes, model.num_segments) == (
             real.reserved,

@@ -6,6 +6,8 @@ of every real trace of tests/fixtures/cuda-traces."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -16,6 +18,9 @@ from train.allocator import (
     AllocatorSettings,
     CachingAllocatorModel,
 )
+from train.cuda_trace import device_traces, load_snapshot, replay_device
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "cuda-traces"
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
@@ -145,3 +150,39 @@ def test_check_finds_two_segments_over_one_address(monkeypatch):
     model.malloc("b", 30 * MiB, segment_address=110 * MiB)
     with pytest.raises(AssertionError, match="overlap"):
         model.check()
+
+
+# ------------------------------------------------------------------ real traces
+
+TRACES = sorted(FIXTURES.glob("*.json.gz"))
+# The four wedsonlin training traces are one model's step (forward, backward, AdamW) at four
+# context lengths: checked after every event whole they take ~60 s here, so each is checked
+# after every event of its own quarter of the step (128: the first ... 1024: the last), which
+# together cover every phase once. The other traces are checked after every event.
+QUARTERS = {f"wedsonlin_medium_{n}_training": i for i, n in enumerate((128, 256, 512, 1024))}
+
+
+class _CheckEvents:
+    """replay_device's on_event: check() after every event in `window`."""
+
+    def __init__(self, window: range):
+        self.window, self.num_checked = window, 0
+
+    def __call__(self, i: int, model: CachingAllocatorModel) -> None:
+        if i in self.window:
+            model.check()
+            self.num_checked += 1
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[p.name.removesuffix(".json.gz") for p in TRACES])
+def test_every_trace_keeps_the_invariants_event_by_event(path):
+    name = path.name.removesuffix(".json.gz")
+    for trace in device_traces(load_snapshot(path), name):
+        window, quarter = range(len(trace.events)), QUARTERS.get(name)
+        if quarter is not None:
+            step = len(window) // 4
+            window = range(quarter * step, len(window) if quarter == 3 else (quarter + 1) * step)
+        check = _CheckEvents(window)
+        replay = replay_device(trace, on_event=check)
+        assert replay.num_matching == replay.num_events
+        assert check.num_checked > len(window) / 3  # a third of the events: free_requested

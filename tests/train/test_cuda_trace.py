@@ -12,10 +12,13 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from search.config import SearchConfig
-from train.allocator import cublas_workspaces
+from train.allocator import AllocatorSettings, cublas_workspaces
 from train.cuda_trace import (
+    DeviceTrace,
+    StartState,
     device_traces,
     load_snapshot,
+    replay_device,
     reports,
     start_state,
     table,
@@ -160,3 +163,78 @@ def test_the_default_preflight_margin_covers_what_fake_tensors_cannot_see(by_tra
     assert OmegaConf.load(CONF / "search" / "default.yaml").preflight_margin == (
         SearchConfig.__dataclass_fields__["preflight_margin"].default
     )
+
+
+# ------------------------------------------------------------------ released segments
+
+
+def _event(action: str, address: int, nbytes: int) -> dict:
+    return {"action": action, "addr": address, "size": nbytes, "stream": 0}
+
+
+def _alloc_free(address: int, nbytes: int) -> list[dict]:
+    return [_event(a, address, nbytes) for a in ("alloc", "free_requested", "free_completed")]
+
+
+def _segment(address: int, nbytes: int, blocks: list[tuple[int, int, str]], **kind) -> dict:
+    return {
+        "address": address,
+        "total_size": nbytes,
+        "segment_type": "large",
+        "stream": 0,
+        "blocks": [{"address": a, "size": n, "state": state} for a, n, state in blocks],
+        **kind,
+    }
+
+
+def test_a_segment_that_empty_cache_freed_is_freed_in_the_replay_too():
+    # torch.cuda.empty_cache() between two steps: the trace shows segment_free, and cudaMalloc
+    # returns the freed address for the next, larger segment. The replay frees it in the
+    # model too. Before, the model kept it cached, placed the new segment over it (the trace's
+    # address), and the 18 MiB allocation raised KeyError (_get_free_block).
+    x, y = 0x7F0000000000, 0x7F0040000000
+    events = [
+        _event("segment_alloc", x, 20 * MiB),
+        *_alloc_free(x, 5 * MiB),
+        _event("segment_free", x, 20 * MiB),  # empty_cache
+        _event("segment_alloc", x, 30 * MiB),
+        *_alloc_free(x, 30 * MiB),
+        _event("alloc", x, 15 * MiB),  # the cached 30 MiB block, split
+        _event("segment_alloc", y, 18 * MiB),
+        _event("alloc", y, 18 * MiB),
+    ]
+    segments = [
+        _segment(
+            x, 30 * MiB, [(x, 15 * MiB, "active_allocated"), (x + 15 * MiB, 15 * MiB, "inactive")]
+        ),
+        _segment(y, 18 * MiB, [(y, 18 * MiB, "active_allocated")]),
+    ]
+    trace = DeviceTrace("empty_cache", 0, events, segments, AllocatorSettings())
+    assert start_state(trace) == StartState([], [])
+    replay = replay_device(trace, on_event=lambda i, model: model.check())
+    assert (replay.num_events, replay.num_matching) == (6, 6)
+    assert replay.real_peak_reserved_bytes == replay.model_peak_reserved_bytes == 48 * MiB
+
+
+def test_pages_that_empty_cache_unmapped_are_unmapped_in_the_replay_too():
+    # Expandable segments: empty_cache unmaps the free first page (segment_unmap); when the
+    # second page's block is freed the real run holds one mapped page, not two.
+    a = 0x7F0000000000
+    events = [
+        _event("segment_map", a, 20 * MiB),
+        _event("alloc", a, 20 * MiB),
+        _event("segment_map", a + 20 * MiB, 20 * MiB),
+        _event("alloc", a + 20 * MiB, 20 * MiB),
+        _event("free_requested", a, 20 * MiB),
+        _event("free_completed", a, 20 * MiB),
+        _event("segment_unmap", a, 20 * MiB),  # empty_cache
+        _event("free_requested", a + 20 * MiB, 20 * MiB),
+        _event("free_completed", a + 20 * MiB, 20 * MiB),
+        _event("alloc", a + 20 * MiB, 10 * MiB),
+    ]
+    blocks = [(a + 20 * MiB, 10 * MiB, "active_allocated"), (a + 30 * MiB, 10 * MiB, "inactive")]
+    segments = [_segment(a + 20 * MiB, 20 * MiB, blocks, is_expandable=True)]
+    trace = DeviceTrace("unmap", 0, events, segments, AllocatorSettings(expandable_segments=True))
+    assert start_state(trace) == StartState([], [])
+    replay = replay_device(trace, on_event=lambda i, model: model.check())
+    assert (replay.num_events, replay.num_matching) == (5, 5)
