@@ -1,8 +1,8 @@
 """Invariants of the CUDA caching allocator model (CachingAllocatorModel.check: blocks tile
 their segments, the free-block indexes agree with the blocks, segments are disjoint, the
-counters agree, the limit holds) under random streams of malloc, free and empty_cache with
-random settings, limits and caller-given segment addresses (Hypothesis), and after the events
-of every real trace of tests/fixtures/cuda-traces."""
+counters agree, the limit holds) under random streams of malloc, free, empty_cache and a
+trace's segment_free and segment_unmap with random settings, limits and caller-given segment
+addresses (Hypothesis), and after the events of every real trace of tests/fixtures/cuda-traces."""
 
 from __future__ import annotations
 
@@ -90,6 +90,27 @@ class AllocatorMachine(RuleBasedStateMachine):
     def empty_cache(self):
         self.model.release_cached_blocks()
 
+    @precondition(lambda self: self.model.segment_blocks())
+    @rule(data=st.data())
+    def segment_free(self, data):
+        # a trace's segment_free: a segment's address, or any (then the model holds none)
+        starts = [segment[0][0] for segment in self.model.segment_blocks()]
+        address = data.draw(st.sampled_from(starts) | ADDRESSES)
+        reserved = self.model.reserved_bytes
+        if self.model.release_segment(address):
+            assert self.model.reserved_bytes < reserved
+
+    @precondition(lambda self: self.model.segment_blocks())
+    @rule(data=st.data(), nbytes=st.sampled_from([2 * MiB, 4 * MiB, 20 * MiB, 40 * MiB]))
+    def segment_unmap(self, data, nbytes):
+        # a trace's segment_unmap: pages (2 MiB small, 20 MiB large) from a block's address,
+        # mapped or not, free or not
+        blocks = [block for segment in self.model.segment_blocks() for block in segment]
+        address, _, _ = data.draw(st.sampled_from(blocks))
+        reserved = self.model.reserved_bytes
+        if self.model.unmap(address, nbytes):
+            assert self.model.reserved_bytes == reserved - nbytes
+
     @invariant()
     def invariants_hold(self):
         self.model.check()
@@ -97,7 +118,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 # Derandomized and without a database: CI runs the same examples every time (~15 s here).
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=200,
     stateful_step_count=50,
     deadline=None,
     derandomize=True,
