@@ -10,6 +10,7 @@ from typing import Any
 
 from tracking.redact import redact
 from train.config import ConfigError
+from train.run import gpu_budget_problems
 from train.tasks import Classification, Task
 
 # What every run measures, whatever its task, with the only direction that makes sense.
@@ -195,6 +196,9 @@ class SearchConfig:
     target: Target | None = None  # search.target
     # A GPU to plan for by name (train/gpus.py), e.g. A100-40GB; None: the device trained on
     gpu: str | None = None
+    # The budget's share of the card when search.gpu is given on the command line without
+    # search.memory_budget (train/run.py with_gpu_budget)
+    gpu_budget: Any = "90%"
 
     @property
     def metrics(self) -> list[str]:
@@ -282,6 +286,7 @@ class SearchConfig:
                 f"mlflow.outage_wait_s must be a number of seconds >= 0, got {wait!r}; "
                 "override with mlflow.outage_wait_s=600"
             )
+        problems += gpu_budget_problems(self.gpu_budget)
         problems += self._workers_problems()
         if problems:
             raise ConfigError(problems)

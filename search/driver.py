@@ -38,7 +38,7 @@ from tracking.runs import RunLog, Tracker, ui_link
 from train.config import ConfigError
 from train.overrides import override_key
 from train.predict import PredictionUnsupported
-from train.run import RunSpec, planned_elsewhere, resolve_device
+from train.run import RunSpec, planned_elsewhere, resolve_device, with_gpu_budget
 from train.workload import Workloads
 
 PARENT_ATTR = "mlflow_parent_run_id"
@@ -248,6 +248,7 @@ class StudyDriver:
         output_dir: Path | None = None,
     ) -> StudyDriver:
         name = cfg.search.study_name or default_study_name(choices)
+        overrides = with_gpu_budget(cfg, overrides)  # search.gpu=CARD: the card's budget
         # The data and memory predictors of the study: the checks, the fit report and the
         # trials build each once.
         workloads = Workloads()

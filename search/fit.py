@@ -60,7 +60,7 @@ from train.predict import (
     fits_budget,
     largest_fitting_batch,
 )
-from train.run import RunSpec
+from train.run import RunSpec, budget_source, with_gpu_budget
 from train.workload import Workloads
 
 
@@ -96,6 +96,8 @@ class FitReport:
     device: str = ""  # what is predicted for: "cpu", "A100-40GB (CUDA reserve, planned)"
     strategy: str = "none"  # a data-parallel layout: each cell is one rank's step
     world_size: int = 1
+    limit_bytes: int = 0  # what the cells must fit: the budget, or the whole device
+    budget_source: str = ""  # where the budget comes from: "90% of H100-80GB", ...
 
     def largest(self, precision: str, accum: int | None = None) -> int | None:
         fitting = [b for b in self.batch_sizes if self.cells[precision, b, accum].fits]
@@ -200,6 +202,8 @@ def fit_report(
     report.checkpointing = trainer.activation_checkpointing
     report.strategy, report.world_size = trainer.strategy, trainer.devices
     report.device = _device_words(spec.target)
+    report.limit_bytes = spec.limit_bytes
+    report.budget_source = budget_source(settings.memory_budget, spec)
     report.searched = tuple(space.distributions)
     report.held = {
         key: OmegaConf.select(cfg, key)
@@ -359,7 +363,7 @@ def _device_words(target: DeviceSpec) -> str:
 
 
 def render(report: FitReport) -> Table:
-    budget = format_bytes(report.budget_bytes) if report.budget_bytes else "the whole device"
+    budget = f"{format_bytes(report.limit_bytes)} ({report.budget_source})"
     what = (
         "effective batch: micro-batch x accumulation, peak"
         if report.derived
@@ -432,13 +436,13 @@ def main(cfg: DictConfig) -> None:
         console = Console(width=160)
     hydra_cfg = HydraConfig.get()
     name = cfg.search.study_name or "fit-report"  # checked, not used: nothing is recorded
-    base = task_overrides(hydra_cfg)
-
-    def compose(trial_overrides: list[str]) -> DictConfig:
-        return hydra.compose(config_name="config", overrides=base + trial_overrides)
-
     workloads = Workloads()  # one data set and predictor for the checks and the report
     try:
+        base = with_gpu_budget(cfg, task_overrides(hydra_cfg))  # search.gpu=CARD: its budget
+
+        def compose(trial_overrides: list[str]) -> DictConfig:
+            return hydra.compose(config_name="config", overrides=base + trial_overrides)
+
         space_note = with_default_space(cfg, workloads)
         if space_note:
             console.print(f"[yellow]note[/yellow] {escape(space_note)}", soft_wrap=True)

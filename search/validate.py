@@ -104,6 +104,7 @@ def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
             known_metrics=known,
             target=target,
             gpu=search.gpu,
+            gpu_budget=search.gpu_budget,
         )
     except ConfigError as error:
         raise ConfigError(error.problems + rule_problems) from None

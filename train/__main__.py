@@ -63,6 +63,7 @@ from train.run import (
     plan,
     planned_elsewhere,
     run,
+    with_gpu_budget,
 )
 from train.threads import plan_threads
 from train.workload import Workload, Workloads
@@ -139,6 +140,7 @@ def _prepare(cfg: DictConfig, console: Console) -> Prepared:
     overrides = [o for o in given.hydra if override_key(o) == SEARCHPATH_KEY] + list(given.task)
     if BEST_KEY in cfg:
         cfg, overrides, retrain = _recommended(cfg, console)
+    overrides = with_gpu_budget(cfg, overrides)  # search.gpu=CARD: the card's budget
     threads = plan_threads(cfg.search.threads, 1)  # first, before any torch work
     threads.apply()
     console.print(threads.describe(), soft_wrap=True)

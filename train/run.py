@@ -9,7 +9,7 @@ trial go through `plan` and `run`, so a trial and its rerun execute the same cod
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from train.memory import (
     parse_budget,
 )
 from train.models import param_bytes
+from train.overrides import override_key
 from train.params import (
     ACCUM_KEY,
     BATCH_KEY,
@@ -129,6 +130,57 @@ def plan(cfg: DictConfig, budget: Any) -> RunSpec:
         float(base_lr), trainer.global_batch_size, trainer.lr_scaling, trainer.lr_ref_batch_size
     )
     return RunSpec(trainer, device, target, budget_bytes, float(base_lr), lr)
+
+
+BUDGET_KEY = "search.memory_budget"
+GPU_KEY = "search.gpu"
+GPU_BUDGET_KEY = "search.gpu_budget"
+
+
+def gpu_budget_problems(share: Any) -> list[str]:
+    """What is wrong with search.gpu_budget: it must be a share of the card, e.g. 90%."""
+    if isinstance(share, str) and share.strip().endswith("%"):
+        try:
+            parse_budget(share, 2**40)
+            return []
+        except ValueError:
+            pass
+    return [
+        f"{GPU_BUDGET_KEY} must be a share of the card named by {GPU_KEY}, got {share!r}; "
+        f"override with {GPU_BUDGET_KEY}=90%"
+    ]
+
+
+def with_gpu_budget(cfg: DictConfig, overrides: Sequence[str]) -> list[str]:
+    """A card named on the command line is the budget: with `search.gpu=CARD` there and no
+    `search.memory_budget` beside it, the run plans for search.gpu_budget of that card (90%:
+    a real device loses some to the CUDA context and to other processes), whatever budget an
+    experiment sets for the machine at hand (gpt's 160MiB). cfg's search.memory_budget is set
+    to it in place, and `overrides` are returned with it added, so that the configs composed
+    from them (a study's trials, a rerun command) plan the same. A budget on the command line
+    wins (`search.memory_budget=null`: the whole card); an experiment that names its card
+    itself keeps its own budget. Anything else: `overrides` as they are."""
+    keys = {override_key(o) for o in overrides}
+    if GPU_KEY not in keys or BUDGET_KEY in keys or OmegaConf.select(cfg, GPU_KEY) is None:
+        return list(overrides)
+    share = cfg.search.gpu_budget
+    problems = gpu_budget_problems(share)
+    if problems:
+        raise ConfigError(problems)
+    cfg.search.memory_budget = share
+    return [*overrides, f"{BUDGET_KEY}={share}"]
+
+
+def budget_source(budget: Any, spec: RunSpec) -> str:
+    """Where a run's budget comes from, as a report's title says it: "90% of H100-80GB" (a
+    share of the card: search.gpu_budget's when only the card was named), "all of
+    H100-80GB" (none), or "search.memory_budget" (a size)."""
+    where = spec.target.name if spec.target.type == "cuda" else "this machine's memory"
+    if spec.budget_bytes is None:
+        return f"all of {where}"
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        return f"{budget.strip()} of {where}"
+    return "search.memory_budget"
 
 
 def _target(cfg: DictConfig, device: torch.device, problems: list[str]) -> DeviceSpec | None:

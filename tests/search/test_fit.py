@@ -13,10 +13,14 @@ import torch
 from optuna.distributions import CategoricalDistribution
 from rich.console import Console
 
+from search.driver import StudyDriver
 from search.fit import MAX_LAYOUTS, FitReport, fit_report, fit_reports, layouts, render
 from search.validate import validate
+from train.config import ConfigError
+from train.gpus import gpu
+from train.memory import format_bytes
 from train.precision import unsupported_reason
-from train.run import plan
+from train.run import plan, with_gpu_budget
 from train.workload import Workloads
 
 SMALL = [
@@ -295,3 +299,90 @@ def test_layouts_beyond_the_limit_hold_the_space_last_keys(hydra_conf) -> None:
         itertools.product(["none", "blocks"], [128, 256, 512])
     )
     assert all("model.lora.r" not in d for d in found)
+
+
+# ---- the budget of a named card -------------------------------------------------------------
+
+GPT_SMALL = [
+    "+experiment=gpt", "data.max_bytes=40000",
+    '++search.params={trainer.batch_size:"choice(8,128)",trainer.accum_steps:"choice(1)",'
+    'trainer.precision:"choice(fp32)",data.seq_len:"choice(64)"}',
+]  # fmt: skip
+
+
+def _planned(hydra_conf, overrides: list[str]) -> tuple[FitReport, list[str]]:
+    """The report `python -m search.fit OVERRIDES` prints, with the overrides its study's
+    trials compose from (the card's budget applied as the entry points apply it)."""
+    cfg = hydra_conf(overrides)
+    base = with_gpu_budget(cfg, overrides)
+    checked = validate(cfg, "fit", lambda extra: hydra_conf([*base, *extra]), False)
+    return fit_report(cfg, checked.space, checked.spec, checked.settings), base
+
+
+def test_a_named_card_is_the_budget_whatever_the_experiment_says(hydra_conf) -> None:
+    """gpt sets search.memory_budget=160MiB, a small simulated device; search.gpu=A100-40GB
+    on the command line plans for 90% of the card instead (conf/search/default.yaml
+    search.gpu_budget), so the batch the 160 MiB refused fits the card."""
+    a100 = gpu("A100-40GB")
+    report, base = _planned(hydra_conf, [*GPT_SMALL, "search.gpu=A100-40GB"])
+    assert report.budget_bytes == report.limit_bytes == int(a100.total_bytes * 0.9)
+    assert report.budget_source == "90% of A100-40GB"
+    title = " ".join(str(render(report).title).split())
+    assert f"budget {format_bytes(a100.total_bytes * 0.9)} (90% of A100-40GB), margin 5%" in title
+    big = report.cells["fp32", 128, 1]
+    assert 160 * MiB < big.peak_bytes * 1.05 and big.fits  # refused by the demo budget
+    # A trial, and a rerun, compose the same budget from the command line's overrides.
+    assert base[-1] == "search.memory_budget=90%"
+    trial = hydra_conf([*base, "trainer.batch_size=128"])
+    assert plan(trial, trial.search.memory_budget).budget_bytes == report.budget_bytes
+    # Without the card, the experiment's own budget stands.
+    demo, _ = _planned(hydra_conf, GPT_SMALL)
+    assert demo.budget_bytes == 160 * MiB and demo.budget_source == "search.memory_budget"
+    assert "budget 160.0 MiB (search.memory_budget)" in " ".join(str(render(demo).title).split())
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected", "source"),
+    [
+        ("20GiB", 20 * GiB, "search.memory_budget"),
+        ("50%", int(gpu("A100-40GB").total_bytes * 0.5), "50% of A100-40GB"),
+        ("null", None, "all of A100-40GB"),
+    ],
+)
+def test_a_budget_on_the_command_line_wins(hydra_conf, budget, expected, source) -> None:
+    report, base = _planned(
+        hydra_conf, [*GPT_SMALL, "search.gpu=A100-40GB", f"search.memory_budget={budget}"]
+    )
+    assert report.budget_bytes == expected and report.budget_source == source
+    assert report.limit_bytes == (expected or gpu("A100-40GB").total_bytes)
+    assert base == [*GPT_SMALL, "search.gpu=A100-40GB", f"search.memory_budget={budget}"]
+
+
+def test_the_share_of_a_named_card_is_a_setting(hydra_conf) -> None:
+    report, _ = _planned(hydra_conf, [*GPT_SMALL, "search.gpu=A100-40GB", "search.gpu_budget=80%"])
+    assert report.budget_bytes == int(gpu("A100-40GB").total_bytes * 0.8)
+    cfg = hydra_conf([*GPT_SMALL, "search.gpu=A100-40GB", "search.gpu_budget=20GiB"])
+    with pytest.raises(ConfigError, match=r"search.gpu_budget must be a share of the card .*"
+                       r"got '20GiB'; override with search.gpu_budget=90%"):  # fmt: skip
+        with_gpu_budget(cfg, [*GPT_SMALL, "search.gpu=A100-40GB", "search.gpu_budget=20GiB"])
+
+
+def test_a_card_named_by_the_experiment_keeps_its_budget(hydra_conf) -> None:
+    """The 90% applies to a card named on the command line: an experiment that names its
+    card (here, as if search.gpu came from its YAML) sets the budget it means for it."""
+    cfg = hydra_conf([*GPT_SMALL, "search.gpu=A100-40GB"])
+    assert with_gpu_budget(cfg, GPT_SMALL) == GPT_SMALL
+    assert cfg.search.memory_budget == "160MiB"
+
+
+def test_a_study_planned_for_a_card_reports_its_budget(hydra_conf, stores) -> None:
+    """python -m search ... search.gpu=A100-40GB on this CPU-only machine: the fit report
+    against the card's budget, then the stop before anything is recorded."""
+    overrides = [*GPT_SMALL, *stores["overrides"], "search.gpu=A100-40GB"]
+    console = Console(record=True, width=200)
+    with pytest.raises(ConfigError, match="search.gpu=A100-40GB plans for a GPU this machine"):
+        StudyDriver.prepare(hydra_conf(overrides), overrides, {}, console)
+    text = " ".join(console.export_text().split())
+    budget = format_bytes(gpu("A100-40GB").total_bytes * 0.9)
+    assert f"budget {budget} (90% of A100-40GB), margin 5%" in text
+    assert "(OOM)" not in text
