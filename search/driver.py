@@ -84,18 +84,17 @@ def _sampler(
 def _log_fit_report(
     cfg: DictConfig, checked: Checked, workloads: Workloads, parent: RunLog, console: Console
 ) -> list[fit.FitReport]:
-    """Predict the space's (precision, batch size) grid, show it and log it to the parent run;
-    the trials' own predictions then come from the same cache."""
+    """Predict the space's (precision, batch size) grid, show it (each table as it is done)
+    and log it to the parent run; the trials' own predictions then come from the same
+    cache."""
+    recorder = Console(record=True, width=120, file=io.StringIO())
+    space, spec, settings = checked.space, checked.spec, checked.settings
     try:
-        reports = fit.fit_reports(cfg, checked.space, checked.spec, checked.settings, workloads)
+        reports = fit.show_fit_reports(console, cfg, space, spec, settings, workloads, recorder)
     except PredictionUnsupported:
         return []  # said by the first trial, which measures instead
-    recorder = Console(record=True, width=120, file=io.StringIO())
     rows: dict[str, list] = {}
     for each in reports:
-        table = fit.render(each)
-        console.print(table)
-        recorder.print(table)
         for column, values in each.rows().items():
             rows.setdefault(column, []).extend(values)
     parent.text(recorder.export_text(), "fit_report.txt")
@@ -118,14 +117,13 @@ def _trains_here(cfg: DictConfig) -> bool:
 def _show_fit_reports(
     cfg: DictConfig, checked: Checked, workloads: Workloads, console: Console, elsewhere: str
 ) -> None:
+    space, spec, settings = checked.space, checked.spec, checked.settings
     try:
-        reports = fit.fit_reports(cfg, checked.space, checked.spec, checked.settings, workloads)
+        fit.show_fit_reports(console, cfg, space, spec, settings, workloads)
     except PredictionUnsupported:
         return
     except ConfigError as error:  # said with the reason the study stops
         raise ConfigError([*error.problems, elsewhere]) from None
-    for each in reports:
-        console.print(fit.render(each))
 
 
 def _open(name: str, checked: Checked, fixed: str) -> optuna.Study:

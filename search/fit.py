@@ -24,6 +24,7 @@ import gc
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import hydra
@@ -32,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -98,10 +100,76 @@ class FitReport:
     world_size: int = 1
     limit_bytes: int = 0  # what the cells must fit: the budget, or the whole device
     budget_source: str = ""  # where the budget comes from: "90% of H100-80GB", ...
+    cuda: bool = False  # cells are CUDA's reserve (the caching allocator's), not live tensors
+    # model.dtype, the weights' dtype (float32, bfloat16, auto); None: the model has no such
+    # key, its weights are float32
+    model_dtype: str | None = None
+    # The peaks of the same cells without activation checkpointing, when this report is a
+    # checkpointing one and the report without it was predicted first (fit_reports)
+    without_checkpointing: dict[tuple[str, int, int | None], int | None] = field(
+        default_factory=dict
+    )
 
     def largest(self, precision: str, accum: int | None = None) -> int | None:
-        fitting = [b for b in self.batch_sizes if self.cells[precision, b, accum].fits]
-        return max(fitting, default=None)
+        """The largest row that fits with every smaller row of its column fitting too: what
+        a user can count on (a row that cannot train, BatchNorm on one sample, is passed)."""
+        largest = None
+        for row in self.batch_sizes:
+            cell = self.cells[precision, row, accum]
+            if cell.reason is not None and cell.peak_bytes is None:
+                continue
+            if not cell.fits:
+                break
+            largest = row
+        return largest
+
+    def placement_only(self, precision: str, accum: int | None) -> tuple[int, int] | None:
+        """(first row that fits above a smaller one that does not, that smaller row), or None:
+        the caching allocator placed the larger step's blocks better (on a CPU: its peak is
+        not monotonic in the batch)."""
+        failed = None
+        for row in self.batch_sizes:
+            cell = self.cells[precision, row, accum]
+            if cell.fits is False and cell.reason is None and failed is None:
+                failed = row
+            elif cell.fits and failed is not None:
+                return row, failed
+        return None
+
+    def marked(self, precision: str, row: int, accum: int | None) -> str:
+        """The marks of a cell: † it fits above a smaller row that does not; ‡ it needs more
+        with activation checkpointing than without."""
+        marks = ""
+        found = self.placement_only(precision, accum)
+        cell = self.cells[precision, row, accum]
+        if found is not None and cell.fits and row >= found[0]:
+            marks += "†"
+        baseline = self.without_checkpointing.get((precision, row, accum))
+        if baseline is not None and cell.peak_bytes is not None and cell.peak_bytes > baseline:
+            marks += "‡"
+        return marks
+
+    def bf16_over_fp32(self) -> list[tuple[int, int | None]]:
+        """(row, accumulation) where bf16 is predicted to need more than fp32."""
+        if self.derived or not {"fp32", "bf16"} <= set(self.precisions):
+            return []
+        over = []
+        for accum in self.accum_steps:
+            for row in self.batch_sizes:
+                fp32, bf16 = (self.cells[p, row, accum].peak_bytes for p in ("fp32", "bf16"))
+                if fp32 is not None and bf16 is not None and bf16 > fp32:
+                    over.append((row, accum))
+        return over
+
+    def layout_words(self) -> str:
+        """The layout this report is for: activation_checkpointing=blocks, data.seq_len=256."""
+        words = []
+        if self.checkpointing != "none" or CHECKPOINTING_KEY in self.searched:
+            words.append(f"activation_checkpointing={self.checkpointing}")
+        if self.strategy != "none":
+            words.append(f"{self.strategy} on {self.world_size} devices")
+        words += [f"{key}={value}" for key, value in self.at.items()]
+        return ", ".join(words) or "as configured"
 
     def accum_groups(self) -> list[list[int | None]]:
         """The accumulations, those whose cells are the same at every batch size and precision
@@ -204,6 +272,10 @@ def fit_report(
     report.device = _device_words(spec.target)
     report.limit_bytes = spec.limit_bytes
     report.budget_source = budget_source(settings.memory_budget, spec)
+    report.cuda = spec.target.type == "cuda"
+    report.model_dtype = (
+        str(cfg.model.dtype) if "dtype" in cfg.model and cfg.model.dtype is not None else None
+    )
     report.searched = tuple(space.distributions)
     report.held = {
         key: OmegaConf.select(cfg, key)
@@ -279,13 +351,17 @@ def fit_reports(
     spec: RunSpec,
     settings: SearchConfig,
     workloads: Workloads | None = None,
+    on_report: Callable[[FitReport, int, int], None] | None = None,
 ) -> list[FitReport]:
     """fit_report per layout (`layouts`): trainer.activation_checkpointing and the other
     discrete keys the space searches, side by side, so that the report has the cells a
     trial can land in (a trial at seq_len 256 is not predicted at the configured 64). The
-    predictors stay in `workloads` (a study's) for its trials."""
+    predictors stay in `workloads` (a study's) for its trials. `on_report(report, number,
+    total)` is called as each report is done, before the next is predicted (show_fit_reports
+    prints it then). Layouts without checkpointing come first: a checkpointing report
+    marks the cells that need more than without it."""
     workloads = workloads or Workloads()
-    reports = []
+    planned = []
     for layout in layouts(cfg, space, spec):
         layout_cfg = copy.deepcopy(cfg)
         with open_dict(layout_cfg):
@@ -300,12 +376,83 @@ def fit_reports(
             )
         except ConfigError:  # e.g. several devices without a strategy: no trial trains it
             continue
-        layout_spec = dataclasses.replace(spec, trainer=trainer)
+        planned.append((layout, layout_cfg, dataclasses.replace(spec, trainer=trainer)))
+    planned.sort(key=lambda each: each[2].trainer.activation_checkpointing != "none")
+    reports: list[FitReport] = []
+    for number, (layout, layout_cfg, layout_spec) in enumerate(planned, 1):
         report = fit_report(layout_cfg, space, layout_spec, settings, workloads)
         report.at = {k: v for k, v in layout.items() if k not in TRAINER_LAYOUT}
         report.held = {k: v for k, v in report.held.items() if k not in layout}
+        report.without_checkpointing = _without_checkpointing(report, reports)
         reports.append(report)
+        if on_report is not None:
+            on_report(report, number, len(planned))
     return reports
+
+
+def _without_checkpointing(
+    report: FitReport, before: list[FitReport]
+) -> dict[tuple[str, int, int | None], int | None]:
+    """The peaks of `report`'s cells in the report of the same layout without activation
+    checkpointing, if it is among `before`."""
+    if report.checkpointing == "none":
+        return {}
+    for other in before:
+        layout = (other.at, other.strategy, other.world_size)
+        if (
+            layout == (report.at, report.strategy, report.world_size)
+            and other.checkpointing == "none"
+        ):
+            return {key: cell.peak_bytes for key, cell in other.cells.items()}
+    return {}
+
+
+def show_fit_reports(
+    console: Console,
+    cfg: DictConfig,
+    space: SearchSpace,
+    spec: RunSpec,
+    settings: SearchConfig,
+    workloads: Workloads | None = None,
+    record: Console | None = None,
+) -> list[FitReport]:
+    """fit_reports, each table printed as soon as it is predicted (to `console`, and to
+    `record` too when given: the study's fit_report.txt): under a progress bar over the
+    tables on a terminal, with a line per table otherwise (a log, a pipe)."""
+
+    def show(report: FitReport, number: int, total: int) -> None:
+        table = render(report)
+        console.print(table)
+        if record is not None:
+            record.print(table)
+        if not console.is_terminal:
+            console.print(
+                f"fit report: table {number}/{total} ({report.layout_words()}) in "
+                f"{report.seconds:.1f} s",
+                soft_wrap=True,
+                highlight=False,
+            )
+
+    args = (cfg, space, spec, settings, workloads)
+    if not console.is_terminal:
+        return fit_reports(*args, on_report=show)
+    progress = Progress(
+        TextColumn("fit report"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tables"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task("tables", total=len(layouts(cfg, space, spec)))
+
+        def advance(report: FitReport, number: int, total: int) -> None:
+            show(report, number, total)
+            progress.update(task, completed=number, total=total)
+
+        return fit_reports(*args, on_report=advance)
 
 
 def _geometry(trainer: TrainerConfig, batch: int, accum: int, precision: str) -> TrainerConfig:
@@ -373,6 +520,8 @@ def render(report: FitReport) -> Table:
     if report.held:
         held = ", ".join(f"{key}={value}" for key, value in report.held.items())
         notes.append(f"at {held}, as configured; trials predict their own values")
+    notes += [note for note in (_placement_note(report), _checkpointing_note(report)) if note]
+    notes += [note for note in (_bf16_note(report),) if note]
     lever = (
         f"; activation_checkpointing={report.checkpointing}"
         if report.checkpointing != "none" or CHECKPOINTING_KEY in report.searched
@@ -387,6 +536,7 @@ def render(report: FitReport) -> Table:
         title=f"Fit report for {device}: {what}; budget {budget}, margin "
         f"{report.margin:.0%}{lever}",
         caption="\n".join([f"predicted in {report.seconds:.1f} s, nothing trained", *notes]),
+        caption_justify="left",
     )
     table.add_column("effective batch" if report.derived else "batch size", justify="right")
     for precision in report.precisions:
@@ -411,13 +561,82 @@ def render(report: FitReport) -> Table:
     return table
 
 
+def _where(report: FitReport, precision: str, accum: int | None) -> str:
+    return precision if report.derived else f"{precision}, accum_steps {accum}"
+
+
+def _placement_note(report: FitReport) -> str | None:
+    """Why a cell is marked †, with the first such column's smaller batch that does not fit."""
+    for precision in report.precisions:
+        for accum in report.accum_steps:
+            found = report.placement_only(precision, accum)
+            if found is None:
+                continue
+            row, smaller = found
+            peak = report.cells[precision, smaller, accum].peak_bytes
+            needs = f"needs {format_bytes(peak)}" if peak is not None else "does not fit"
+            example = f"{_where(report, precision, accum)}: {row} fits, {smaller} {needs}"
+            cause = (
+                "fits only through the caching allocator's block placement"
+                if report.cuda
+                else "fits, its peak lower than a smaller batch's"
+            )
+            return (
+                f"†: {cause}; a smaller batch does not fit ({example}), so 'largest that "
+                "fits' stops below it"
+            )
+    return None
+
+
+def _checkpointing_note(report: FitReport) -> str | None:
+    """Why a cell is marked ‡, with the first one and its peak without checkpointing."""
+    for (precision, row, accum), cell in report.cells.items():
+        if "‡" in report.marked(precision, row, accum):
+            without = report.without_checkpointing[precision, row, accum]
+            return (
+                f"‡: needs more with activation checkpointing than without "
+                f"({_where(report, precision, accum)}, {row}: {format_bytes(cell.peak_bytes)} "
+                f"against {format_bytes(without)}): at this size recomputing a block in the "
+                "backward pass holds more than checkpointing saves; train it without"
+            )
+    return None
+
+
+def _bf16_note(report: FitReport) -> str | None:
+    """Why bf16 needs more than fp32, where it does over float32 weights."""
+    over = report.bf16_over_fp32()
+    if not over or report.model_dtype not in (None, "float32"):
+        return None
+    rows: dict[int | None, list[int]] = {}
+    for row, accum in over:
+        rows.setdefault(accum, []).append(row)
+    by_rows: dict[tuple[int, ...], list[int | None]] = {}
+    for accum, each in rows.items():
+        by_rows.setdefault(tuple(each), []).append(accum)
+    where = "; ".join(
+        f"batch {', '.join(map(str, each))} (accum_steps {', '.join(map(str, accums))})"
+        for each, accums in by_rows.items()
+    )
+    fix = (
+        "load the base in bfloat16 (model.dtype=bfloat16) to halve the weights"
+        if report.model_dtype == "float32"
+        else "this model has no model.dtype: bf16 pays off only where the activations it "
+        "halves outweigh the copies"
+    )
+    return (
+        f"bf16 needs more than fp32 at {where}: autocast keeps the fp32 weights and adds bf16 "
+        "copies of the weights each layer uses (kept for the backward pass), so bf16 autocast "
+        f"over fp32 weights needs more; {fix}"
+    )
+
+
 def _cell_text(report: FitReport, precision: str, row: int, accum: int | None) -> str:
     cell = report.cells[precision, row, accum]
     if cell.fits is None:
         return "[dim]n/a[/dim]"
     if cell.peak_bytes is None:
         return "[red]does not fit[/red]" if cell.reason is None else "[dim]cannot train[/dim]"
-    text = format_bytes(cell.peak_bytes)
+    text = format_bytes(cell.peak_bytes) + report.marked(precision, row, accum)
     if report.derived:
         text = f"{cell.batch_size} x {cell.accum_steps}, {text}"
     return f"[green]{text}[/green]" if cell.fits else f"[red]{text} (OOM)[/red]"
@@ -447,7 +666,14 @@ def main(cfg: DictConfig) -> None:
         if space_note:
             console.print(f"[yellow]note[/yellow] {escape(space_note)}", soft_wrap=True)
         checked = validate(cfg, name, compose, open_store=False, workloads=workloads)
-        reports = fit_reports(cfg, checked.space, checked.spec, checked.settings, workloads)
+    except ConfigError as error:
+        config_error(errors, error)
+    except Exception as error:  # escaping, Hydra would print the overrides, passwords and all
+        crashed(errors, "The fit report failed", f"{type(error).__name__} (above)")
+    for note in checked.notes:
+        console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
+    try:
+        show_fit_reports(console, cfg, checked.space, checked.spec, checked.settings, workloads)
     except ConfigError as error:
         config_error(errors, error)
     except PredictionUnsupported as error:
@@ -460,10 +686,6 @@ def main(cfg: DictConfig) -> None:
         )
     except Exception as error:  # escaping, Hydra would print the overrides, passwords and all
         crashed(errors, "The fit report failed", f"{type(error).__name__} (above)")
-    for note in checked.notes:
-        console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
-    for report in reports:
-        console.print(render(report))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ carries its effective batch size."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
+import time
 
 import pytest
 import torch
@@ -14,7 +16,16 @@ from optuna.distributions import CategoricalDistribution
 from rich.console import Console
 
 from search.driver import StudyDriver
-from search.fit import MAX_LAYOUTS, FitReport, fit_report, fit_reports, layouts, render
+from search.fit import (
+    MAX_LAYOUTS,
+    Cell,
+    FitReport,
+    fit_report,
+    fit_reports,
+    layouts,
+    render,
+    show_fit_reports,
+)
 from search.validate import validate
 from train.config import ConfigError
 from train.gpus import gpu
@@ -386,3 +397,193 @@ def test_a_study_planned_for_a_card_reports_its_budget(hydra_conf, stores) -> No
     budget = format_bytes(gpu("A100-40GB").total_bytes * 0.9)
     assert f"budget {budget} (90% of A100-40GB), margin 5%" in text
     assert "(OOM)" not in text
+
+
+# ---- each table as soon as it is done -------------------------------------------------------
+
+GPT_TABLES = [
+    "+experiment=gpt", "data.max_bytes=40000",
+    '++search.params={trainer.batch_size:"choice(8,16)",trainer.accum_steps:"choice(1)",'
+    'trainer.precision:"choice(fp32)",data.seq_len:"choice(64,128,256)"}',
+]  # fmt: skip
+
+
+def test_each_table_is_handed_over_before_the_next_is_predicted(hydra_conf) -> None:
+    """on_report(report, number, total) runs as each report is done: between two calls
+    lies the next table's prediction (its own `seconds`), not nothing."""
+    cfg = hydra_conf(GPT_TABLES)
+    checked = validate(cfg, "fit", lambda extra: hydra_conf([*GPT_TABLES, *extra]), False)
+    calls = []
+    reports = fit_reports(
+        cfg,
+        checked.space,
+        checked.spec,
+        checked.settings,
+        on_report=lambda report, number, total: calls.append(
+            (report, number, total, time.perf_counter())
+        ),
+    )
+    assert [(r, n, t) for r, n, t, _ in calls] == [(r, i, 3) for i, r in enumerate(reports, 1)]
+    assert [r.at for r in reports] == [{"data.seq_len": n} for n in (64, 128, 256)]
+    for (_, _, _, before), (report, _, _, after) in itertools.pairwise(calls):
+        assert after - before >= report.seconds > 0
+
+
+def test_off_a_terminal_each_table_is_followed_by_a_line(hydra_conf) -> None:
+    cfg = hydra_conf(GPT_TABLES)
+    checked = validate(cfg, "fit", lambda extra: hydra_conf([*GPT_TABLES, *extra]), False)
+    console = Console(record=True, width=200, file=io.StringIO())
+    assert not console.is_terminal
+    reports = show_fit_reports(console, cfg, checked.space, checked.spec, checked.settings)
+    lines = console.export_text().splitlines()
+    said = [i for i, line in enumerate(lines) if line.startswith("fit report: table")]
+    assert [lines[i] for i in said] == [
+        f"fit report: table {n}/3 (data.seq_len={r.at['data.seq_len']}) in {r.seconds:.1f} s"
+        for n, r in enumerate(reports, 1)
+    ]
+    titles = [i for i, line in enumerate(lines) if "Fit report for cpu" in line]
+    assert len(titles) == 3 and titles[0] < said[0] < titles[1] < said[1] < titles[2] < said[2]
+
+
+def test_on_a_terminal_the_tables_print_above_a_progress_bar(hydra_conf) -> None:
+    cfg = hydra_conf(GPT_TABLES)
+    checked = validate(cfg, "fit", lambda extra: hydra_conf([*GPT_TABLES, *extra]), False)
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=200)
+    reports = show_fit_reports(console, cfg, checked.space, checked.spec, checked.settings)
+    text = out.getvalue()
+    assert len(reports) == 3 and text.count("Fit report for cpu") == 3
+    assert "fit report: table" not in text  # the bar says it: "fit report ━━ 1/3 tables"
+    assert "1/3" in text and "3/3" in text and "tables" in text
+
+
+# ---- cells a user can act on ----------------------------------------------------------------
+
+
+def _hand_built(peaks: dict[int, int | None], budget: int) -> FitReport:
+    """A one-column report over `peaks` (batch -> peak; None: cannot train)."""
+    report = FitReport(budget, 0.0, False, ["fp32"], {}, sorted(peaks), [1], cuda=True)
+    report.limit_bytes, report.budget_source = budget, "search.memory_budget"
+    for batch, peak in peaks.items():
+        reason = None if peak is not None else "BatchNorm cannot train on one sample"
+        fits = peak is not None and peak <= budget
+        report.cells["fp32", batch, 1] = Cell(batch, batch, 1, peak, fits, reason)
+    return report
+
+
+def test_largest_that_fits_has_every_smaller_batch_fitting() -> None:
+    report = _hand_built({1: None, 2: 50, 4: 99, 8: 120, 16: 90, 32: 200}, budget=100)
+    assert report.largest("fp32", 1) == 4  # not 16: 8 does not fit
+    assert report.placement_only("fp32", 1) == (16, 8)
+    assert [b for b in report.batch_sizes if report.marked("fp32", b, 1)] == [16]
+    text = " ".join(_text(report).split())
+    assert "90 B†" in text
+    assert (
+        "†: fits only through the caching allocator's block placement; a smaller batch does "
+        "not fit (fp32, accum_steps 1: 16 fits, 8 needs 120 B), so 'largest that fits' stops "
+        "below it" in text
+    )
+    monotonic = _hand_built({1: None, 2: 50, 4: 99, 8: 120, 16: 130, 32: 200}, budget=100)
+    assert monotonic.largest("fp32", 1) == 4 and monotonic.placement_only("fp32", 1) is None
+    assert "†" not in _text(monotonic)
+
+
+# A GPT 1024 wide planned for an A100 at 64 tokens: its steps are a few hundred MiB, mostly
+# weights and AdamW's state, and the caching allocator's blocks decide the last MiBs: a
+# larger batch can need less, bf16 more than fp32, checkpointing more than none.
+GPT_WIDE = [
+    "+experiment=gpt", "data.max_bytes=40000", "model.n_embd=1024", "search.gpu=A100-40GB",
+    "search.preflight_margin=0",
+    '++search.params={trainer.batch_size:"choice(1,2,4,8,16,32)",trainer.accum_steps:"choice(1)",'
+    'trainer.precision:"choice(fp32,bf16)",data.seq_len:"choice(64)",'
+    'trainer.activation_checkpointing:"choice(none,blocks)"}',
+]  # fmt: skip
+WIDE_BATCHES = [1, 2, 4, 8, 16, 32]
+
+
+def test_marks_and_notes_of_a_real_report(hydra_conf) -> None:
+    """Every mark and note is checked against the predictor asked directly, cell by cell."""
+    peak = {}
+    for mode in ("none", "blocks"):
+        cfg = hydra_conf([*GPT_WIDE, "data.seq_len=64", f"trainer.activation_checkpointing={mode}"])
+        spec = plan(cfg, None)
+        workload = Workloads().of(cfg)
+        predictor = workload.predictor(spec, cfg.optimizer)
+        for p, b in itertools.product(("fp32", "bf16"), WIDE_BATCHES):
+            trainer = dataclasses.replace(
+                spec.trainer, batch_size=b, accum_steps=1, effective_batch_size=None, precision=p
+            )
+            peak[mode, p, b] = predictor.predict(trainer, workload.num_train).peak_bytes
+    # The budget: a batch's peak below a smaller batch's (the premise: one exists)
+    dips = [
+        (p, small, b)
+        for p in ("fp32", "bf16")
+        for i, b in enumerate(WIDE_BATCHES)
+        for small in WIDE_BATCHES[:i]
+        if peak["none", p, b] < peak["none", p, small]
+    ]
+    assert dips, peak
+    precision, _, batch = dips[0]
+    budget = peak["none", precision, batch]
+    overrides = [*GPT_WIDE, f"search.memory_budget={budget}"]
+    reports = {r.checkpointing: r for r in _reports(hydra_conf, overrides)}
+    none, blocks = reports["none"], reports["blocks"]
+    for mode, report in reports.items():
+        for p in ("fp32", "bf16"):
+            fits = [peak[mode, p, b] <= budget for b in WIDE_BATCHES]
+            prefix = list(itertools.takewhile(bool, fits))
+            assert report.largest(p, 1) == (WIDE_BATCHES[len(prefix) - 1] if prefix else None)
+            first_miss = fits.index(False) if False in fits else len(fits)
+            daggers = [b for b, f in zip(WIDE_BATCHES, fits, strict=True) if f][len(prefix) :]
+            assert [b for b in WIDE_BATCHES if "†" in report.marked(p, b, 1)] == daggers
+            assert all(WIDE_BATCHES.index(b) > first_miss for b in daggers)
+    assert "†" in none.marked(precision, batch, 1)
+    text = " ".join(_text(none).split())
+    assert "†: fits only through the caching allocator's block placement" in text
+    # ‡: checkpointing above no checkpointing, cell by cell
+    for p in ("fp32", "bf16"):
+        for b in WIDE_BATCHES:
+            more = peak["blocks", p, b] > peak["none", p, b]
+            assert ("‡" in blocks.marked(p, b, 1)) == more, (p, b)
+            assert "‡" not in none.marked(p, b, 1)
+    assert any("‡" in blocks.marked(p, b, 1) for p in ("fp32", "bf16") for b in WIDE_BATCHES)
+    assert "‡: needs more with activation checkpointing than without" in " ".join(
+        _text(blocks).split()
+    )
+    # bf16 over fp32: the batches where the predictor says so, and why
+    over = [b for b in WIDE_BATCHES if peak["none", "bf16", b] > peak["none", "fp32", b]]
+    assert over and [b for b, _ in none.bf16_over_fp32()] == over
+    assert (
+        f"bf16 needs more than fp32 at batch {', '.join(map(str, over))} (accum_steps 1): "
+        "autocast keeps the fp32 weights and adds bf16 copies of the weights each layer uses "
+        "(kept for the backward pass), so bf16 autocast over fp32 weights needs more; this "
+        "model has no model.dtype" in text
+    )
+
+
+# A Llama 1024 wide, 4 layers (56M parameters), LoRA over float32 weights on an A100: the
+# bf16 copies of its frozen weights are ~105 MiB, more than bf16 saves of its activations.
+LLAMA_MID = [
+    "+experiment=llm_lora", "data.max_bytes=40000", "search.gpu=A100-40GB",
+    "model.config={model_type:llama,hidden_size:1024,num_hidden_layers:4,num_attention_heads:8,"
+    "num_key_value_heads:2,intermediate_size:3584,vocab_size:null,max_position_embeddings:2048}",
+    '++search.params={trainer.batch_size:"choice(1)",trainer.accum_steps:"choice(1)",'
+    'trainer.precision:"choice(fp32,bf16)",data.seq_len:"choice(128)",'
+    'trainer.activation_checkpointing:"choice(none)",model.lora.r:null}',
+]  # fmt: skip
+
+
+def test_bf16_over_float32_weights_is_explained_and_the_fix_holds(hydra_conf) -> None:
+    (fp32_weights,) = _reports(hydra_conf, LLAMA_MID)
+    fp32, bf16 = (fp32_weights.cells[p, 1, 1].peak_bytes for p in ("fp32", "bf16"))
+    assert bf16 > fp32 and fp32_weights.bf16_over_fp32() == [(1, 1)]
+    text = " ".join(_text(fp32_weights).split())
+    assert (
+        "bf16 needs more than fp32 at batch 1 (accum_steps 1): autocast keeps the fp32 weights"
+        in text
+        and "load the base in bfloat16 (model.dtype=bfloat16) to halve the weights" in text
+    )
+    # Following it: bf16 weights need less than fp32 autocast over fp32 weights did.
+    (bf16_weights,) = _reports(hydra_conf, [*LLAMA_MID, "model.dtype=bfloat16"])
+    assert bf16_weights.cells["bf16", 1, 1].peak_bytes < fp32
+    assert "bf16 needs more than fp32" not in _text(bf16_weights)
