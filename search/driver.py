@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from search import fit, recommend, report, speed
+from search.advice import what_would_fit
 from search.boundary import FIT_ATTR, fit_cells, frontier
 from search.budget import (
     TrialBudget,
@@ -38,7 +39,7 @@ from tracking.runs import RunLog, Tracker, ui_link
 from train.config import ConfigError
 from train.overrides import override_key
 from train.predict import PredictionUnsupported
-from train.run import RunSpec, planned_elsewhere, resolve_device, with_gpu_budget
+from train.run import OverBudget, RunSpec, planned_elsewhere, resolve_device, with_gpu_budget
 from train.workload import Workloads
 
 PARENT_ATTR = "mlflow_parent_run_id"
@@ -82,15 +83,19 @@ def _sampler(
 
 
 def _log_fit_report(
-    cfg: DictConfig, checked: Checked, workloads: Workloads, parent: RunLog, console: Console
+    cfg: DictConfig,
+    checked: Checked,
+    workloads: Workloads,
+    parent: RunLog,
+    console: Console,
+    given: list[str],
 ) -> list[fit.FitReport]:
     """Predict the space's (precision, batch size) grid, show it (each table as it is done)
-    and log it to the parent run; the trials' own predictions then come from the same
-    cache."""
+    and log it to the parent run, with what would fit when nothing does; the trials' own
+    predictions then come from the same cache."""
     recorder = Console(record=True, width=120, file=io.StringIO())
-    space, spec, settings = checked.space, checked.spec, checked.settings
     try:
-        reports = fit.show_fit_reports(console, cfg, space, spec, settings, workloads, recorder)
+        reports = _shown_fit_reports(cfg, checked, workloads, console, given, recorder)
     except PredictionUnsupported:
         return []  # said by the first trial, which measures instead
     rows: dict[str, list] = {}
@@ -100,6 +105,29 @@ def _log_fit_report(
     parent.text(recorder.export_text(), "fit_report.txt")
     parent.table(rows, "fit_report.json")
     return reports
+
+
+def _shown_fit_reports(
+    cfg: DictConfig,
+    checked: Checked,
+    workloads: Workloads,
+    console: Console,
+    given: list[str],
+    record: Console | None = None,
+) -> list[fit.FitReport]:
+    """The fit reports, each shown as it is done, then, when no cell fits, what would
+    (search/advice.py) with `python -m search` commands."""
+    space, spec, settings = checked.space, checked.spec, checked.settings
+    reports = fit.show_fit_reports(console, cfg, space, spec, settings, workloads, record)
+    if fit.nothing_fits(reports):
+        console.print(fit.NOTHING_FITS, soft_wrap=True, highlight=False)
+        for line in what_would_fit(cfg, given, STUDY_COMMAND, workloads):
+            for each in (console, record) if record is not None else (console,):
+                each.print(line, soft_wrap=True, markup=False, highlight=False)
+    return reports
+
+
+STUDY_COMMAND = "python -m search"
 
 
 def _trains_here(cfg: DictConfig) -> bool:
@@ -115,11 +143,15 @@ def _trains_here(cfg: DictConfig) -> bool:
 
 
 def _show_fit_reports(
-    cfg: DictConfig, checked: Checked, workloads: Workloads, console: Console, elsewhere: str
+    cfg: DictConfig,
+    checked: Checked,
+    workloads: Workloads,
+    console: Console,
+    elsewhere: str,
+    given: list[str],
 ) -> None:
-    space, spec, settings = checked.space, checked.spec, checked.settings
     try:
-        fit.show_fit_reports(console, cfg, space, spec, settings, workloads)
+        _shown_fit_reports(cfg, checked, workloads, console, given)
     except PredictionUnsupported:
         return
     except ConfigError as error:  # said with the reason the study stops
@@ -155,6 +187,7 @@ def _set_up(
     searched: dict[str, str],
     fixed: str,
     console: Console,
+    given: list[str],
 ) -> None:
     """The parent run's params, search space, fixed config and fit report; the fit report's
     cells (the summary's memory boundary) and first trials into the study."""
@@ -162,7 +195,7 @@ def _set_up(
     parent.params(flatten(OmegaConf.to_container(OmegaConf.create(fixed))))
     parent.text(OmegaConf.to_yaml(searched), "search_space.yaml")
     parent.text(fixed, "fixed_config.yaml")
-    reports = _log_fit_report(cfg, checked, workloads, parent, console)
+    reports = _log_fit_report(cfg, checked, workloads, parent, console, given)
     if reports and FIT_ATTR not in study.user_attrs:
         # The first trials are enqueued before the cells are stored: a worker killed in
         # between leaves the next one to enqueue them (once: skip_if_exists). A grid tries
@@ -246,6 +279,7 @@ class StudyDriver:
         output_dir: Path | None = None,
     ) -> StudyDriver:
         name = cfg.search.study_name or default_study_name(choices)
+        given = list(overrides)  # as typed: the advice's commands extend them
         overrides = with_gpu_budget(cfg, overrides)  # search.gpu=CARD: the card's budget
         # The data and memory predictors of the study: the checks, the fit report and the
         # trials build each once.
@@ -267,14 +301,19 @@ class StudyDriver:
         # A GPU planned for (search.gpu) but not here: the preflight, then stop, with no
         # storage opened, no study, no run.
         here = _trains_here(cfg)
-        checked = validate(
-            cfg, name, compose, open_store=here, multirun=multirun, workloads=workloads
-        )
+        try:
+            checked = validate(
+                cfg, name, compose, open_store=here, multirun=multirun, workloads=workloads
+            )
+        except OverBudget as error:  # no batch helps: what would, predicted
+            console.print(fit.NOTHING_FITS, soft_wrap=True, highlight=False)
+            advice = what_would_fit(cfg, given, STUDY_COMMAND, workloads, error.needed_bytes)
+            raise ConfigError([*error.problems, "\n".join(advice)]) from None
         for note in checked.notes:
             console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
         elsewhere = planned_elsewhere(checked.spec)
         if elsewhere:
-            _show_fit_reports(cfg, checked, workloads, console, elsewhere)
+            _show_fit_reports(cfg, checked, workloads, console, elsewhere, given)
             raise ConfigError([elsewhere])
         settings = checked.settings
         # What every trial shares: the config with the space's fixed values applied, less the
@@ -293,7 +332,7 @@ class StudyDriver:
             study.set_user_attr(PARENT_ATTR, parent.run_id)
         if created or not setup_done(tracker, parent):
             # A worker killed before the end of this is completed by the next one.
-            _set_up(cfg, checked, workloads, study, parent, searched, fixed, console)
+            _set_up(cfg, checked, workloads, study, parent, searched, fixed, console, given)
         parent_run = StudyRun(parent, settings.metrics)
         return cls(
             checked,

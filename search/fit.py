@@ -37,6 +37,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from search.advice import what_would_fit
 from search.compose import task_overrides
 from search.config import SearchConfig
 from search.levers import with_default_space
@@ -62,7 +63,7 @@ from train.predict import (
     fits_budget,
     largest_fitting_batch,
 )
-from train.run import RunSpec, budget_source, with_gpu_budget
+from train.run import OverBudget, RunSpec, budget_source, with_gpu_budget
 from train.workload import Workloads
 
 
@@ -170,6 +171,9 @@ class FitReport:
             words.append(f"{self.strategy} on {self.world_size} devices")
         words += [f"{key}={value}" for key, value in self.at.items()]
         return ", ".join(words) or "as configured"
+
+    def fits_anywhere(self) -> bool:
+        return any(cell.fits for cell in self.cells.values())
 
     def accum_groups(self) -> list[list[int | None]]:
         """The accumulations, those whose cells are the same at every batch size and precision
@@ -405,6 +409,12 @@ def _without_checkpointing(
         ):
             return {key: cell.peak_bytes for key, cell in other.cells.items()}
     return {}
+
+
+def nothing_fits(reports: list[FitReport]) -> bool:
+    """Whether no cell of any report fits (and there is a cell that was predicted)."""
+    predicted = any(c.fits is not None for r in reports for c in r.cells.values())
+    return predicted and not any(r.fits_anywhere() for r in reports)
 
 
 def show_fit_reports(
@@ -655,9 +665,10 @@ def main(cfg: DictConfig) -> None:
         console = Console(width=160)
     hydra_cfg = HydraConfig.get()
     name = cfg.search.study_name or "fit-report"  # checked, not used: nothing is recorded
+    given = task_overrides(hydra_cfg)  # the command line, which the advice's commands extend
     workloads = Workloads()  # one data set and predictor for the checks and the report
     try:
-        base = with_gpu_budget(cfg, task_overrides(hydra_cfg))  # search.gpu=CARD: its budget
+        base = with_gpu_budget(cfg, given)  # search.gpu=CARD: the card's budget
 
         def compose(trial_overrides: list[str]) -> DictConfig:
             return hydra.compose(config_name="config", overrides=base + trial_overrides)
@@ -666,6 +677,10 @@ def main(cfg: DictConfig) -> None:
         if space_note:
             console.print(f"[yellow]note[/yellow] {escape(space_note)}", soft_wrap=True)
         checked = validate(cfg, name, compose, open_store=False, workloads=workloads)
+    except OverBudget as error:  # no batch helps: what would, predicted
+        errors.print(NOTHING_FITS, soft_wrap=True, highlight=False)
+        advice = what_would_fit(cfg, given, COMMAND, workloads, error.needed_bytes)
+        config_error(errors, ConfigError([*error.problems, "\n".join(advice)]))
     except ConfigError as error:
         config_error(errors, error)
     except Exception as error:  # escaping, Hydra would print the overrides, passwords and all
@@ -673,7 +688,13 @@ def main(cfg: DictConfig) -> None:
     for note in checked.notes:
         console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
     try:
-        show_fit_reports(console, cfg, checked.space, checked.spec, checked.settings, workloads)
+        reports = show_fit_reports(
+            console, cfg, checked.space, checked.spec, checked.settings, workloads
+        )
+        if nothing_fits(reports):
+            console.print(NOTHING_FITS, soft_wrap=True, highlight=False)
+            for line in what_would_fit(cfg, given, COMMAND, workloads):
+                console.print(line, soft_wrap=True, markup=False, highlight=False)
     except ConfigError as error:
         config_error(errors, error)
     except PredictionUnsupported as error:
@@ -686,6 +707,10 @@ def main(cfg: DictConfig) -> None:
         )
     except Exception as error:  # escaping, Hydra would print the overrides, passwords and all
         crashed(errors, "The fit report failed", f"{type(error).__name__} (above)")
+
+
+COMMAND = "python -m search.fit"
+NOTHING_FITS = "Nothing fits: batch 1 is predicted with each lever batchfit has, cheapest first"
 
 
 if __name__ == "__main__":

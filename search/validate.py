@@ -48,7 +48,7 @@ from train.params import (
     STRATEGY_KEY,
 )
 from train.precision import unsupported_reason
-from train.run import RunSpec, check_builds, plan, resolve_device
+from train.run import OverBudget, RunSpec, check_builds, plan, resolve_device
 from train.workload import Workloads
 
 _MISSING = object()
@@ -167,8 +167,16 @@ def validate(
         problems += _check_accumulation(space, derived)
         for key in space.distributions:
             problems += _check_key(cfg, key, space, problems, derived)
+    over_budget = None  # the budget cannot hold the state: said with what would fit
     if spec is not None and not problems:
-        note = _collect(problems, lambda: check_builds(cfg, spec, workloads))
+        try:
+            note = check_builds(cfg, spec, workloads)
+        except OverBudget as error:
+            note, over_budget = None, error
+            problems += error.problems
+        except ConfigError as error:
+            note = None
+            problems += [p for p in error.problems if p not in problems]
         if note and derived:
             problems.append(
                 f"search.accumulation=derived chooses each micro-batch from the memory "
@@ -189,6 +197,8 @@ def validate(
         storage = _collect(
             problems, lambda: open_storage(settings.storage, settings.heartbeat_interval_s)
         )
+    if over_budget is not None and problems == over_budget.problems:
+        raise over_budget
     if problems:
         raise ConfigError(problems)
     return Checked(settings, space, spec, storage, notes, sampler, pruner)

@@ -6,7 +6,9 @@ expandable segments, max_split_size, garbage collection and, under a per-process
 release-and-retry before an out-of-memory error. `predict_reserved` is what the predictor
 calls; `train/cuda_trace.py` checks the model event by event against real CUDA traces.
 
-One stream, no CUDA graphs, no `empty_cache`: what a training step of this project does."""
+Blocks serve only the CUDA stream that allocated their segment, as in c10; `empty_cache` is
+`release_cached_blocks`, and a trace's segment_free / segment_unmap are `release_segment` /
+`unmap`. No CUDA graphs (private pools) and no record_stream (a free is final)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import bisect
 import operator
 import os
 import re
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -266,14 +269,20 @@ class SegmentState:
     size_bytes: int
     small: bool
     expandable: bool = False
+    stream: int = 0  # the CUDA stream that allocated it
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Segment:
     address: int
     size_bytes: int  # the address space of an expandable segment
     small: bool
     expandable: bool
+    stream: int  # the stream that allocated it: its blocks serve that stream only
+    # Its pool's sorted keys of the stream's free and unmapped blocks (_Pool.keys[stream],
+    # _Pool.unmapped[stream]), held here so that caching a block looks up no stream.
+    free_keys: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    unmapped_keys: list[int] = field(default_factory=list, repr=False)
 
     @property
     def page_bytes(self) -> int:
@@ -304,35 +313,45 @@ def _expandable_size(block: _Block) -> int:
 
 @dataclass(eq=False)
 class _Pool:
-    """A BlockPool: free mapped blocks by (size, address) (BlockComparatorSize on one stream),
-    unmapped ones by address (BlockComparatorAddress). `blocks` and `unmapped_blocks` map an
-    address to its block: no two segments the model holds overlap (CachingAllocatorModel._place),
-    so no two blocks share one."""
+    """A BlockPool: free mapped blocks by stream, then (size, address) (BlockComparatorSize),
+    unmapped ones by stream, then address (BlockComparatorAddress): a sorted list per stream.
+    `blocks` and `unmapped_blocks` map an address to its block: no two segments the model
+    holds overlap (CachingAllocatorModel._place), so no two blocks share one."""
 
     small: bool
-    keys: list[tuple[int, int]] = field(default_factory=list)
+    keys: defaultdict[int, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
     blocks: dict[int, _Block] = field(default_factory=dict)
-    unmapped: list[int] = field(default_factory=list)
+    unmapped: defaultdict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
     unmapped_blocks: dict[int, _Block] = field(default_factory=dict)
     get_free_calls: int = 0
+
+    def join(self, segment: _Segment) -> None:
+        """A new segment of the pool shares its stream's sorted keys."""
+        segment.free_keys = self.keys[segment.stream]
+        segment.unmapped_keys = self.unmapped[segment.stream]
 
     def insert(self, block: _Block) -> None:
         if block.mapped:
             block.gc_base = self.get_free_calls
-            bisect.insort(self.keys, (block.size, block.address))
+            bisect.insort(block.segment.free_keys, (block.size, block.address))
             self.blocks[block.address] = block
         else:
-            bisect.insort(self.unmapped, block.address)
+            bisect.insort(block.segment.unmapped_keys, block.address)
             self.unmapped_blocks[block.address] = block
 
     def remove(self, block: _Block) -> None:
         if block.mapped:
-            keys, key = self.keys, (block.size, block.address)
-            del keys[bisect.bisect_left(keys, key)]
+            keys = block.segment.free_keys
+            del keys[bisect.bisect_left(keys, (block.size, block.address))]
             del self.blocks[block.address]
         else:
-            del self.unmapped[bisect.bisect_left(self.unmapped, block.address)]
+            unmapped = block.segment.unmapped_keys
+            del unmapped[bisect.bisect_left(unmapped, block.address)]
             del self.unmapped_blocks[block.address]
+
+    def free_blocks(self) -> list[_Block]:
+        """The free mapped blocks in c10's order: by stream, size, address."""
+        return [self.blocks[a] for stream in sorted(self.keys) for _, a in self.keys[stream]]
 
 
 class CachingAllocatorModel:
@@ -370,15 +389,18 @@ class CachingAllocatorModel:
 
     # --- the public operations -------------------------------------------------------
 
-    def malloc(self, key: object, nbytes: int, segment_address: int | None = None) -> int:
-        """c10's malloc; returns the block's address. `segment_address` is where a new
-        segment goes if one is needed (a trace's segment_alloc), else a synthetic one; also
-        a synthetic one when the model holds a segment over that range (see _place)."""
+    def malloc(
+        self, key: object, nbytes: int, segment_address: int | None = None, stream: int = 0
+    ) -> int:
+        """c10's malloc on `stream` (a free block serves the stream its segment was allocated
+        on only); returns the block's address. `segment_address` is where a new segment goes
+        if one is needed (a trace's segment_alloc), else a synthetic one; also a synthetic
+        one when the model holds a segment over that range (see _place)."""
         size = self.settings.round_size(nbytes)
         pool = self.pools[size <= _SMALL_SIZE]
-        block = self._get_free_block(pool, size)
+        block = self._get_free_block(pool, size, stream)
         if block is None:
-            block = self._alloc_with_retry(pool, size, segment_address)
+            block = self._alloc_with_retry(pool, size, stream, segment_address)
         self._alloc_found_block(pool, block, size)
         self.live[key] = block
         return block.address
@@ -397,8 +419,7 @@ class CachingAllocatorModel:
         expandable segments unmap every whole free page (release_blocks, unmap_block)."""
         for small in (False, True):
             pool = self.pools[small]
-            cached = [pool.blocks[address] for _, address in list(pool.keys)]
-            for block in cached:
+            for block in pool.free_blocks():
                 if block.segment.expandable:
                     self._unmap_block(pool, block)
                 elif block.prev is None and block.next is None:
@@ -468,6 +489,10 @@ class CachingAllocatorModel:
                 f"{address:#x} overlap"
             )
             pool = self.pools[segment.small]
+            assert (
+                segment.free_keys is pool.keys[segment.stream]
+                and segment.unmapped_keys is pool.unmapped[segment.stream]
+            ), f"the segment at {address:#x} holds another index than its stream's"
             head = live_at.get(address) or pool.blocks.get(address)
             totals.add(segment, _segment_blocks(segment, head or pool.unmapped_blocks.get(address)))
             previous = segment
@@ -500,22 +525,24 @@ class CachingAllocatorModel:
         """Starts from an existing state: `segments` and the live `(address, size)` blocks in
         them (keyed by address); the rest of each segment is free, merged as c10 keeps it."""
         segments, live = list(segments), sorted(live_blocks)
+        expandable: dict[tuple[bool, int], list[tuple[int, int]]] = {}
         for state in segments:
-            if not state.expandable:
-                segment = _Segment(state.address, state.size_bytes, state.small, False)
-                self._add_seeded(segment, [(state.address, state.size_bytes)], live)
+            if state.expandable:  # one segment per pool and stream, as c10 grows them
+                expandable.setdefault((state.small, state.stream), []).append(
+                    (state.address, state.size_bytes)
+                )
+                continue
+            segment = _Segment(state.address, state.size_bytes, state.small, False, state.stream)
+            self._add_seeded(segment, [(state.address, state.size_bytes)], live)
         starts = sorted(s.address for s in segments)
-        for small in (False, True):
-            ranges = sorted(
-                (s.address, s.size_bytes) for s in segments if s.expandable and s.small == small
-            )
-            if ranges:
-                # The address space runs to the next segment at most: c10 reserved it apart.
-                start, last_end = ranges[0][0], ranges[-1][0] + ranges[-1][1]
-                following = starts[bisect.bisect_right(starts, ranges[-1][0]) :]
-                room = (following[0] if following else start + self.expandable_va_bytes) - start
-                va_bytes = max(min(self.expandable_va_bytes, room), last_end - start)
-                self._add_seeded(_Segment(start, va_bytes, small, True), ranges, live)
+        for (small, stream), ranges in sorted(expandable.items()):
+            ranges.sort()
+            # The address space runs to the next segment at most: c10 reserved it apart.
+            start, last_end = ranges[0][0], ranges[-1][0] + ranges[-1][1]
+            following = starts[bisect.bisect_right(starts, ranges[-1][0]) :]
+            room = (following[0] if following else start + self.expandable_va_bytes) - start
+            va_bytes = max(min(self.expandable_va_bytes, room), last_end - start)
+            self._add_seeded(_Segment(start, va_bytes, small, True, stream), ranges, live)
         self._seed_reserved_bytes = self.reserved_bytes
 
     def _add_seeded(self, segment: _Segment, mapped: list[tuple[int, int]], live: list) -> None:
@@ -567,12 +594,12 @@ class CachingAllocatorModel:
 
     # --- c10's malloc path ----------------------------------------------------------------
 
-    def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
-        """get_free_block: the smallest cached block that fits (ties by address), with the
-        expandable tail rule and max_split_size's oversize rules."""
+    def _get_free_block(self, pool: _Pool, size: int, stream: int) -> _Block | None:
+        """get_free_block: the smallest cached block of the stream that fits (ties by
+        address), with the expandable tail rule and max_split_size's oversize rules."""
         if self._gc:
             pool.get_free_calls += 1
-        keys = pool.keys
+        keys = pool.keys[stream]  # a defaultdict: a new stream gets an empty list
         i = bisect.bisect_left(keys, (size, -1))
         if i == len(keys):
             return None
@@ -593,37 +620,41 @@ class CachingAllocatorModel:
         pool.remove(block)
         return block
 
-    def _alloc_with_retry(self, pool: _Pool, size: int, segment_address: int | None) -> _Block:
+    def _alloc_with_retry(
+        self, pool: _Pool, size: int, stream: int, segment_address: int | None
+    ) -> _Block:
         """malloc's chain when no cached block fits: garbage collection, alloc_block, then
         release_available_cached_blocks and alloc_block, then release_cached_blocks and
         alloc_block; only then out of memory."""
         if self._gc:
             self._garbage_collect_cached_blocks()
-        block = self._alloc_block(pool, size, segment_address)
-        if block is None and self._release_available_cached_blocks(pool, size):
-            block = self._alloc_block(pool, size, segment_address)
+        block = self._alloc_block(pool, size, stream, segment_address)
+        if block is None and self._release_available_cached_blocks(pool, size, stream):
+            block = self._alloc_block(pool, size, stream, segment_address)
         if block is None:
             self.release_cached_blocks()
-            block = self._alloc_block(pool, size, segment_address)
+            block = self._alloc_block(pool, size, stream, segment_address)
         if block is None:
             raise AllocatorOutOfMemory(size, self.reserved_bytes, self.limit_bytes)
         return block
 
-    def _alloc_block(self, pool: _Pool, size: int, segment_address: int | None) -> _Block | None:
+    def _alloc_block(
+        self, pool: _Pool, size: int, stream: int, segment_address: int | None
+    ) -> _Block | None:
         """alloc_block: the per-process limit is checked against get_allocation_size even
         with expandable segments (which then map only the pages they lack)."""
         segment_bytes = allocation_size(size)
         if self.limit_bytes is not None and self.reserved_bytes + segment_bytes > self.limit_bytes:
             return None
         if self.settings.expandable_segments:
-            return self._try_allocate_expandable_block(pool, size, segment_address)
+            return self._try_allocate_expandable_block(pool, size, stream, segment_address)
         if (
             self.device_bytes is not None
             and self.reserved_bytes + segment_bytes > self.device_bytes
         ):
             return None  # cudaMalloc fails
         address = self._place(segment_address, segment_bytes)
-        segment = _Segment(address, segment_bytes, pool.small, False)
+        segment = _Segment(address, segment_bytes, pool.small, False, stream)
         self._add_segment(segment)
         self._reserve(segment_bytes)
         self.num_segments += 1
@@ -650,6 +681,7 @@ class CachingAllocatorModel:
         return segment if segment.end > address else None
 
     def _add_segment(self, segment: _Segment) -> None:
+        self.pools[segment.small].join(segment)
         bisect.insort(self._segment_starts, segment.address)
         self._segments[segment.address] = segment
         end = _round_up(segment.end, _LARGE_BUFFER)
@@ -703,7 +735,7 @@ class CachingAllocatorModel:
         self.reserved_bytes -= block.size
         self.num_segments -= 1
 
-    def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
+    def _release_available_cached_blocks(self, pool: _Pool, size: int, stream: int) -> bool:
         """release_available_cached_blocks (only with max_split_size): free the smallest
         oversize segment that holds the request, else oversize ones from the largest down
         until enough is freed."""
@@ -711,7 +743,7 @@ class CachingAllocatorModel:
         if max_split is None:
             return False
         wanted = max(size, max_split)
-        keys = pool.keys
+        keys = pool.keys[stream]
         i = bisect.bisect_left(keys, (wanted, -1))
         if i < len(keys):
             return self._release_whole(pool, pool.blocks[keys[i][1]]) > 0
@@ -747,7 +779,7 @@ class CachingAllocatorModel:
         }
         while reclaimed_bytes < target_bytes and ages:
             age_threshold = sum(ages.values()) / len(ages)
-            old = [pool.blocks[a] for _, a in list(pool.keys) if ages.get(a, -1) >= age_threshold]
+            old = [b for b in pool.free_blocks() if ages.get(b.address, -1) >= age_threshold]
             for block in old:
                 del ages[block.address]
                 reclaimed_bytes += block.size
@@ -756,11 +788,11 @@ class CachingAllocatorModel:
     # --- expandable segments --------------------------------------------------------------
 
     def _try_allocate_expandable_block(
-        self, pool: _Pool, size: int, segment_address: int | None
+        self, pool: _Pool, size: int, stream: int, segment_address: int | None
     ) -> _Block | None:
         """try_allocate_expandable_block: map the pages the lowest fitting run of free and
         unmapped space lacks."""
-        candidate = self._find_expandable_block(pool, size, segment_address)
+        candidate = self._find_expandable_block(pool, size, stream, segment_address)
         if not candidate.mapped and not self._map_block(pool, candidate, min(candidate.size, size)):
             return None
         while candidate.size < size:
@@ -771,10 +803,13 @@ class CachingAllocatorModel:
         pool.remove(candidate)
         return candidate
 
-    def _find_expandable_block(self, pool: _Pool, size: int, segment_address: int | None) -> _Block:
-        """find_expandable_block: the lowest unmapped block (with the free block before it)
-        followed by enough free or unmapped space, else a new segment's address space."""
-        for address in pool.unmapped:
+    def _find_expandable_block(
+        self, pool: _Pool, size: int, stream: int, segment_address: int | None
+    ) -> _Block:
+        """find_expandable_block: the stream's lowest unmapped block (with the free block
+        before it) followed by enough free or unmapped space, else a new segment's address
+        space for the stream."""
+        for address in pool.unmapped[stream]:
             candidate = pool.unmapped_blocks[address]
             if candidate.prev is not None and not candidate.prev.allocated:
                 candidate = candidate.prev
@@ -785,7 +820,7 @@ class CachingAllocatorModel:
                 return candidate
         va_bytes = self.expandable_va_bytes
         address = self._place(segment_address, va_bytes)
-        segment = _Segment(address, va_bytes, pool.small, True)
+        segment = _Segment(address, va_bytes, pool.small, True, stream)
         self._add_segment(segment)
         block = _Block(segment.address, va_bytes, segment, mapped=False)
         pool.insert(block)
@@ -960,23 +995,31 @@ def _same_blocks(these: list[_Block], those: Iterable[_Block]) -> bool:
 
 def _check_index(pool: _Pool) -> None:
     """The sorted indexes against the maps (which the walk matched with the blocks): as
-    many entries, sorted without repeats, each naming a block of its size."""
+    many entries, each stream's sorted without repeats, each naming a block of its size on
+    its stream."""
     name = "small" if pool.small else "large"
-    keys, unmapped = pool.keys, pool.unmapped
-    assert len(keys) == len(pool.blocks), (
-        f"{name} pool: {len(keys)} index keys, {len(pool.blocks)} free blocks in its map"
+    num_keys = sum(map(len, pool.keys.values()))
+    assert num_keys == len(pool.blocks), (
+        f"{name} pool: {num_keys} index keys, {len(pool.blocks)} free blocks in its map"
     )
-    assert _increasing(keys), f"{name} pool: index out of order or repeated"
-    for size, address in keys:
-        block = pool.blocks.get(address)
-        assert block is not None and block.size == size, (
-            f"{name} pool: index key ({size}, {address:#x}) names no free block of that size"
-        )
-    assert len(unmapped) == len(pool.unmapped_blocks), (
-        f"{name} pool: {len(unmapped)} unmapped keys, {len(pool.unmapped_blocks)} in its map"
+    for stream, keys in pool.keys.items():
+        assert _increasing(keys), f"{name} pool, stream {stream}: index out of order or repeated"
+        for size, address in keys:
+            block = pool.blocks.get(address)
+            assert block is not None and (block.size, block.segment.stream) == (size, stream), (
+                f"{name} pool, stream {stream}: index key ({size}, {address:#x}) names no free "
+                "block of that size on that stream"
+            )
+    num_unmapped = sum(map(len, pool.unmapped.values()))
+    assert num_unmapped == len(pool.unmapped_blocks), (
+        f"{name} pool: {num_unmapped} unmapped keys, {len(pool.unmapped_blocks)} in its map"
     )
-    assert _increasing(unmapped), f"{name} pool: unmapped index out of order or repeated"
-    assert all(a in pool.unmapped_blocks for a in unmapped), f"{name} pool: unmapped key"
+    for stream, unmapped in pool.unmapped.items():
+        assert _increasing(unmapped), f"{name} pool, stream {stream}: unmapped index out of order"
+        assert all(
+            a in pool.unmapped_blocks and pool.unmapped_blocks[a].segment.stream == stream
+            for a in unmapped
+        ), f"{name} pool, stream {stream}: an unmapped key names no unmapped block of the stream"
 
 
 # ------------------------------------------------------------------------------ replaying

@@ -32,7 +32,6 @@ from train.allocator import (
     allocation_size,
     expandable_slack_bytes,
     live_peak_bytes,
-    replay,
     smallest_fitting_limit,
 )
 
@@ -104,7 +103,9 @@ def _start_live_blocks(trace: DeviceTrace) -> list[tuple[int, int]]:
 
 
 def _start_segments(trace: DeviceTrace) -> list[SegmentState]:
-    kinds = sorted((s["address"], s["segment_type"] == "small") for s in trace.segments)
+    kinds = sorted(
+        (s["address"], s["segment_type"] == "small", s["stream"]) for s in trace.segments
+    )
     if not trace.settings.expandable_segments:
         return _start_plain_segments(trace)
     runs = _Runs()
@@ -115,29 +116,38 @@ def _start_segments(trace: DeviceTrace) -> list[SegmentState]:
             runs.unmap(event["addr"], event["size"])
         elif event["action"] in _UNMAPS:
             runs.map(event["addr"], event["size"])
-    return [
-        SegmentState(start, end - start, _small_at(kinds, start), expandable=True)
-        for start, end in runs.items()
-    ]
+    segments = []
+    for start, end in runs.items():
+        small, stream = _kind_at(kinds, start)
+        segments.append(SegmentState(start, end - start, small, expandable=True, stream=stream))
+    return segments
 
 
-def _small_at(kinds: list[tuple[int, bool]], address: int) -> bool:
-    """The pool of a mapped range: that of the final segment at or below its address."""
-    i = bisect.bisect_right(kinds, (address, True)) - 1
-    return kinds[max(i, 0)][1] if kinds else False
+def _kind_at(kinds: list[tuple[int, bool, int]], address: int) -> tuple[bool, int]:
+    """The pool and stream of a mapped range: those of the final segment at or below its
+    address."""
+    if not kinds:
+        return False, 0
+    i = bisect.bisect_right(kinds, (address, True, float("inf"))) - 1
+    _, small, stream = kinds[max(i, 0)]
+    return small, stream
 
 
 def _start_plain_segments(trace: DeviceTrace) -> list[SegmentState]:
     segments = {
-        s["address"]: (s["total_size"], s["segment_type"] == "small") for s in trace.segments
+        s["address"]: (s["total_size"], s["segment_type"] == "small", s["stream"])
+        for s in trace.segments
     }
     for event in reversed(trace.events):
         if event["action"] == "segment_alloc":
             segments.pop(event["addr"], None)
         elif event["action"] == "segment_free":
             # a small-pool segment is always kSmallBuffer, a large one at least 10 MiB
-            segments[event["addr"]] = (event["size"], event["size"] == 2 << 20)
-    return [SegmentState(a, size, small) for a, (size, small) in sorted(segments.items())]
+            segments[event["addr"]] = (event["size"], event["size"] == 2 << 20, event["stream"])
+    return [
+        SegmentState(a, size, small, stream=stream)
+        for a, (size, small, stream) in sorted(segments.items())
+    ]
 
 
 class _Runs:
@@ -282,13 +292,13 @@ def replay_device(
                 on_event(i, model)
             continue
         if action == "alloc":
-            model.malloc(address, event["size"], pending_address)
+            model.malloc(address, event["size"], pending_address, event["stream"])
             pending_address = None
         elif action == "free_completed":
             model.free(address)
         elif action == "oom":
             real_oom = True
-            model_oom = not _fits_one_more(model, ("oom", i), event["size"])
+            model_oom = not _fits_one_more(model, ("oom", i), event["size"], event["stream"])
         else:
             continue
         if on_event is not None:
@@ -308,11 +318,11 @@ def replay_device(
     )
 
 
-def _fits_one_more(model: CachingAllocatorModel, key: object, nbytes: int) -> bool:
+def _fits_one_more(model: CachingAllocatorModel, key: object, nbytes: int, stream: int) -> bool:
     """Whether the model holds the request the real run failed; if so it is freed again (the
     real run never got it)."""
     try:
-        model.malloc(key, nbytes)
+        model.malloc(key, nbytes, stream=stream)
     except AllocatorOutOfMemory:
         return False
     model.free(key)
@@ -322,18 +332,28 @@ def _fits_one_more(model: CachingAllocatorModel, key: object, nbytes: int) -> bo
 # ------------------------------------------------------------------ smallest limits
 
 
-def _steps(trace: DeviceTrace, skip: frozenset[int] = frozenset()) -> list[tuple[int, int]]:
-    """The trace as allocator events: `(address, size)` and `(address, -1)`; an OOM's request
-    is left out (the run never got it)."""
+def _steps(trace: DeviceTrace, skip: frozenset[int] = frozenset()) -> list[tuple[int, int, int]]:
+    """The trace as allocator events: `(address, size, stream)` and `(address, -1, stream)`;
+    an OOM's request is left out (the run never got it)."""
     steps = []
     for i, event in enumerate(trace.events):
         if i in skip:
             continue
         if event["action"] == "alloc":
-            steps.append((event["addr"], event["size"]))
+            steps.append((event["addr"], event["size"], event["stream"]))
         elif event["action"] == "free_completed":
-            steps.append((event["addr"], -1))
+            steps.append((event["addr"], -1, event["stream"]))
     return steps
+
+
+def _replay_steps(model: CachingAllocatorModel, steps: list[tuple[int, int, int]]) -> None:
+    """allocator.replay with each allocation on its stream."""
+    malloc, free = model.malloc, model.free
+    for address, nbytes, stream in steps:
+        if nbytes < 0:
+            free(address)
+        else:
+            malloc(address, nbytes, None, stream)
 
 
 def _runs_under(trace: DeviceTrace, steps: list, state: StartState, limit_bytes: int) -> bool:
@@ -346,7 +366,7 @@ def _runs_under(trace: DeviceTrace, steps: list, state: StartState, limit_bytes:
         if model.reserved_bytes > limit_bytes:
             return False
     try:
-        replay(model, steps)
+        _replay_steps(model, steps)
     except AllocatorOutOfMemory:
         return False
     return True
@@ -364,9 +384,10 @@ def model_limits(trace: DeviceTrace, skip: frozenset[int] = frozenset()) -> Limi
     steps, state = _steps(trace, skip), start_state(trace)
     unlimited = CachingAllocatorModel(trace.settings)
     unlimited.seed(state.segments, state.live_blocks)
-    replay(unlimited, steps)
-    high = unlimited.peak_reserved_bytes + expandable_slack_bytes(steps, trace.settings)
-    low = live_peak_bytes(steps, trace.settings.round_size, state.live_blocks) - 1
+    _replay_steps(unlimited, steps)
+    sizes = [(address, nbytes) for address, nbytes, _ in steps]
+    high = unlimited.peak_reserved_bytes + expandable_slack_bytes(sizes, trace.settings)
+    low = live_peak_bytes(sizes, trace.settings.round_size, state.live_blocks) - 1
     least = smallest_fitting_limit(lambda limit: _runs_under(trace, steps, state, limit), low, high)
     return Limits(least, unlimited.peak_reserved_bytes)
 

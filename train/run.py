@@ -294,11 +294,21 @@ def _build_all(
     return model
 
 
+class OverBudget(ConfigError):
+    """The budget cannot hold what training needs whatever the batch: the parameters,
+    gradients and optimizer state alone (`needed_bytes`). No batch size, accumulation or
+    precision of the space helps; search/advice.py says what would."""
+
+    def __init__(self, problems: list[str], needed_bytes: int):
+        super().__init__(problems)
+        self.needed_bytes = needed_bytes
+
+
 def _budget_note(
     cfg: DictConfig, spec: RunSpec, workload: Workload, model: torch.nn.Module
 ) -> str | None:
-    """A ConfigError when the budget cannot hold the parameters, gradients and optimizer
-    state; the note that memory cannot be predicted, when it cannot."""
+    """An OverBudget error when the budget cannot hold the parameters, gradients and
+    optimizer state; the note that memory cannot be predicted, when it cannot."""
     if spec.budget_bytes is None:
         return None
     try:
@@ -315,16 +325,33 @@ def _budget_note(
             if smallest
             else ""
         )
-        suggest = smallest[1] if smallest else 2 * needed
-        raise ConfigError(
+        suggest = -(-(smallest[1] if smallest else 2 * needed) * 5 // 4 // 2**20)  # MiB
+        total = spec.target.total_bytes
+        if suggest * 2**20 <= total:
+            fix = (
+                f"Raise it, e.g. search.memory_budget={suggest}MiB, or pick a smaller model or "
+                "optimizer"
+            )
+        else:  # no budget on this device holds it: raising it is no advice
+            fix = (
+                f"That is more than the {format_bytes(total)} {_device_name(spec.target)} "
+                "has, so no budget on it holds this run: load the weights in bfloat16, train "
+                "LoRA adapters, shard it over several devices (trainer.strategy=fsdp "
+                "trainer.devices=N) or plan for a larger card; `python -m search.fit` with "
+                "these overrides predicts each and prints the commands that fit"
+            )
+        raise OverBudget(
             [
                 f"search.memory_budget={format_bytes(spec.budget_bytes)} is below the "
-                f"{format_bytes(needed)} that {what} need{step}. Raise it, e.g. "
-                f"search.memory_budget={-(-suggest * 5 // 4 // 2**20)}MiB, or pick a smaller "
-                "model or optimizer"
-            ]
+                f"{format_bytes(needed)} that {what} need{step}. {fix}"
+            ],
+            needed,
         )
     return note and f"memory cannot be predicted for this model, so trials measure it ({note})"
+
+
+def _device_name(target: DeviceSpec) -> str:
+    return target.name if target.type == "cuda" else "of memory this machine"
 
 
 def _smallest_step(

@@ -347,8 +347,22 @@ def test_a_budget_below_the_training_state_stops_before_the_first_trial(hydra_co
     smallest = _predicted(hydra_conf([*FAST, *overrides, "trainer.batch_size=1"]), 1)
     with pytest.raises(ConfigError) as error:
         _driver(hydra_conf, overrides, name="tiny")
-    (problem,) = error.value.problems
+    problem, advice = error.value.problems
     assert problem.startswith("search.memory_budget=2.0 KiB is below the ")
+    # Then what would fit, predicted (search/advice.py): the small CNN has no weights' dtype,
+    # no LoRA and no blocks to checkpoint; one rank of FSDP over 2 still needs about as much
+    sharded = _predicted(
+        hydra_conf([*FAST, *overrides, "trainer.strategy=fsdp", "trainer.devices=2"]), 1
+    )
+    assert advice.startswith(
+        f"What would fit batch 1 (accum_steps 1, fp32): it needs {format_bytes(smallest)} on "
+        "this machine, over the budget of 2.0 KiB (search.memory_budget)"
+    ), advice
+    assert f"FSDP over 2 devices: {format_bytes(sharded)} per rank of 2 on this machine, does " in (
+        advice
+    )
+    assert "None of them makes batch 1 fit" in advice
+    assert "activation checkpointing (ConfigError" in advice and "Sequential has no block" in advice
     assert f"the {format_bytes(state)} that the parameters, gradients and optimizer state" in (
         problem
     )

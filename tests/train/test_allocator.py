@@ -187,6 +187,38 @@ def test_empty_cache_unmaps_every_free_page_of_an_expandable_segment():
     assert allocator.reserved_bytes == 60 * MiB and allocator.num_segments == 1
 
 
+# ------------------------------------------------------------------ streams
+
+
+def test_a_free_block_serves_only_the_stream_that_allocated_its_segment():
+    # BlockComparatorSize orders by stream first and get_free_block stops at another stream.
+    allocator = CachingAllocatorModel()
+    first = allocator.malloc("a", 4 * MiB, stream=1)
+    allocator.free("a")  # a free 20 MiB segment, stream 1's
+    allocator.malloc("b", 4 * MiB, stream=2)  # not for stream 2: a segment of its own
+    assert allocator.reserved_bytes == 40 * MiB and allocator.num_segments == 2
+    assert allocator.malloc("c", 4 * MiB, stream=1) == first
+    allocator.malloc("d", 100, stream=1)
+    allocator.free("d")
+    allocator.malloc("e", 100, stream=2)  # the small pool too
+    assert allocator.reserved_bytes == 44 * MiB
+    allocator.free("c")
+    allocator.release_cached_blocks()  # every stream's wholly free segments
+    assert allocator.reserved_bytes == 22 * MiB
+    allocator.check()
+
+
+def test_each_stream_grows_its_own_expandable_segment():
+    allocator = CachingAllocatorModel(EXPANDABLE)
+    allocator.malloc("a", 4 * MiB, stream=1)
+    allocator.malloc("b", 4 * MiB, stream=2)  # stream 1's free 16 MiB is not for it
+    assert allocator.reserved_bytes == 40 * MiB and allocator.num_segments == 2
+    allocator.free("a")
+    allocator.malloc("c", 30 * MiB, stream=2)  # grows stream 2's segment: 16 + 20 MiB
+    assert allocator.reserved_bytes == 60 * MiB and allocator.num_segments == 2
+    allocator.check()
+
+
 # ------------------------------------------------------------------ limits
 
 

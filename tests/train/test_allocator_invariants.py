@@ -1,8 +1,9 @@
 """Invariants of the CUDA caching allocator model (CachingAllocatorModel.check: blocks tile
 their segments, the free-block indexes agree with the blocks, segments are disjoint, the
-counters agree, the limit holds) under random streams of malloc, free, empty_cache and a
-trace's segment_free and segment_unmap with random settings, limits and caller-given segment
-addresses (Hypothesis), and after the events of every real trace of tests/fixtures/cuda-traces."""
+counters agree, the limit holds) under random sequences of malloc (on several CUDA streams),
+free, empty_cache and a trace's segment_free and segment_unmap with random settings, limits
+and caller-given segment addresses (Hypothesis), and after the events of every real trace of
+tests/fixtures/cuda-traces."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ ROUNDUPS = st.one_of(
     DIVISIONS.map(lambda d: (d,) * 16), st.lists(DIVISIONS, min_size=16, max_size=16).map(tuple)
 )
 LIMITS = st.none() | st.integers(10, 300).map(lambda n: n * 2 * MiB)
+STREAMS = st.sampled_from([0, 0, 1, 0x55D0C0DE])  # the default stream most often
 # Real-looking segment addresses (2 MiB aligned, as cudaMalloc returns them), few enough that
 # they repeat and overlap the model's segments.
 ADDRESSES = st.integers(0, 64).map(lambda n: (1 << 40) + n * 2 * MiB)
@@ -68,18 +70,20 @@ class AllocatorMachine(RuleBasedStateMachine):
         )
         self.model = CachingAllocatorModel(allocator, limit_bytes, device_bytes)
 
-    @rule(nbytes=SIZES, address=st.none() | ADDRESSES)
-    def malloc(self, nbytes, address):
+    @rule(nbytes=SIZES, address=st.none() | ADDRESSES, stream=STREAMS)
+    def malloc(self, nbytes, address, stream):
         model, key = self.model, self.num_keys
         self.num_keys += 1
         try:
-            model.malloc(key, nbytes, address)
+            model.malloc(key, nbytes, address, stream)
         except AllocatorOutOfMemory:
             # only a limit or the device's memory refuses, and the request is not live
             assert model.limit_bytes is not None or model.device_bytes is not None
             assert key not in model.live
             return
-        assert model.live[key].size >= model.settings.round_size(nbytes)
+        block = model.live[key]
+        assert block.size >= model.settings.round_size(nbytes)
+        assert block.segment.stream == stream  # never another stream's block
 
     @precondition(lambda self: self.model.live)
     @rule(data=st.data())
@@ -142,7 +146,7 @@ def _cached_segment() -> CachingAllocatorModel:
 
 def test_check_finds_a_free_block_missing_from_its_index():
     model = _cached_segment()
-    model.pools[False].keys.pop()
+    model.pools[False].keys[0].pop()  # stream 0's sorted (size, address) keys
     with pytest.raises(AssertionError, match="large pool: 1 index keys, 2 free blocks"):
         model.check()
 

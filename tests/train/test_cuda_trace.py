@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from search.config import SearchConfig
-from train.allocator import AllocatorSettings, cublas_workspaces
+from train.allocator import AllocatorSettings, SegmentState, cublas_workspaces
 from train.cuda_trace import (
     DeviceTrace,
     StartState,
@@ -168,20 +168,22 @@ def test_the_default_preflight_margin_covers_what_fake_tensors_cannot_see(by_tra
 # ------------------------------------------------------------------ released segments
 
 
-def _event(action: str, address: int, nbytes: int) -> dict:
-    return {"action": action, "addr": address, "size": nbytes, "stream": 0}
+def _event(action: str, address: int, nbytes: int, stream: int = 0) -> dict:
+    return {"action": action, "addr": address, "size": nbytes, "stream": stream}
 
 
 def _alloc_free(address: int, nbytes: int) -> list[dict]:
     return [_event(a, address, nbytes) for a in ("alloc", "free_requested", "free_completed")]
 
 
-def _segment(address: int, nbytes: int, blocks: list[tuple[int, int, str]], **kind) -> dict:
+def _segment(
+    address: int, nbytes: int, blocks: list[tuple[int, int, str]], stream: int = 0, **kind
+) -> dict:
     return {
         "address": address,
         "total_size": nbytes,
         "segment_type": "large",
-        "stream": 0,
+        "stream": stream,
         "blocks": [{"address": a, "size": n, "state": state} for a, n, state in blocks],
         **kind,
     }
@@ -238,3 +240,29 @@ def test_pages_that_empty_cache_unmapped_are_unmapped_in_the_replay_too():
     assert start_state(trace) == StartState([], [])
     replay = replay_device(trace, on_event=lambda i, model: model.check())
     assert (replay.num_events, replay.num_matching) == (5, 5)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_each_allocation_is_replayed_on_its_stream(expandable):
+    # The trace starts with a block of a side stream's segment live; freed, it does not serve
+    # the default stream, which gets a segment of its own, but the side stream's next request.
+    a, b, side = 0x7F0000000000, 0x7F0040000000, 0x55D0C0DE
+    events = [
+        _event("free_requested", a, 4 * MiB, side),
+        _event("free_completed", a, 4 * MiB, side),
+        _event("segment_map" if expandable else "segment_alloc", b, 20 * MiB),
+        _event("alloc", b, 4 * MiB),
+        _event("alloc", a, 4 * MiB, side),
+    ]
+
+    def used(address: int, stream: int) -> dict:  # 4 MiB live, 16 MiB free
+        blocks = [(address, 4 * MiB, "active_allocated"), (address + 4 * MiB, 16 * MiB, "inactive")]
+        return _segment(address, 20 * MiB, blocks, stream, is_expandable=expandable)
+
+    segments = [used(a, side), used(b, 0)]
+    settings = AllocatorSettings(expandable_segments=expandable)
+    trace = DeviceTrace("streams", 0, events, segments, settings)
+    seeded = SegmentState(a, 20 * MiB, small=False, expandable=expandable, stream=side)
+    assert start_state(trace) == StartState([seeded], [(a, 4 * MiB)])
+    replay = replay_device(trace, on_event=lambda i, model: model.check())
+    assert (replay.num_events, replay.num_matching) == (3, 3)
