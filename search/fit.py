@@ -432,9 +432,10 @@ def show_fit_reports(
 
     def show(report: FitReport, number: int, total: int) -> None:
         table = render(report)
-        console.print(table)
-        if record is not None:
-            record.print(table)
+        for each in (console, record) if record is not None else (console,):
+            each.print(table)
+            for line in notes(report):
+                each.print(line, soft_wrap=True, markup=False, highlight=False)
         if not console.is_terminal:
             console.print(
                 f"fit report: table {number}/{total} ({report.layout_words()}) in "
@@ -526,12 +527,10 @@ def render(report: FitReport) -> Table:
         if report.derived
         else "predicted peak per batch size x accum_steps"
     )
-    notes = [f"n/a: {reason}; trials skip it" for reason in report.unsupported.values()]
+    said = [f"n/a: {reason}; trials skip it" for reason in report.unsupported.values()]
     if report.held:
         held = ", ".join(f"{key}={value}" for key, value in report.held.items())
-        notes.append(f"at {held}, as configured; trials predict their own values")
-    notes += [note for note in (_placement_note(report), _checkpointing_note(report)) if note]
-    notes += [note for note in (_bf16_note(report),) if note]
+        said.append(f"at {held}, as configured; trials predict their own values")
     lever = (
         f"; activation_checkpointing={report.checkpointing}"
         if report.checkpointing != "none" or CHECKPOINTING_KEY in report.searched
@@ -545,8 +544,7 @@ def render(report: FitReport) -> Table:
     table = Table(
         title=f"Fit report for {device}: {what}; budget {budget}, margin "
         f"{report.margin:.0%}{lever}",
-        caption="\n".join([f"predicted in {report.seconds:.1f} s, nothing trained", *notes]),
-        caption_justify="left",
+        caption="\n".join([f"predicted in {report.seconds:.1f} s, nothing trained", *said]),
     )
     table.add_column("effective batch" if report.derived else "batch size", justify="right")
     for precision in report.precisions:
@@ -569,6 +567,13 @@ def render(report: FitReport) -> Table:
         ]
         table.add_row("largest that fits", *largest, end_section=True)
     return table
+
+
+def notes(report: FitReport) -> list[str]:
+    """The lines printed under a report's table: why cells are marked † or ‡, and why bf16
+    needs more than fp32 where it does (outside the table, whose width would wrap them)."""
+    lines = (_placement_note(report), _checkpointing_note(report), _bf16_note(report))
+    return [line for line in lines if line]
 
 
 def _where(report: FitReport, precision: str, accum: int | None) -> str:

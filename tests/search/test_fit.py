@@ -23,6 +23,7 @@ from search.fit import (
     fit_report,
     fit_reports,
     layouts,
+    notes,
     render,
     show_fit_reports,
 )
@@ -72,8 +73,11 @@ def _report(hydra_conf, overrides: list[str]) -> FitReport:
 
 
 def _text(report: FitReport) -> str:
+    """The table and the lines under it, as show_fit_reports prints them."""
     console = Console(record=True, width=200)
     console.print(render(report))
+    for line in notes(report):
+        console.print(line, soft_wrap=True)
     return console.export_text()
 
 
