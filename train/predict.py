@@ -47,7 +47,7 @@ from train.loop import RunResult, optimizer_step, state_tensors, step_micro_batc
 from train.memory import MemoryStats, TensorMemoryTracker
 from train.parallel import ddp_bucket_sizes, fake_world, shard
 from train.precision import Precision
-from train.stack import DEPTHS, DepthLine, Step, find_stack, shallow_copy
+from train.stack import DEPTHS, FSDP_DEPTHS, DepthLine, Step, find_stack, shallow_copy
 from train.tasks import Classification, Task, batch_size_of
 
 
@@ -179,8 +179,8 @@ class MemoryPredictor:
         (train.batches.Pipeline.shape_example). `parallel`: a data-parallel run's trainer
         settings (strategy, devices, FSDP's): the prediction is then one rank's
         (train/parallel.py). A model with a stack of identical layers (a decoder's) is
-        computed at DEPTHS of them and built for its depth (train/stack.py), unless
-        `whole`."""
+        computed at DEPTHS of them (FSDP_DEPTHS) and built for its depth
+        (train/stack.py), unless `whole`."""
         # The device predicted for (`device`: a torch device here, or a DeviceSpec, maybe
         # of a GPU this machine does not have); the step itself runs on fake CPU tensors,
         # with CUDA's autocast policy and kernel choices for a CUDA target.
@@ -213,7 +213,10 @@ class MemoryPredictor:
             else:
                 model = fake_first(model, self.mode)
                 _fake_module(model, self.mode, self.device)  # a real build's, if it was
+            self._depths = FSDP_DEPTHS if self.strategy == "fsdp" else DEPTHS
             stack = None if whole else find_stack(model)
+            if stack is not None and len(stack) <= self._depths[-1]:
+                stack = None  # as shallow as its copies: nothing to gain
             if stack is not None:  # cut before sharding: each copy is sharded as a whole
                 self.depth = len(stack)
                 self._shallow = {
@@ -226,30 +229,53 @@ class MemoryPredictor:
                         parallel,
                         whole=True,
                     )
-                    for depth in DEPTHS
+                    for depth in self._depths
                 }
             # On CPU optimizer.step runs once, then counts as its peak (_step_once); a
             # step built from shallow ones holds their optimizer events, so these run whole.
             self._collapse_step = self.target.type != "cuda" and not whole and stack is None
-            if parallel is not None and self.strategy == "fsdp":
-                with fake_world(parallel.devices) as mesh, self.mode:
-                    shard(model, parallel.fsdp, mesh)
-            elif self.strategy == "ddp":
+            self.model, self._make_optimizer = model, make_optimizer
+            self.optimizer: torch.optim.Optimizer | None = None
+            if self.strategy == "ddp":
                 self.bucket_sizes = ddp_bucket_sizes(model)
-            with self.mode:
-                self.model = model
-                self.optimizer = make_optimizer(list(model.parameters()))
-                _resolve_implementation(self.optimizer, self.target.type)
-                # One step on fake gradients creates the optimizer state (momentum, moments).
-                for param in model.parameters():
-                    if param.requires_grad:
-                        param.grad = torch.empty_like(param)
-                self.optimizer.step()
-                state = state_tensors(model, self.optimizer)
-                self.state_bytes = _storage_bytes(state) + sum(self.bucket_sizes)
-                self.optimizer.zero_grad(set_to_none=True)
+            self.state_bytes = self._stacked_state_bytes() if stack is not None else None
+            if self.state_bytes is None:
+                self._prepare()
         except Exception as error:  # noqa: BLE001 - whatever a user's model does on fake tensors
             raise PredictionUnsupported(_reason(error)) from error
+
+    def _prepare(self) -> None:
+        """The whole model sharded (FSDP) and its optimizer, with its state from one step
+        on fake gradients; state_bytes. A decoder built from its shallow copies needs
+        none of it unless its events are not periodic (_computed)."""
+        model = self.model
+        if self.parallel is not None and self.strategy == "fsdp":
+            with fake_world(self.parallel.devices) as mesh, self.mode:
+                shard(model, self.parallel.fsdp, mesh)
+        with self.mode:
+            self.optimizer = self._make_optimizer(list(model.parameters()))
+            _resolve_implementation(self.optimizer, self.target.type)
+            # One step on fake gradients creates the optimizer state (momentum, moments).
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.grad = torch.empty_like(param)
+            self.optimizer.step()
+            state = state_tensors(model, self.optimizer)
+            self.state_bytes = _storage_bytes(state) + sum(self.bucket_sizes)
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _stacked_state_bytes(self) -> int | None:
+        """Parameters, gradients and optimizer state of the whole model from its shallow
+        copies': linear in the depth (each layer holds the same), checked on all three;
+        None when they are not."""
+        assert self.depth is not None
+        depths = self._depths
+        first, second, third = (self._shallow[d].state_bytes for d in depths)
+        per_layer = second - first
+        if third - second != per_layer:
+            return None
+        shallow = first - sum(self._shallow[depths[0]].bucket_sizes)
+        return shallow + per_layer * (self.depth - depths[0]) + sum(self.bucket_sizes)
 
     def flops_per_sample(self, batch_size: int) -> float:
         """Model FLOPs of one forward and backward pass, per sample, for a micro-batch of
@@ -350,20 +376,22 @@ class MemoryPredictor:
 
         if pattern in self._depth_lines and self._depth_lines[pattern] is None:
             return None  # not periodic: computed whole
-        one = step(DEPTHS[0])
+        one = step(self._depths[0])
         line = self._depth_lines.get(pattern)
         if line is not None:
             built = line.at(self.depth, one)
             if built is not None:
                 return built
         # Not learned yet, or these sizes free other allocations: learn from them.
-        steps = {DEPTHS[0]: one, **{depth: step(depth) for depth in DEPTHS[1:]}}
+        steps = {self._depths[0]: one, **{depth: step(depth) for depth in self._depths[1:]}}
         line = DepthLine.learn(steps)
         self._depth_lines.setdefault(pattern, line)
         return line and line.at(self.depth, one)
 
     def _computed(self, sizes: list[int], trainer: TrainerConfig) -> tuple[Events, list[int]]:
         """The step's events computed on fake tensors, with its marks (_run)."""
+        if self.optimizer is None:
+            self._prepare()
         precision = Precision(trainer.precision, self.device.type)
         tracker = TensorMemoryTracker(self.device, record=True)
         marks: list[int] = []

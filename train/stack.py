@@ -28,7 +28,9 @@ A model without such a stack, or whose events are not periodic in it, is compute
 
 from __future__ import annotations
 
+import bisect
 import copy
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,6 +43,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 Events = list[tuple[object, int]]  # (key, bytes) allocated, (key, -1) freed
 MIN_DEPTH = 4  # a shallower stack is computed whole: nothing to gain
 DEPTHS = (2, 3, 4)  # the depths computed: 2 and 3 define the line, 4 verifies it
+# FSDP prefetches the next layer's parameters in forward and backward: the two layers at
+# the stack's ends differ from the others, so the line starts from 3 layers (1 in between).
+FSDP_DEPTHS = (3, 4, 5)
 
 
 def find_stack(model: nn.Module) -> nn.ModuleList | None:
@@ -185,27 +190,46 @@ _Origin = tuple
 
 @dataclass(frozen=True)
 class _Rule:
-    """Where a free's allocation is, given the free's instance i at depth k."""
+    """Where a free's allocation is, given the free's instance i among k: offset `offset`
+    of instance t of a region (start, length: in the depths[0] positions), t by `family`.
+    A t past the instances is read in `outside` (by its distance: -1 is just before the
+    first, 0 just after the last), learned where the stack's ends differ (what the first
+    layer frees of the embedding's output), else as the region's continuation, one
+    instance length at a time (the layer after the last is the head)."""
 
-    family: str  # "const": origin; "same": i + shift; "mirror": k-1-i + shift;
-    # "first": shift; "last": k-1-shift
+    family: str  # "const": the position `start`; "same": t = i + shift; "mirror":
+    # t = k-1-i + shift; "first": t = shift; "last": t = k-1-shift
     shift: int
-    region: int  # the allocation's region and offset there (family != "const")
+    region: int
+    start: int
+    length: int
     offset: int
-    const: int  # the depth-1 position outside the regions, for "const" and out of range
+    outside: tuple[tuple[int, int], ...] = ()  # (distance, depths[0] position)
 
-    def target(self, i: int | None, k: int) -> _Origin:
-        if self.family == "const":
-            return ("c", self.const)
-        instance = {
+    def instance(self, i: int | None, k: int) -> int:
+        return {
             "same": (i or 0) + self.shift,
             "mirror": k - 1 - (i or 0) + self.shift,
             "first": self.shift,
             "last": k - 1 - self.shift,
         }[self.family]
-        if 0 <= instance < k:
-            return ("r", self.region, instance, self.offset)
-        return ("c", self.const)
+
+    def target(self, i: int | None, k: int) -> _Origin:
+        if self.family == "const":
+            return ("c", self.start)
+        t = self.instance(i, k)
+        if 0 <= t < k:
+            return ("r", self.region, t, self.offset)
+        return ("c", dict(self.outside).get(_distance(t, k), self.continued(t, k)))
+
+    def continued(self, t: int, k: int) -> int:
+        chunk = t - k + 1 if t >= k else t  # past the end: 1, 2, ...; before: -1, -2, ...
+        return self.start + chunk * self.length + self.offset
+
+
+def _distance(t: int, k: int) -> int:
+    """How far instance t lies outside 0..k-1: -1, -2, ... before; 0, 1, ... after."""
+    return t if t < 0 else t - k
 
 
 _REGION_FAMILIES = ("same", "mirror")
@@ -217,11 +241,13 @@ class DepthLine:
 
     def __init__(
         self,
+        depths: tuple[int, int, int],
         base: _Canon,
         regions: list[tuple[int, int]],
         rules: dict[tuple, _Rule],
     ):
-        self.base = base  # the step at DEPTHS[0] it was learned from
+        self.depths = depths  # those it was learned from, e.g. DEPTHS
+        self.base = base  # the step at depths[0]
         self.regions = regions  # (start, length) in the depth-1 positions, in order
         self.rules = rules  # (template of a free) -> _Rule
 
@@ -229,18 +255,21 @@ class DepthLine:
 
     @classmethod
     def learn(cls, steps: dict[int, Step]) -> DepthLine | None:
-        """From the steps at DEPTHS; None when they are not periodic in the depth."""
-        one, two, three = (_Canon.of(steps[d]) for d in DEPTHS)
+        """From the steps at three consecutive depths (DEPTHS, FSDP_DEPTHS); None when
+        they are not periodic in the depth."""
+        depths = tuple(sorted(steps))
+        assert len(depths) == 3 and depths[2] - depths[0] == 2, depths
+        one, two, three = (_Canon.of(steps[d]) for d in depths)
         if one is None or two is None or three is None:
             return None
-        regions = _regions(one.tokens, two.tokens)
+        regions = _regions(_by_phase(one), _by_phase(two))
         if regions is None:
             return None
-        line = cls(one, regions, {})
+        line = cls(depths, one, regions, {})
         origins = line._origins(2)
         if not line._same_shape(origins, two):
             return None
-        rules = _learn_rules(origins, two)
+        rules = _learn_rules(origins, two, regions)
         if rules is None:
             return None
         line.rules = rules
@@ -249,15 +278,14 @@ class DepthLine:
             return None
         return line
 
-    @staticmethod
-    def instances(depth: int) -> int:
+    def instances(self, depth: int) -> int:
         """How many instances of each region the step at `depth` holds."""
-        return depth - DEPTHS[0] + 1
+        return depth - self.depths[0] + 1
 
     # --- building ------------------------------------------------------------------------
 
     def at(self, depth: int, one: Step) -> Step | None:
-        """The step at `depth` for the micro-batch sizes of `one`, the step at DEPTHS[0];
+        """The step at `depth` for the micro-batch sizes of `one`, the step at depths[0];
         None when it does not free the same allocations as the one the line was learned
         from."""
         first = _Canon.of(one)
@@ -266,13 +294,7 @@ class DepthLine:
         return self._build(self.instances(depth), first)
 
     def _origins(self, k: int) -> list[_Origin]:
-        origins: list[_Origin] = []
-        q, n = 0, len(self.base.tokens)
-        for j, (start, length) in enumerate([*self.regions, (n, 0)]):
-            origins += [("c", p) for p in range(q, start)]
-            origins += [("r", j, i, o) for i in range(k) for o in range(length)]
-            q = start + length
-        return origins
+        return _origins(self.regions, len(self.base.tokens), k)
 
     def _source(self, origin: _Origin) -> int:
         """The depth-1 position whose token `origin` repeats."""
@@ -313,6 +335,33 @@ class DepthLine:
         return Step(events, marks)
 
 
+def _by_phase(step: _Canon) -> list[int]:
+    """The step's tokens with each free named by the size it frees and the phase of its
+    allocation (which micro-batch, or the optimizer's part after the last: the marks
+    before it). Frees of one size are many and alike; so named, the insertions among them
+    are found where they are (by bare sizes, the fewest insertions may merge two: one
+    among a step's gradients, one among its optimizer's temporaries, freed in a row)."""
+    marks = [p for p, t in enumerate(step.tokens) if t % 3 == 2]
+    tokens = list(step.tokens)
+    for p, target in enumerate(step.targets):
+        if target >= 0:
+            size, phase = step.tokens[p] // 3, bisect.bisect_left(marks, target)
+            tokens[p] = 3 * (size * (len(marks) + 1) + phase) + 1
+    return tokens
+
+
+def _origins(regions: list[tuple[int, int]], n: int, k: int) -> list[_Origin]:
+    """The origin of each position of a sequence of n positions, regions (start, length)
+    in it, with k instances of each region."""
+    origins: list[_Origin] = []
+    q = 0
+    for j, (start, length) in enumerate([*regions, (n, 0)]):
+        origins += [("c", p) for p in range(q, start)]
+        origins += [("r", j, i, o) for i in range(k) for o in range(length)]
+        q = start + length
+    return origins
+
+
 def _regions(one: list[int], two: list[int]) -> list[tuple[int, int]] | None:
     """The regions (start, length) of `one` whose second instance turns it into `two`;
     None when `two` is not `one` with runs inserted, each a copy of what follows it."""
@@ -320,17 +369,32 @@ def _regions(one: list[int], two: list[int]) -> list[tuple[int, int]] | None:
     for start, run in _insertions(one, two) or [(-1, [])]:
         if start < 0:
             return None
-        # Slide to the front of its run of copies: inserting run[-1:] + run[:-1] one
-        # earlier is the same insertion while the token before is run's last.
-        while start > 0 and one[start - 1] == run[-1]:
-            run, start = run[-1:] + run[:-1], start - 1
-        if one[start : start + len(run)] != run:
+        found = _copied(one, start, run)
+        if found is None:
             return None
-        regions.append((start, len(run)))
+        regions += found
     regions.sort()
     if any(s1 + l1 > s2 for (s1, l1), (s2, _) in zip(regions, regions[1:], strict=False)):
         return None
     return regions
+
+
+def _copied(one: list[int], start: int, run: list[int]) -> list[tuple[int, int]] | None:
+    """The region(s) whose second instance `run` inserted at `start` is: one, after
+    sliding the run to the front of its copies (inserting run[-1:] + run[:-1] one earlier
+    is the same insertion while the token before is run's last); or two meeting there, a
+    copy of what precedes `start` and one of what follows (say the gradients' frees and
+    the optimizer temporaries' frees of one more layer, both inserted where they meet)."""
+    slid, at = run, start
+    while at > 0 and one[at - 1] == slid[-1]:
+        slid, at = slid[-1:] + slid[:-1], at - 1
+    if one[at : at + len(slid)] == slid:
+        return [(at, len(slid))]
+    for m in range(1, len(run)):
+        before, after = run[:m], run[m:]
+        if one[start - m : start] == before and one[start : start + len(after)] == after:
+            return [(start - m, m), (start, len(after))]
+    return None
 
 
 def _insertions(one: list[int], two: list[int]) -> list[tuple[int, list[int]]] | None:
@@ -376,8 +440,10 @@ def _instance(origin: _Origin) -> int | None:
     return origin[2] if origin[0] == "r" else None
 
 
-def _learn_rules(origins: list[_Origin], step: _Canon) -> dict[tuple, _Rule] | None:
-    """A rule per free template explaining every free of `step` (depth 2), or None."""
+def _learn_rules(
+    origins: list[_Origin], step: _Canon, regions: list[tuple[int, int]]
+) -> dict[tuple, _Rule] | None:
+    """A rule per free template explaining every free of `step` (2 instances), or None."""
     seen: dict[tuple, list[tuple[int | None, _Origin]]] = {}
     for p, target in enumerate(step.targets):
         if target >= 0:
@@ -385,36 +451,70 @@ def _learn_rules(origins: list[_Origin], step: _Canon) -> dict[tuple, _Rule] | N
             seen.setdefault(_template(origin), []).append((_instance(origin), origins[target]))
     rules = {}
     for template, observed in seen.items():
-        rule = _rule(template, observed, 2)
+        rule = _rule(template, observed, regions, 2)
         if rule is None:
             return None
         rules[template] = rule
     return rules
 
 
-def _rule(template: tuple, observed: list[tuple[int | None, _Origin]], k: int) -> _Rule | None:
+def _placed(target: _Origin, regions: list[tuple[int, int]], k: int) -> list[tuple[int, int, int]]:
+    """(region, instance, offset) readings of a target: its own in a region; outside, as
+    a continuation of each region (an instance before the first or after the last)."""
+    if target[0] == "r":
+        return [(target[1], target[2], target[3])]
+    q, placed = target[1], []
+    for j, (start, length) in enumerate(regions):
+        if q >= start + length:
+            chunk, offset = divmod(q - start - length, length)
+            placed.append((j, k + chunk, offset))
+        elif q < start:
+            placed.append((j, -1 - (start - 1 - q) // length, (q - start) % length))
+    return placed
+
+
+def _rule(
+    template: tuple,
+    observed: list[tuple[int | None, _Origin]],
+    regions: list[tuple[int, int]],
+    k: int,
+) -> _Rule | None:
     """The rule with the smallest shift that gives every observed (instance, target)."""
-    if all(target == observed[0][1] and target[0] == "c" for _, target in observed):
-        return _Rule("const", 0, -1, -1, observed[0][1][1])
-    in_regions = [(i, t) for i, t in observed if t[0] == "r"]
-    if not in_regions:
-        return None
-    _, (_, region, instance, offset) = in_regions[0]
-    i0 = in_regions[0][0] or 0
-    outside = {t[1] for _, t in observed if t[0] == "c"}
-    if len(outside) > 1:
-        return None
-    const = next(iter(outside), -1)
+    first = observed[0][1]
+    if first[0] == "c" and all(target == first for _, target in observed):
+        return _Rule("const", 0, -1, first[1], 0, 0)
     families = _REGION_FAMILIES if template[0] == "r" else _CONST_FAMILIES
-    candidates = []
-    for family in families:
-        shift = {
-            "same": instance - i0,
-            "mirror": instance - (k - 1 - i0),
-            "first": instance,
-            "last": k - 1 - instance,
-        }[family]
-        rule = _Rule(family, shift, region, offset, const)
-        if all(rule.target(i, k) == t for i, t in observed):
-            candidates.append(rule)
-    return min(candidates, key=lambda r: abs(r.shift), default=None)
+    candidates = {}
+    for i, target in observed:
+        for region, t, offset in _placed(target, regions, k):
+            start, length = regions[region]
+            for family in families:
+                shift = {
+                    "same": t - (i or 0),
+                    "mirror": t - (k - 1 - (i or 0)),
+                    "first": t,
+                    "last": k - 1 - t,
+                }[family]
+                rule = _Rule(family, shift, region, start, length, offset)
+                fitted = _fitted(rule, observed, k)
+                if fitted is not None:
+                    candidates[fitted] = None
+    return min(candidates, key=lambda r: (abs(r.shift), len(r.outside)), default=None)
+
+
+def _fitted(rule: _Rule, observed: list[tuple[int | None, _Origin]], k: int) -> _Rule | None:
+    """`rule` with the positions outside its instances it needs to give every observed
+    target, or None when it cannot."""
+    outside: dict[int, int] = {}
+    for i, target in observed:
+        t = rule.instance(i, k)
+        if 0 <= t < k:
+            if target != ("r", rule.region, t, rule.offset):
+                return None
+        elif (
+            target[0] != "c"
+            or target[1] != rule.continued(t, k)
+            and (outside.setdefault(_distance(t, k), target[1]) != target[1])
+        ):
+            return None
+    return dataclasses.replace(rule, outside=tuple(sorted(outside.items())))

@@ -145,23 +145,28 @@ class Workload:
         """A new pipeline over the shared data, for one run on `device`."""
         return Pipeline(self.data, self.loader, device)
 
-    def predictor(self, spec: RunSpec, optimizer: DictConfig) -> MemoryPredictor:
+    def predictor(
+        self, spec: RunSpec, optimizer: DictConfig, whole: bool = False
+    ) -> MemoryPredictor:
         """The memory predictor of this workload with `optimizer` (the config's optimizer
         section; its lr changes no memory) on spec's device and activation checkpointing,
         built on first use (MAX_PREDICTORS held); PredictionUnsupported when the model
-        cannot run on fake tensors."""
+        cannot run on fake tensors. `whole`: every step computed whole, never built from
+        the model's shallow copies (train/stack.py; what the fast one is checked with)."""
         settings = OmegaConf.to_container(optimizer, resolve=True)
         settings.pop("lr", None)
         mode = spec.trainer.activation_checkpointing
         target = dataclasses.asdict(spec.target)  # the device predicted for, and its allocator
-        key = config_key([self.key, settings, target, mode, _parallel_key(spec.trainer)])
-        found = self._owner._predictors.get(key, lambda: self._build_predictor(spec, settings))
+        key = config_key([self.key, settings, target, mode, _parallel_key(spec.trainer), whole])
+        found = self._owner._predictors.get(
+            key, lambda: self._build_predictor(spec, settings, whole)
+        )
         if isinstance(found, PredictionUnsupported):
             raise found
         return found
 
     def _build_predictor(
-        self, spec: RunSpec, optimizer: dict[str, Any]
+        self, spec: RunSpec, optimizer: dict[str, Any], whole: bool
     ) -> MemoryPredictor | PredictionUnsupported:
         pipeline = self.pipeline(spec.device)
         torch.manual_seed(spec.trainer.seed)
@@ -175,6 +180,7 @@ class Workload:
                 spec.target,
                 self.task,
                 spec.trainer if spec.trainer.distributed else None,
+                whole,
             )
         except PredictionUnsupported as error:
             return error
