@@ -23,7 +23,7 @@ from train.cuda_trace import device_traces, load_snapshot, replay_device
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "cuda-traces"
 
-KiB, MiB, GiB = 2**10, 2**20, 2**30
+MiB, GiB = 2**20, 2**30
 
 # Requests across c10's size classes: under 512 B, the small pool (<= 1 MiB), 20 MiB segments
 # (1-10 MiB), segments of their own (> 10 MiB), and some larger than any limit drawn below.
@@ -101,8 +101,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         starts = [segment[0][0] for segment in self.model.segment_blocks()]
         address = data.draw(st.sampled_from(starts) | ADDRESSES)
         reserved = self.model.reserved_bytes
-        if self.model.release_segment(address):
-            assert self.model.reserved_bytes < reserved
+        released = self.model.release_segment(address)
+        assert (self.model.reserved_bytes < reserved) == released
 
     @precondition(lambda self: self.model.segment_blocks())
     @rule(data=st.data(), nbytes=st.sampled_from([2 * MiB, 4 * MiB, 20 * MiB, 40 * MiB]))
@@ -112,15 +112,16 @@ class AllocatorMachine(RuleBasedStateMachine):
         blocks = [block for segment in self.model.segment_blocks() for block in segment]
         address, _, _ = data.draw(st.sampled_from(blocks))
         reserved = self.model.reserved_bytes
-        if self.model.unmap(address, nbytes):
-            assert self.model.reserved_bytes == reserved - nbytes
+        unmapped = self.model.unmap(address, nbytes)
+        assert self.model.reserved_bytes == reserved - (nbytes if unmapped else 0)
 
     @invariant()
     def invariants_hold(self):
         self.model.check()
 
 
-# Derandomized and without a database: CI runs the same examples every time (~15 s here).
+# Derandomized and without a database: CI runs the same examples every time (4-7 s here, on
+# 2 busy cores; 2,000 random examples found nothing more).
 AllocatorMachine.TestCase.settings = settings(
     max_examples=200,
     stateful_step_count=50,
@@ -181,10 +182,16 @@ def test_check_finds_two_segments_over_one_address(monkeypatch):
 
 TRACES = sorted(FIXTURES.glob("*.json.gz"))
 # The four wedsonlin training traces are one model's step (forward, backward, AdamW) at four
-# context lengths: checked after every event whole they take ~60 s here, so each is checked
-# after every event of its own quarter of the step (128: the first ... 1024: the last), which
-# together cover every phase once. The other traces are checked after every event.
+# context lengths, ~14k events and ~1,100 blocks each: checked after every event whole they
+# take 57 s of CPU here, so each is checked after every event of its own quarter of the step
+# (128: the first ... 1024: the last; ~15 s in all), which together cover every phase once.
+# The other traces are checked after every event (~5 s).
 QUARTERS = {f"wedsonlin_medium_{n}_training": i for i, n in enumerate((128, 256, 512, 1024))}
+
+
+def test_the_traces_are_found():
+    names = {p.name.removesuffix(".json.gz") for p in TRACES}
+    assert len(names) == 8 and set(QUARTERS) <= names
 
 
 class _CheckEvents:
@@ -210,4 +217,4 @@ def test_every_trace_keeps_the_invariants_event_by_event(path):
         check = _CheckEvents(window)
         replay = replay_device(trace, on_event=check)
         assert replay.num_matching == replay.num_events
-        assert check.num_checked > len(window) / 3  # a third of the events: free_requested
+        assert check.num_checked > len(window) / 3  # all but free_requested: ~2 in 3
