@@ -269,14 +269,24 @@ class DepthLine:
         origins = line._origins(2)
         if not line._same_shape(origins, two):
             return None
-        rules = _learn_rules(origins, two, regions)
+        rules = _learn_rules({2: (origins, two)}, regions)
         if rules is None:
             return None
         line.rules = rules
         built = line._build(3, one)
-        if built is None or _Canon.of(built) != three:
+        if built is not None and _Canon.of(built) == three:
+            return line
+        # A rule the smallest shift chose wrongly (the first layer's backward frees the
+        # second layer's output: "first + 1" and "last" agree at depth 3): learned again
+        # from depths 3 and 4 together, one rule per free must give both.
+        if not line._same_shape(line._origins(3), three):
             return None
-        return line
+        rules = _learn_rules({2: (origins, two), 3: (line._origins(3), three)}, regions)
+        if rules is None:
+            return None
+        line.rules = rules
+        built = line._build(3, one)
+        return line if built is not None and _Canon.of(built) == three else None
 
     def instances(self, depth: int) -> int:
         """How many instances of each region the step at `depth` holds."""
@@ -441,17 +451,20 @@ def _instance(origin: _Origin) -> int | None:
 
 
 def _learn_rules(
-    origins: list[_Origin], step: _Canon, regions: list[tuple[int, int]]
+    steps: dict[int, tuple[list[_Origin], _Canon]], regions: list[tuple[int, int]]
 ) -> dict[tuple, _Rule] | None:
-    """A rule per free template explaining every free of `step` (2 instances), or None."""
-    seen: dict[tuple, list[tuple[int | None, _Origin]]] = {}
-    for p, target in enumerate(step.targets):
-        if target >= 0:
-            origin = origins[p]
-            seen.setdefault(_template(origin), []).append((_instance(origin), origins[target]))
+    """A rule per free template explaining every free of `steps` (k instances: their
+    origins and the step), or None."""
+    seen: dict[tuple, list[tuple[int | None, int, _Origin]]] = {}
+    for k, (origins, step) in steps.items():
+        for p, target in enumerate(step.targets):
+            if target >= 0:
+                origin = origins[p]
+                observed = (_instance(origin), k, origins[target])
+                seen.setdefault(_template(origin), []).append(observed)
     rules = {}
     for template, observed in seen.items():
-        rule = _rule(template, observed, regions, 2)
+        rule = _rule(template, observed, regions)
         if rule is None:
             return None
         rules[template] = rule
@@ -475,17 +488,17 @@ def _placed(target: _Origin, regions: list[tuple[int, int]], k: int) -> list[tup
 
 def _rule(
     template: tuple,
-    observed: list[tuple[int | None, _Origin]],
+    observed: list[tuple[int | None, int, _Origin]],
     regions: list[tuple[int, int]],
-    k: int,
 ) -> _Rule | None:
-    """The rule with the smallest shift that gives every observed (instance, target)."""
-    first = observed[0][1]
-    if first[0] == "c" and all(target == first for _, target in observed):
+    """The rule with the smallest shift that gives every observed (instance i of k,
+    target)."""
+    first = observed[0][2]
+    if first[0] == "c" and all(target == first for _, _, target in observed):
         return _Rule("const", 0, -1, first[1], 0, 0)
     families = _REGION_FAMILIES if template[0] == "r" else _CONST_FAMILIES
     candidates = {}
-    for i, target in observed:
+    for i, k, target in observed:
         for region, t, offset in _placed(target, regions, k):
             start, length = regions[region]
             for family in families:
@@ -496,25 +509,24 @@ def _rule(
                     "last": k - 1 - t,
                 }[family]
                 rule = _Rule(family, shift, region, start, length, offset)
-                fitted = _fitted(rule, observed, k)
+                fitted = _fitted(rule, observed)
                 if fitted is not None:
                     candidates[fitted] = None
     return min(candidates, key=lambda r: (abs(r.shift), len(r.outside)), default=None)
 
 
-def _fitted(rule: _Rule, observed: list[tuple[int | None, _Origin]], k: int) -> _Rule | None:
+def _fitted(rule: _Rule, observed: list[tuple[int | None, int, _Origin]]) -> _Rule | None:
     """`rule` with the positions outside its instances it needs to give every observed
     target, or None when it cannot."""
     outside: dict[int, int] = {}
-    for i, target in observed:
+    for i, k, target in observed:
         t = rule.instance(i, k)
         if 0 <= t < k:
             if target != ("r", rule.region, t, rule.offset):
                 return None
-        elif (
-            target[0] != "c"
-            or target[1] != rule.continued(t, k)
-            and (outside.setdefault(_distance(t, k), target[1]) != target[1])
+        elif target[0] != "c" or (
+            target[1] != rule.continued(t, k)
+            and outside.setdefault(_distance(t, k), target[1]) != target[1]
         ):
             return None
     return dataclasses.replace(rule, outside=tuple(sorted(outside.items())))

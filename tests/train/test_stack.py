@@ -98,9 +98,7 @@ def test_a_llama_step_planned_for_a_gpu_is_built_exactly(hydra_conf, tmp_path, l
     fast, whole, spec = _pair(hydra_conf, overrides)
     assert fast.depth == 8
     geometries = [(1, 2, "fp32"), (2, 2, "fp32"), (2, 1, "fp32"), (1, 2, "bf16"), (2, 2, "bf16")]
-    # Full fine-tuning's rules learned at depth 3 do not yet give depth 4 (a free twice):
-    # its steps are computed whole, and predicted the same either way.
-    _assert_same_steps(fast, whole, spec, geometries, built=lora)
+    _assert_same_steps(fast, whole, spec, geometries)
 
 
 def test_activation_checkpointing_and_fsdp_ranks_are_built_exactly(hydra_conf):
