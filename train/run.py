@@ -325,20 +325,25 @@ def _budget_note(
             if smallest
             else ""
         )
-        suggest = -(-(smallest[1] if smallest else 2 * needed) * 5 // 4 // 2**20)  # MiB
-        total = spec.target.total_bytes
+        need = smallest[1] if smallest else 2 * needed
+        suggest = -(-need * 5 // 4 // 2**20)  # MiB, a quarter above what it needs
+        total, device = spec.target.total_bytes, _device_name(spec.target)
         if suggest * 2**20 <= total:
             fix = (
                 f"Raise it, e.g. search.memory_budget={suggest}MiB, or pick a smaller model or "
                 "optimizer"
             )
+        elif need <= total:
+            fix = (
+                f"Raise it to all of the {format_bytes(total)} {device} has "
+                "(search.memory_budget=null), or pick a smaller model or optimizer"
+            )
         else:  # no budget on this device holds it: raising it is no advice
             fix = (
-                f"That is more than the {format_bytes(total)} {_device_name(spec.target)} "
-                "has, so no budget on it holds this run: load the weights in bfloat16, train "
-                "LoRA adapters, shard it over several devices (trainer.strategy=fsdp "
-                "trainer.devices=N) or plan for a larger card; `python -m search.fit` with "
-                "these overrides predicts each and prints the commands that fit"
+                f"That is more than the {format_bytes(total)} {device} has, so no budget on it "
+                "holds this run, whatever the batch; the fit report (python -m search.fit "
+                "with these overrides) predicts what would: bf16 weights, LoRA, "
+                "checkpointing, more devices, a larger card"
             )
         raise OverBudget(
             [

@@ -18,6 +18,7 @@ from search.fit import fit_reports
 from search.validate import validate
 from tests.conftest import REPO
 from train.config import ConfigError
+from train.gpus import gpu
 from train.memory import format_bytes
 from train.run import OverBudget, plan, with_gpu_budget
 from train.workload import Workloads
@@ -161,3 +162,28 @@ def test_the_fit_report_command_prints_the_advice(tmp_path) -> None:
     assert over.returncode == 2, over.stderr
     assert "Configuration error" in over.stderr and "What would fit batch 1" in over.stderr
     assert "Fit report for" not in over.stdout
+
+
+def test_a_state_over_the_card_is_not_answered_with_a_larger_budget(hydra_conf) -> None:
+    """A 1.2B GPT with AdamW in fp32 on a T4: its parameters, gradients and moments alone
+    are more than the card has, so the message gives no budget to raise to (it gave
+    search.memory_budget=153798MiB for a 6.4B model on an 80 GB card) and points to the
+    fit report, which says what would fit."""
+    overrides = [
+        "+experiment=gpt", "data.max_bytes=40000", "model.n_layer=6", "model.n_embd=4096",
+        "model.n_head=32", "search.gpu=T4",
+    ]  # fmt: skip
+    cfg = hydra_conf(overrides)
+    base = with_gpu_budget(cfg, overrides)
+    with pytest.raises(OverBudget) as error:
+        validate(cfg, "advice", lambda extra: hydra_conf([*base, *extra]), False)
+    t4 = gpu("T4").total_bytes
+    assert error.value.needed_bytes > t4  # the premise, predicted
+    (problem,) = error.value.problems
+    assert problem.startswith(f"search.memory_budget={format_bytes(int(t4 * 0.9))} is below the ")
+    assert "search.memory_budget=" not in problem.split(" is below the ")[1]
+    assert (
+        "That is more than the 14.7 GiB T4 has, so no budget on it holds this run, whatever "
+        "the batch; the fit report (python -m search.fit with these overrides) predicts what "
+        "would" in problem
+    )
