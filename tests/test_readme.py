@@ -108,6 +108,15 @@ TABLE: dict[str, Check] = {
         "the same report over ResNet-18's grid takes minutes; the test plans a small CNN for "
         "a V100 and an A100",
     ),
+    "python -m search.fit +experiment=gpt model.n_layer=32 model.n_embd=4096 model.n_head=32 "
+    "search.gpu=H100-80GB": Check(
+        "tests.search.test_advice::test_the_cheapest_levers_that_fit_are_given_as_commands",
+        "the 6.4B GPT's report takes a minute and 2 GB here; the tests ask the same of small "
+        "models, each lever's figure checked against the predictor: the tiny Llama over a "
+        "budget below its fp32 state (bf16 weights first), the small GPT on a T4 "
+        "(test_more_cards_then_the_smallest_larger_card: FSDP's ranks, then the smallest "
+        "larger card), the message for a state over the card (a 1.2B GPT on a T4)",
+    ),
     # Fine-tuning a language model
     'pip install -e ".[llm]"': Check(
         ".ci/run",
@@ -127,6 +136,14 @@ TABLE: dict[str, Check] = {
     "python -m search.fit +experiment=llm_full model.config=llama3_8b model.dtype=bfloat16 "
     "search.gpu=H100-80GB": Check(
         "tests.search.test_fit::test_8b_fit_reports_for_lora_and_full_fine_tuning", LLM_FIT
+    ),
+    "python -m search.fit +experiment=llm_full model.config=llama3_8b model.dtype=bfloat16 "
+    "search.gpu=H100-80GB search.memory_budget=null "
+    '\'++search.params={data.seq_len:"choice(128)",trainer.activation_checkpointing:'
+    '"choice(none)"}\'': Check(
+        "tests.search.test_fit::test_marks_and_notes_of_a_real_report",
+        "one 8B table takes a minute here; the test marks a GPT 1024 wide on an A100 whose "
+        "larger batches need less than smaller ones, every mark checked against the predictor",
     ),
     # One trial on several GPUs
     "python -m search +experiment=llm_lora trainer.strategy=fsdp trainer.devices=2": Check(
