@@ -1056,20 +1056,48 @@ def live_peak_bytes(
     return peak
 
 
-def smallest_fitting_limit(fits: Callable[[int], bool], low_bytes: int, high_bytes: int) -> int:
+def smallest_fitting_limit(
+    fits: Callable[[int], bool | int | None], low_bytes: int, high_bytes: int
+) -> int:
     """Bisection over multiples of LIMIT_RESOLUTION_BYTES (exact: every amount c10 compares
     with the limit is one, so whether a step fits changes only there): the smallest limit in
     (low_bytes, high_bytes] that `fits`, given that `high_bytes` does. Assumes fitting is
-    monotone in the limit, which c10's release-and-retry makes it nearly always."""
+    monotone in the limit, which c10's release-and-retry makes it nearly always. `fits` may
+    answer with the peak reserved under the limit instead of True: every limit from that
+    peak up runs the step the same way (see _peak_under), so the search continues below it."""
     low = low_bytes // LIMIT_RESOLUTION_BYTES  # in units; fails (or is the floor)
     high = _round_up(high_bytes, LIMIT_RESOLUTION_BYTES) // LIMIT_RESOLUTION_BYTES
     while high - low > 1:
         middle = (low + high) // 2
-        if fits(middle * LIMIT_RESOLUTION_BYTES):
+        found = fits(middle * LIMIT_RESOLUTION_BYTES)
+        if found is True:
             high = middle
+        elif found:
+            high = min(middle, _round_up(found, LIMIT_RESOLUTION_BYTES) // LIMIT_RESOLUTION_BYTES)
+            high = max(high, low + 1)
         else:
             low = middle
     return high * LIMIT_RESOLUTION_BYTES
+
+
+def _peak_under(
+    settings: AllocatorSettings, steps: list[tuple[object, int]], limit_bytes: int
+) -> bool | int:
+    """Whether the step runs under `limit_bytes`: False, or its peak reserve there when
+    every limit from that peak up runs it the same way, else True. A run under a limit
+    differs from one under another only where c10 compares `reserved + segment` with it:
+    a comparison that failed (> limit) fails under any smaller limit, one that passed was
+    at most the peak, so every limit from the peak up decides alike. Not so with
+    expandable segments (the comparison counts a whole segment, the reserve only the pages
+    mapped) or garbage collection (a share of the limit)."""
+    model = CachingAllocatorModel(settings, limit_bytes)
+    try:
+        replay(model, steps)
+    except AllocatorOutOfMemory:
+        return False
+    if settings.expandable_segments or settings.garbage_collection_threshold > 0:
+        return True
+    return model.peak_reserved_bytes
 
 
 def _workspace_events(workspaces: Iterable[int]) -> list[tuple[object, int]]:
@@ -1080,24 +1108,24 @@ def smallest_limit(
     events: list[tuple[object, int]],
     settings: AllocatorSettings,
     workspaces: Iterable[int] = (),
+    unlimited_peak_bytes: int | None = None,
 ) -> int:
     """The smallest per-process limit (bytes, exact to 2 MiB, see smallest_fitting_limit)
-    under which the step, after the cuBLAS workspaces, runs without an out-of-memory error."""
+    under which the step, after the cuBLAS workspaces, runs without an out-of-memory error.
+    `unlimited_peak_bytes`: its peak reserve without a limit, if already replayed."""
     steps = _workspace_events(workspaces) + list(events)
     if settings.backend == "cudaMallocAsync":
         return _async_reserved_bytes(steps)
-
-    def fits(limit_bytes: int) -> bool:
-        try:
-            replay(CachingAllocatorModel(settings, limit_bytes), steps)
-        except AllocatorOutOfMemory:
-            return False
-        return True
-
-    unlimited = CachingAllocatorModel(settings)
-    replay(unlimited, steps)
-    high = unlimited.peak_reserved_bytes + expandable_slack_bytes(steps, settings)
-    return smallest_fitting_limit(fits, live_peak_bytes(steps, settings.round_size) - 1, high)
+    if unlimited_peak_bytes is None:
+        unlimited = CachingAllocatorModel(settings)
+        replay(unlimited, steps)
+        unlimited_peak_bytes = unlimited.peak_reserved_bytes
+    high = unlimited_peak_bytes + expandable_slack_bytes(steps, settings)
+    return smallest_fitting_limit(
+        lambda limit_bytes: _peak_under(settings, steps, limit_bytes),
+        live_peak_bytes(steps, settings.round_size) - 1,
+        high,
+    )
 
 
 def expandable_slack_bytes(
@@ -1146,16 +1174,22 @@ def predict_reserved(
         return CudaReserve(peak, peak, under)
     unlimited = CachingAllocatorModel(settings)
     replay(unlimited, steps)
-    under = unlimited.peak_reserved_bytes
-    if limit_bytes is not None:
+    peak = under = unlimited.peak_reserved_bytes
+    # A limit at or above the unlimited peak never binds (see _peak_under): the same run.
+    binds = limit_bytes is not None and (
+        peak > limit_bytes
+        or settings.expandable_segments
+        or settings.garbage_collection_threshold > 0
+    )
+    if binds:
         limited = CachingAllocatorModel(settings, limit_bytes)
         try:
             replay(limited, steps)
             under = limited.peak_reserved_bytes
         except AllocatorOutOfMemory:
             under = None
-    least = smallest_limit(events, settings, workspaces)
-    return CudaReserve(unlimited.peak_reserved_bytes, least, under)
+    least = smallest_limit(events, settings, workspaces, peak)
+    return CudaReserve(peak, least, under)
 
 
 # ------------------------------------------------------------------------------ cuBLAS

@@ -169,6 +169,7 @@ class MemoryPredictor:
         task: Task | None = None,
         parallel: TrainerConfig | None = None,
         whole: bool = False,
+        depth_lines: dict[tuple, list[DepthLine | None]] | None = None,
     ):
         """`model` is a builder, called under the predictor's fake mode (nothing is
         allocated), or a built model, consumed (its tensors become fake). `example` is one
@@ -180,7 +181,9 @@ class MemoryPredictor:
         settings (strategy, devices, FSDP's): the prediction is then one rank's
         (train/parallel.py). A model with a stack of identical layers (a decoder's) is
         computed at DEPTHS of them (FSDP_DEPTHS) and built for its depth
-        (train/stack.py), unless `whole`."""
+        (train/stack.py), unless `whole`; `depth_lines` holds their lines (by step
+        pattern; None: not periodic), shared by the predictors of one model over other
+        data."""
         # The device predicted for (`device`: a torch device here, or a DeviceSpec, maybe
         # of a GPU this machine does not have); the step itself runs on fake CPU tensors,
         # with CUDA's autocast policy and kernel choices for a CUDA target.
@@ -206,7 +209,7 @@ class MemoryPredictor:
         # through their events (None: not periodic, computed whole)
         self.depth: int | None = None
         self._shallow: dict[int, MemoryPredictor] = {}
-        self._depth_lines: dict[tuple, DepthLine | None] = {}
+        self._depth_lines = {} if depth_lines is None else depth_lines
         try:
             if isinstance(model, nn.Module):
                 _fake_module(model, self.mode, self.device)
@@ -374,18 +377,18 @@ class MemoryPredictor:
         def step(depth: int) -> Step:
             return Step(*self._shallow[depth]._computed(sizes, trainer))
 
-        if pattern in self._depth_lines and self._depth_lines[pattern] is None:
+        lines = self._depth_lines.setdefault(pattern, [])
+        if None in lines:
             return None  # not periodic: computed whole
         one = step(self._depths[0])
-        line = self._depth_lines.get(pattern)
-        if line is not None:
+        for line in lines:
             built = line.at(self.depth, one)
             if built is not None:
                 return built
-        # Not learned yet, or these sizes free other allocations: learn from them.
+        # Not learned yet, or this step frees other allocations: learn from it.
         steps = {self._depths[0]: one, **{depth: step(depth) for depth in self._depths[1:]}}
         line = DepthLine.learn(steps)
-        self._depth_lines.setdefault(pattern, line)
+        lines.append(line)
         return line and line.at(self.depth, one)
 
     def _computed(self, sizes: list[int], trainer: TrainerConfig) -> tuple[Events, list[int]]:

@@ -114,6 +114,8 @@ class Workload:
         self.cfg = OmegaConf.create(sections)
         self.key = key
         self._data_key = config_key(sections["data"])
+        # What a model's step structure follows, the data's sizes aside (train/stack.py)
+        self._model_key = config_key([sections.get("model"), sections.get("task")])
         self._owner = owner
 
     @property
@@ -157,16 +159,21 @@ class Workload:
         settings.pop("lr", None)
         mode = spec.trainer.activation_checkpointing
         target = dataclasses.asdict(spec.target)  # the device predicted for, and its allocator
-        key = config_key([self.key, settings, target, mode, _parallel_key(spec.trainer), whole])
+        layout = [settings, target, mode, _parallel_key(spec.trainer)]
+        key = config_key([self.key, *layout, whole])
+        # Predictors of one model over other data (another data.seq_len) share the lines
+        # through their shallow copies' events: each line checks that a step frees the
+        # allocations it was learned from before it builds one.
+        lines = self._owner._lines.get(config_key([self._model_key, *layout]), dict)
         found = self._owner._predictors.get(
-            key, lambda: self._build_predictor(spec, settings, whole)
+            key, lambda: self._build_predictor(spec, settings, whole, lines)
         )
         if isinstance(found, PredictionUnsupported):
             raise found
         return found
 
     def _build_predictor(
-        self, spec: RunSpec, optimizer: dict[str, Any], whole: bool
+        self, spec: RunSpec, optimizer: dict[str, Any], whole: bool, lines: dict
     ) -> MemoryPredictor | PredictionUnsupported:
         pipeline = self.pipeline(spec.device)
         torch.manual_seed(spec.trainer.seed)
@@ -181,6 +188,7 @@ class Workload:
                 self.task,
                 spec.trainer if spec.trainer.distributed else None,
                 whole,
+                lines,
             )
         except PredictionUnsupported as error:
             return error
@@ -214,6 +222,7 @@ class Workloads:
         self._predictors: _Bounded[str, MemoryPredictor | PredictionUnsupported] = _Bounded(
             max_predictors
         )
+        self._lines: _Bounded[str, dict] = _Bounded(max_predictors)
         self._workloads: _Bounded[str, Workload] = _Bounded(max_workloads)
 
     def of(self, cfg: DictConfig) -> Workload:
