@@ -19,6 +19,7 @@ Also printed: seconds per prediction against seconds per real optimizer step.
     python bench/prediction.py --traces tests/fixtures/cuda-traces   # + real GPU traces
     python bench/prediction.py --decoders           # + fit-report cost: 125M, 1B, 8B decoders
     python bench/prediction.py --no-grid --traces tests/fixtures/cuda-traces --decoders
+    python bench/prediction.py --no-grid --fit-reports   # the three 8B fit reports
 
 `--traces DIR` replays real GPU memory snapshots (torch.cuda.memory._dump_snapshot files)
 through the allocator model (train/cuda_trace.py): per trace and device, the share of
@@ -32,6 +33,15 @@ planned for an H100 (search.gpu=H100-80GB, bf16 and fp32, micro-batches 1-8 of 1
 tokens) in fresh processes, and reads their peak host memory. Target for 1B and 8B: under
 60 s and 2 GiB each (the model is built on fake tensors: no weights exist).
 
+`--fit-reports` times the three 8B reports of the README (Llama 3 8B on an H100: LoRA over
+`llm_lora`'s space, full fine-tuning in bfloat16, full fine-tuning as one rank of FSDP over
+8 GPUs), each `python -m search.fit` in a fresh process, with its peak host memory and the
+tables it printed; then, for cells of each (the shortest data.seq_len, without and with
+checkpointing, batch 1 and 2, accumulation 1 and 2, each precision), the fast path (the
+step built from 2-4 layer copies, train/stack.py) against the full fake step of all 32
+layers: smallest limit, live tensor peak and reserve under the budget. Verdict: every
+report under 60 s and every compared cell equal to the byte.
+
 On CPUs without bf16/fp16 kernels a real low-precision step is ~100x slower than fp32; cells
 whose real run is estimated to take more than --max-run-s seconds are predicted but not
 measured, and listed as skipped.
@@ -41,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import statistics
 import subprocess
 import sys
@@ -157,10 +168,109 @@ def decoders(console: Console) -> bool:
     return verdict
 
 
+# The README's 8B reports: (name, overrides); cells compared at the first seq_len of llm_lora.
+FIT_REPORTS = {
+    "8B LoRA": ["+experiment=llm_lora", "model.config=llama3_8b", "search.gpu=H100-80GB"],
+    "8B full": [
+        "+experiment=llm_full", "model.config=llama3_8b", "model.dtype=bfloat16",
+        "search.gpu=H100-80GB",
+    ],
+    "8B FSDP x8": [
+        "+experiment=llm_full", "model.config=llama3_8b", "model.dtype=bfloat16",
+        "trainer.strategy=fsdp", "trainer.devices=8", "search.gpu=H100-80GB",
+    ],
+}  # fmt: skip
+FIT_REPORT_LIMIT_S = 60.0
+
+
+def fit_reports(console: Console) -> bool:
+    """Each 8B report's wall time and host memory in a fresh process, then its fast path
+    against the full fake step on a few cells; True when all are fast and exact."""
+    table = Table(title="8B fit reports for an H100, planned on this machine")
+    for column in ("report", "seconds", "peak host memory", "tables", "cells", "within"):
+        table.add_column(column, justify="right")
+    verdict = True
+    for name, overrides in FIT_REPORTS.items():
+        seconds, rss, out, code = _timed_fit(overrides)
+        tables = out.count("Fit report for")
+        cells = sum(line.count(" GiB") for line in out.splitlines() if line.count("│") > 2)
+        ok = code == 0 and tables > 0 and seconds < FIT_REPORT_LIMIT_S
+        verdict = verdict and ok
+        if code != 0:
+            console.print(out[-3000:])
+        row = (name, f"{seconds:.1f}", format_bytes(rss), str(tables), str(cells))
+        table.add_row(*row, "yes" if ok else "NO")
+    console.print(table)
+    exact = all(_compare_fast_and_whole(console, name, o) for name, o in FIT_REPORTS.items())
+    console.print(
+        f"every report under {FIT_REPORT_LIMIT_S:.0f} s: {verdict}; fast path equal to the "
+        f"full fake step on every compared cell: {exact}: "
+        f"[bold]{'PASS' if verdict and exact else 'FAIL'}[/bold]"
+    )
+    return verdict and exact
+
+
+def _timed_fit(overrides: list[str]) -> tuple[float, int, str, int]:
+    code = (
+        "import resource, runpy, sys; sys.argv = ['search.fit', *sys.argv[1:]]\n"
+        "try:\n    runpy.run_module('search.fit', run_name='__main__')\n"
+        "finally:\n    print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", code, *overrides], cwd=REPO, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    seconds = time.perf_counter() - started
+    rss = int(done.stdout.rsplit("maxrss", 1)[-1].split()[0]) * 1024
+    return seconds, rss, done.stdout + done.stderr, done.returncode
+
+
+def _compare_fast_and_whole(console: Console, name: str, overrides: list[str]) -> bool:
+    """The fast predictor against the whole one (every step computed on all layers) on
+    the cells of data.seq_len=128, both checkpointing modes; prints a table."""
+    table = Table(title=f"{name}: fast path against the full fake step (bytes)")
+    columns = ("cell", "smallest limit", "whole", "live peak", "whole", "diff", "s fast/whole")
+    for column in columns:
+        table.add_column(column, justify="right")
+    worst, compared = 0, 0
+    cells = list(itertools.product(("fp32", "bf16"), (1, 2), (1, 2)))
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        for mode in ("none", "blocks"):
+            layout = ["data.seq_len=128", f"trainer.activation_checkpointing={mode}"]
+            cfg = compose(config_name="config", overrides=[*overrides, *layout])
+            spec = plan(cfg, cfg.search.memory_budget)
+            workload = Workloads().of(cfg)
+            fast = workload.predictor(spec, cfg.optimizer)
+            whole = workload.predictor(spec, cfg.optimizer, whole=True)
+            for precision, batch, accum in cells:
+                trainer = dataclasses.replace(
+                    spec.trainer, batch_size=batch, accum_steps=accum, precision=precision,
+                    effective_batch_size=None,
+                )  # fmt: skip
+                a = fast.predict(trainer, workload.num_train, spec.limit_bytes)
+                b = whole.predict(trainer, workload.num_train, spec.limit_bytes)
+                got = (a.peak_bytes, a.tensor_bytes, a.reserved_bytes or 0)
+                expected = (b.peak_bytes, b.tensor_bytes, b.reserved_bytes or 0)
+                diff = max(abs(x - y) for x, y in zip(got, expected, strict=True))
+                worst, compared = max(worst, diff), compared + 1
+                table.add_row(
+                    f"{mode} {precision} {batch}x{accum}", str(a.peak_bytes), str(b.peak_bytes),
+                    str(a.tensor_bytes), str(b.tensor_bytes), str(diff),
+                    f"{a.seconds:.1f}/{b.seconds:.1f}",
+                )  # fmt: skip
+    console.print(table)
+    console.print(f"{name}: {compared} cells compared, worst difference {worst} bytes")
+    return worst == 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--traces", help="a folder of _dump_snapshot .json.gz files")
     parser.add_argument("--decoders", action="store_true", help="fit-report cost, 125M-8B")
+    parser.add_argument(
+        "--fit-reports", action="store_true", help="the 8B reports: time, host memory, exact"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--precisions", nargs="+", default=PRECISIONS)
@@ -175,6 +285,8 @@ def main() -> None:
         verdicts.append(traces(console, args.traces))
     if args.decoders:
         verdicts.append(decoders(console))
+    if args.fit_reports:
+        verdicts.append(fit_reports(console))
     if not args.no_grid:
         verdicts.append(grid(console, args))
     sys.exit(0 if all(verdicts) else 1)

@@ -18,6 +18,7 @@ with. A study logs the same table to its parent MLflow run (`fit_report.json`,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -289,22 +290,31 @@ def fit_report(
     workload = (workloads or Workloads()).of(cfg)
     predictor = workload.predictor(spec, cfg.optimizer)
     num_train = workload.num_train
-    for precision in precisions:
-        for row in report.batch_sizes:
-            # The most micro-batches first: the predictor derives the step of one
-            # micro-batch from a step of several (train/predict.py _first_micro_batch).
-            for accum in sorted(accums, key=lambda a: -(a or 0)):
-                if precision in unsupported:
-                    effective = row if accum is None else row * accum
-                    batch = None if derived else row
-                    cell = Cell(effective, batch, accum, None, None, unsupported[precision])
-                elif derived:
-                    geometry = _geometry(trainer, row, 1, precision)
-                    cell = _derived_cell(predictor, geometry, num_train, spec, settings)
-                else:
-                    geometry = _geometry(trainer, row, accum, precision)
-                    cell = _searched_cell(predictor, geometry, num_train, spec, settings)
-                report.cells[precision, row, accum] = cell
+    # The most micro-batches first: the predictor derives the step of one micro-batch
+    # from a step of several (train/predict.py _first_micro_batch).
+    order = [
+        (precision, row, accum)
+        for precision in precisions
+        for row in report.batch_sizes
+        for accum in sorted(accums, key=lambda a: -(a or 0))
+    ]
+    with predictor.replays_beside():  # CUDA: each cell's replays beside the next's step
+        if not derived:
+            for precision, row, accum in order:
+                if precision not in unsupported:
+                    _prefetch(predictor, _geometry(trainer, row, accum, precision), num_train, spec)
+        for precision, row, accum in order:
+            if precision in unsupported:
+                effective = row if accum is None else row * accum
+                batch = None if derived else row
+                cell = Cell(effective, batch, accum, None, None, unsupported[precision])
+            elif derived:
+                geometry = _geometry(trainer, row, 1, precision)
+                cell = _derived_cell(predictor, geometry, num_train, spec, settings)
+            else:
+                geometry = _geometry(trainer, row, accum, precision)
+                cell = _searched_cell(predictor, geometry, num_train, spec, settings)
+            report.cells[precision, row, accum] = cell
     report.cells = {
         key: report.cells[key] for key in itertools.product(precisions, report.batch_sizes, accums)
     }
@@ -474,6 +484,14 @@ def _geometry(trainer: TrainerConfig, batch: int, accum: int, precision: str) ->
         effective_batch_size=None,  # batch x accum, filled in by TrainerConfig
         precision=precision,
     )
+
+
+def _prefetch(
+    predictor: MemoryPredictor, geometry: TrainerConfig, num_train: int, spec: RunSpec
+) -> None:
+    """Starts a cell's prediction; what it cannot predict, _searched_cell says."""
+    with contextlib.suppress(PredictionUnsupported):
+        predictor.prefetch(geometry, num_train, spec.limit_bytes)
 
 
 def _searched_cell(

@@ -19,8 +19,10 @@ its micro-batches only the first two run: from the second on, each starts from t
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
@@ -194,7 +196,9 @@ class MemoryPredictor:
         self.task = task or Classification()
         self._example = example
         self._example_n = batch_size_of(example)
-        self._cache: dict[tuple, Prediction] = {}
+        self._cache: dict[tuple, Prediction | _Pending] = {}
+        self._answered: set[tuple] = set()  # keys predict returned once: cached since
+        self._pool: ProcessPoolExecutor | None = None  # replays_beside's second process
         self._lines: dict[tuple, _Line] = {}  # per micro-batch pattern and precision
         # (micro-batch, precision, clip) -> (events, first step?): a step of that
         # micro-batch alone, derived from one of several (_first_micro_batch)
@@ -303,16 +307,47 @@ class MemoryPredictor:
     ) -> Prediction:
         """Peak memory of a full-size step of a run with `trainer`'s geometry and precision;
         on CUDA also the allocator's reserve under `limit_bytes` (the run's limit)."""
+        key = self.prefetch(trainer, num_train, limit_bytes)
+        found = self._cache[key]
+        if isinstance(found, _Pending):
+            try:
+                found = self._cache[key] = found.result()
+            except Exception as error:  # noqa: BLE001 - as above
+                raise PredictionUnsupported(_reason(error)) from error
+        if key in self._answered:
+            return replace(found, seconds=0.0)
+        self._answered.add(key)
+        return found
+
+    def prefetch(self, trainer: TrainerConfig, num_train: int, limit_bytes: int | None) -> tuple:
+        """Starts predict's work; inside `replays_beside`, the allocator's replays go on in
+        a second process while the caller asks for the next. Returns the cache key."""
         sizes = step_micro_batch_sizes(num_train, trainer, 0)[:2]
         limit = limit_bytes if self.target.type == "cuda" else None
         key = (tuple(sizes), trainer.precision, trainer.grad_clip_norm, limit)
-        if key in self._cache:
-            return replace(self._cache[key], seconds=0.0)
-        try:
-            self._cache[key] = self._predict(sizes, trainer, limit)
-        except Exception as error:  # noqa: BLE001 - as above
-            raise PredictionUnsupported(_reason(error)) from error
-        return self._cache[key]
+        if key not in self._cache:
+            try:
+                self._cache[key] = self._predict(sizes, trainer, limit)
+            except Exception as error:  # noqa: BLE001 - as above
+                raise PredictionUnsupported(_reason(error)) from error
+        return key
+
+    @contextmanager
+    def replays_beside(self) -> Iterator[None]:
+        """While active, a CUDA prediction's allocator replays (the smallest limit's
+        bisection: most of a large model's prediction) run in a second process, beside the
+        fake steps of the predictions asked for next (`prefetch`); a no-op on CPU."""
+        if self.target.type != "cuda" or self._pool is not None:
+            yield
+            return
+        # fork: the worker needs only train/allocator.py, already imported, and no torch
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(1, mp_context=context) as pool:
+            self._pool = pool
+            try:
+                yield
+            finally:
+                self._pool = None
 
     def _predict(
         self, sizes: list[int], trainer: TrainerConfig, limit_bytes: int | None
@@ -341,21 +376,22 @@ class MemoryPredictor:
         tensor_bytes = live_peak_bytes(events)
         if self.target.type != "cuda":
             return Prediction(tensor_bytes, tensor_bytes, time.perf_counter() - started)
-        reserve = self._reserve(events, limit_bytes)
-        return Prediction(
-            reserve.smallest_limit_bytes,
-            tensor_bytes,
-            time.perf_counter() - started,
-            reserve.peak_reserved_under_limit_bytes if limit_bytes is not None else None,
-        )
+        pending = _Pending(self._reserve(events, limit_bytes), tensor_bytes, started, limit_bytes)
+        return pending if self._pool is not None else pending.result()
 
-    def _reserve(self, events: Events, limit_bytes: int | None) -> CudaReserve:
+    def _reserve(self, events: Events, limit_bytes: int | None) -> Future[CudaReserve]:
         """The step's events through the caching-allocator model, with the cuBLAS
-        workspaces a training step holds (two: the autograd thread has a handle of its own)."""
+        workspaces a training step holds (two: the autograd thread has a handle of its own);
+        in the second process of replays_beside, else here and now."""
         assert self.target.capability is not None
         settings = self.target.allocator or AllocatorSettings.from_env()
         workspaces = cublas_workspaces(self.target.capability, training=True)
-        return predict_reserved(events, settings, workspaces, limit_bytes)
+        arguments = (events, settings, workspaces, limit_bytes)
+        if self._pool is not None:
+            return self._pool.submit(predict_reserved, *arguments)
+        done: Future[CudaReserve] = Future()
+        done.set_result(predict_reserved(*arguments))
+        return done
 
     def _run(self, sizes: list[int], trainer: TrainerConfig) -> tuple[Events, list[int]]:
         """The step's allocations and frees, and where in them each micro-batch after the
@@ -478,6 +514,25 @@ class MemoryPredictor:
             yield tree_map(fake, self._example)
         if marks is not None and events is not None:
             marks.append(len(events))
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A CUDA prediction whose allocator replays may still run (replays_beside)."""
+
+    reserve: Future[CudaReserve]
+    tensor_bytes: int
+    started: float
+    limit_bytes: int | None
+
+    def result(self) -> Prediction:
+        reserve = self.reserve.result()
+        return Prediction(
+            reserve.smallest_limit_bytes,
+            self.tensor_bytes,
+            time.perf_counter() - self.started,
+            reserve.peak_reserved_under_limit_bytes if self.limit_bytes is not None else None,
+        )
 
 
 def _first_micro_batch(events: Events, marks: list[int]) -> Events:
