@@ -136,26 +136,15 @@ def decoders(console: Console) -> bool:
             f"model.n_head={heads}", "data.seq_len=1024", "search.gpu=H100-80GB",
             "search.memory_budget=null", DECODER_SPACE,
         ]  # fmt: skip
-        code = (
-            "import resource, runpy, sys; sys.argv = ['search.fit', *sys.argv[1:]]\n"
-            "try:\n    runpy.run_module('search.fit', run_name='__main__')\n"
-            "finally:\n    print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
-        )
-        started = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
-            timeout=600,
-        )  # fmt: skip
-        seconds = time.perf_counter() - started
-        rss = int(done.stdout.rsplit("maxrss", 1)[-1].split()[0]) * 1024
-        rows = [line for line in done.stdout.splitlines() if line.count("│") > 2]
+        seconds, rss, out, returncode = _timed_fit(args)
+        rows = [line for line in out.splitlines() if line.count("│") > 2]
         cells = sum(line.count(" GiB") + line.count(" MiB") for line in rows)
-        ok = done.returncode == 0 and cells > 0
+        ok = returncode == 0 and cells > 0
         if name != "125M":
             ok = ok and seconds < DECODER_LIMIT_S and rss < DECODER_LIMIT_BYTES
         verdict = verdict and ok
-        if done.returncode != 0:
-            console.print(done.stdout[-3000:] + done.stderr[-3000:])
+        if returncode != 0:
+            console.print(out[-6000:])
         table.add_row(
             name, f"{params / 1e9:.2f} B", f"{seconds:.1f}", format_bytes(rss), str(cells),
             "yes" if ok else "NO",
@@ -211,6 +200,8 @@ def fit_reports(console: Console) -> bool:
 
 
 def _timed_fit(overrides: list[str]) -> tuple[float, int, str, int]:
+    """`python -m search.fit OVERRIDES` in a fresh process: seconds, peak host memory,
+    what it printed, its exit status."""
     code = (
         "import resource, runpy, sys; sys.argv = ['search.fit', *sys.argv[1:]]\n"
         "try:\n    runpy.run_module('search.fit', run_name='__main__')\n"

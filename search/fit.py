@@ -244,6 +244,7 @@ def fit_report(
     spec: RunSpec,
     settings: SearchConfig,
     workloads: Workloads | None = None,
+    beside: bool = False,
 ) -> FitReport:
     """Predict every (precision, row, accumulation) of the space with the predictor of
     `workloads` (a study's: its trials then predict with the same one); PredictionUnsupported
@@ -298,7 +299,9 @@ def fit_report(
         for row in report.batch_sizes
         for accum in sorted(accums, key=lambda a: -(a or 0))
     ]
-    with predictor.replays_beside():  # CUDA: each cell's replays beside the next's step
+    # CUDA, from `python -m search.fit` only (a study's process holds signal handlers and
+    # threads a forked worker must not inherit): each cell's replays beside the next's step
+    with predictor.replays_beside() if beside else contextlib.nullcontext():
         if not derived:
             for precision, row, accum in order:
                 if precision not in unsupported:
@@ -366,6 +369,7 @@ def fit_reports(
     settings: SearchConfig,
     workloads: Workloads | None = None,
     on_report: Callable[[FitReport, int, int], None] | None = None,
+    beside: bool = False,
 ) -> list[FitReport]:
     """fit_report per layout (`layouts`): trainer.activation_checkpointing and the other
     discrete keys the space searches, side by side, so that the report has the cells a
@@ -373,7 +377,8 @@ def fit_reports(
     predictors stay in `workloads` (a study's) for its trials. `on_report(report, number,
     total)` is called as each report is done, before the next is predicted (show_fit_reports
     prints it then). Layouts without checkpointing come first: a checkpointing report
-    marks the cells that need more than without it."""
+    marks the cells that need more than without it. `beside`: a CUDA report's allocator
+    replays in a second process (fit_report)."""
     workloads = workloads or Workloads()
     planned = []
     for layout in layouts(cfg, space, spec):
@@ -394,7 +399,7 @@ def fit_reports(
     planned.sort(key=lambda each: each[2].trainer.activation_checkpointing != "none")
     reports: list[FitReport] = []
     for number, (layout, layout_cfg, layout_spec) in enumerate(planned, 1):
-        report = fit_report(layout_cfg, space, layout_spec, settings, workloads)
+        report = fit_report(layout_cfg, space, layout_spec, settings, workloads, beside)
         report.at = {k: v for k, v in layout.items() if k not in TRAINER_LAYOUT}
         report.held = {k: v for k, v in report.held.items() if k not in layout}
         report.without_checkpointing = _without_checkpointing(report, reports)
@@ -435,6 +440,7 @@ def show_fit_reports(
     settings: SearchConfig,
     workloads: Workloads | None = None,
     record: Console | None = None,
+    beside: bool = False,
 ) -> list[FitReport]:
     """fit_reports, each table printed as soon as it is predicted (to `console`, and to
     `record` too when given: the study's fit_report.txt): under a progress bar over the
@@ -456,7 +462,7 @@ def show_fit_reports(
 
     args = (cfg, space, spec, settings, workloads)
     if not console.is_terminal:
-        return fit_reports(*args, on_report=show)
+        return fit_reports(*args, on_report=show, beside=beside)
     progress = Progress(
         TextColumn("fit report"),
         BarColumn(),
@@ -473,7 +479,7 @@ def show_fit_reports(
             show(report, number, total)
             progress.update(task, completed=number, total=total)
 
-        return fit_reports(*args, on_report=advance)
+        return fit_reports(*args, on_report=advance, beside=beside)
 
 
 def _geometry(trainer: TrainerConfig, batch: int, accum: int, precision: str) -> TrainerConfig:
@@ -712,7 +718,7 @@ def main(cfg: DictConfig) -> None:
         console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
     try:
         reports = show_fit_reports(
-            console, cfg, checked.space, checked.spec, checked.settings, workloads
+            console, cfg, checked.space, checked.spec, checked.settings, workloads, beside=True
         )
         if nothing_fits(reports):
             console.print(NOTHING_FITS, soft_wrap=True, highlight=False)

@@ -155,7 +155,7 @@ TABLE: dict[str, Check] = {
     "python -m search.fit +experiment=llm_full model.config=llama3_8b model.dtype=bfloat16 "
     "trainer.strategy=fsdp trainer.devices=8 search.gpu=H100-80GB": Check(
         "tests.search.test_fit::test_a_fit_report_per_rank_of_a_data_parallel_layout",
-        "the 8B report over the space takes 4 minutes on 2 cores; the test reports one rank "
+        "the 8B report over the space takes 2 minutes on 2 cores; the test reports one rank "
         "of FSDP on 8 H100s for the tiny Llama and checks it against the predictor",
     ),
     # Other entry points

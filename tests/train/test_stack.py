@@ -162,3 +162,29 @@ def test_the_fewest_insertions_turn_one_sequence_into_the_other():
     assert _regions(one, two) == [(1, 2), (5, 2)]
     assert _insertions([1, 2, 3], [1, 3, 2]) is None  # not a subsequence
     assert _regions([1, 2, 3], [1, 2, 7, 3]) is None  # 7 copies nothing
+
+
+def test_replays_in_a_second_process_give_the_same_predictions(hydra_conf):
+    """replays_beside: the allocator's replays of prefetched cells run in a forked worker
+    while the next cells' steps are computed; the predictions are those of one process."""
+    # A budget that binds: some cells run out under it (no reserve), others reserve less
+    cfg = hydra_conf([*GPT, "search.gpu=A100-40GB", "search.memory_budget=24MiB"])
+    spec = plan(cfg, cfg.search.memory_budget)
+    geometries = [
+        dataclasses.replace(
+            spec.trainer, batch_size=b, accum_steps=a, precision=p, effective_batch_size=None
+        )
+        for b, a, p in GEOMETRIES
+    ]
+    beside = Workloads().of(cfg).predictor(spec, cfg.optimizer)
+    with beside.replays_beside():
+        assert beside._pool is not None
+        for trainer in geometries:
+            beside.prefetch(trainer, 1000, spec.limit_bytes)
+        got = [beside.predict(t, 1000, spec.limit_bytes) for t in geometries]
+    assert beside._pool is None
+    here = Workloads().of(cfg).predictor(spec, cfg.optimizer)
+    expected = [here.predict(t, 1000, spec.limit_bytes) for t in geometries]
+    figures = [(p.peak_bytes, p.tensor_bytes, p.reserved_bytes) for p in got]
+    assert figures == [(p.peak_bytes, p.tensor_bytes, p.reserved_bytes) for p in expected]
+    assert None in [p.reserved_bytes for p in got], "the budget should bind somewhere"
