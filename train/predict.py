@@ -121,19 +121,24 @@ def _fake_module(model: nn.Module, mode: FakeTensorMode, device: torch.device) -
 
 
 def fake_first(build: Callable[[], nn.Module], mode: FakeTensorMode) -> nn.Module:
-    """`build()` under `mode`: the model's parameters are fake from the start, so a model of
-    any size costs its module objects, not its weights. A builder that needs real values (a
-    checkpoint read, `.item()` at init), or that places tensors off the CPU (fake mode makes
-    CUDA tensors without a GPU, so its errors would not show), is built for real; a real
-    error then says what is wrong. (A builder that caches tensors of its own keeps fakes.)"""
-    try:
-        with mode:
-            model = build()
-        tensors = itertools.chain(model.parameters(), model.buffers())
-        if all(t.device.type == "cpu" for t in tensors):
-            return model
-    except Exception:  # noqa: BLE001, S110 - whatever a user's builder does on fake tensors
-        pass
+    """`build()` on the meta device, else under `mode`: the model's parameters have no
+    storage from the start, so a model of any size costs its module objects, not its
+    weights (the caller makes them fakes of `mode`: _fake_module). The meta device is
+    tried first as it is three times faster (an 8B decoder with LoRA: 0.6 s against 2 s);
+    a builder whose tensors do not all land there, or that fails there, is built under
+    `mode`. A builder that needs real values (a checkpoint read, `.item()` at init), or
+    that places tensors off the CPU (fake mode makes CUDA tensors without a GPU, so its
+    errors would not show), is built for real; a real error then says what is wrong. (A
+    builder that caches tensors of its own keeps fakes.)"""
+    for context, device in ((torch.device("meta"), "meta"), (mode, "cpu")):
+        try:
+            with context:
+                model = build()
+            tensors = itertools.chain(model.parameters(), model.buffers())
+            if all(t.device.type == device for t in tensors):
+                return model
+        except Exception:  # noqa: BLE001, S112 - whatever a user's builder does there
+            continue
     return build()
 
 
