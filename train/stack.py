@@ -11,17 +11,24 @@ the events of all N from them (`DepthLine`):
 - Structure (depths 2 and 3): the events of 3 layers are those of 2 with one more instance
   of each periodic region inserted (the fewest insertions that do it, a dynamic program;
   each is slid to the front of its run, where the depth-2 events hold the same tokens after
-  it, so a region is a span of the depth-2 events and depth k holds k - 1 instances of it).
-  A token is an allocation's size, or a free with the size it frees.
+  it, so a region is a span of the depth-2 events and depth k holds k - 1 instances of it;
+  two insertions meeting at one place are split). A token is an allocation's size, or a
+  free with the size it frees and the phase (micro-batch, optimizer) of its allocation.
 - References (depth 3): which allocation each free frees, as a rule in the instance
   numbers: the same instance (a layer's temporaries), one before (the previous layer's
   output), the mirror instance n-1-i (a layer's backward freeing what its forward saved),
-  the first or last (what the stack's ends exchange with the rest), or outside the regions.
-  Of the rules that explain every free, the one with the smallest shift is taken.
+  the first or last, or past the stack's ends (a learned position, or the region's
+  continuation: the layer after the last is the head). Of the rules that explain every
+  free, the one with the smallest shift is taken.
 - Verified at depth 4, which the rules were not learned from: the events built for 4
-  layers must equal the computed ones, free by free. Only then is the line used, for any
-  depth and for every micro-batch size whose depth-2 events free the same allocations as
-  the learned ones (the sizes come from the depth-2 step of that size).
+  layers must equal the computed ones, free by free. Where they do not (two rules agree
+  at depth 3 and the smallest shift chose wrongly: full fine-tuning's first layer), the
+  rules are learned from depths 3 and 4 together and must give both. Only then is the
+  line used, for any depth and for every micro-batch size whose depth-2 events free the
+  same allocations as the learned ones (the sizes come from the depth-2 step of that
+  size). FSDP's lines start from 3 layers (FSDP_DEPTHS): its end layers prefetch
+  differently. tests/train/test_stack.py and `bench/prediction.py --fit-reports` check
+  built steps against whole ones, event by event and to the byte.
 
 A model without such a stack, or whose events are not periodic in it, is computed whole.
 """
