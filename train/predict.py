@@ -226,9 +226,7 @@ class MemoryPredictor:
                 model = fake_first(model, self.mode)
                 _fake_module(model, self.mode, self.device)  # a real build's, if it was
             self._depths = FSDP_DEPTHS if self.strategy == "fsdp" else DEPTHS
-            stack = None if whole else find_stack(model)
-            if stack is not None and len(stack) <= self._depths[-1]:
-                stack = None  # as shallow as its copies: nothing to gain
+            stack = None if whole else find_stack(model, self._depths[-1] + 1)
             if stack is not None:  # cut before sharding: each copy is sharded as a whole
                 self.depth = len(stack)
                 self._shallow = {

@@ -48,20 +48,20 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 Events = list[tuple[object, int]]  # (key, bytes) allocated, (key, -1) freed
-MIN_DEPTH = 4  # a shallower stack is computed whole: nothing to gain
 DEPTHS = (2, 3, 4)  # the depths computed: 2 and 3 define the line, 4 verifies it
 # FSDP prefetches the next layer's parameters in forward and backward: the two layers at
 # the stack's ends differ from the others, so the line starts from 3 layers (1 in between).
 FSDP_DEPTHS = (3, 4, 5)
 
 
-def find_stack(model: nn.Module) -> nn.ModuleList | None:
-    """The longest ModuleList of at least MIN_DEPTH layers of one class with the same
-    parameters and buffers (names, shapes, dtypes), or None."""
+def find_stack(model: nn.Module, min_depth: int = DEPTHS[-1] + 1) -> nn.ModuleList | None:
+    """The longest ModuleList of at least `min_depth` layers of one class with the same
+    parameters and buffers (names, shapes, dtypes), or None. A stack no deeper than the
+    copies the line is learned from has nothing to gain: it is computed whole."""
     stacks = [
         m
         for m in model.modules()
-        if isinstance(m, nn.ModuleList) and len(m) >= MIN_DEPTH and _identical(m)
+        if isinstance(m, nn.ModuleList) and len(m) >= min_depth and _identical(m)
     ]
     return max(stacks, key=len, default=None)
 
