@@ -153,7 +153,8 @@ def test_fit_report_entry_point(tmp_path: Path) -> None:
     # gradients and momentum take 128 MiB; with the 5% margin fp32 fits up to batch 32.
     done = run_module("search.fit", ["+experiment=resnet", "data=digits"], tmp_path)
     out = done.stdout
-    assert "budget 160.0 MiB (search.memory_budget), margin 5%" in " ".join(out.split())  # the title may wrap
+    title = " ".join(out.split())  # the title may wrap
+    assert "budget 160.0 MiB (search.memory_budget), margin 5%" in title
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 3}
     assert "145.9 MiB" in rows["32"] and "(OOM)" in rows["64"]
     assert rows["largest that fits"].split("│")[2].strip() == "32"  # the fp32 column
