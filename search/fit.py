@@ -510,7 +510,8 @@ def _searched_cell(
     batch, accum = geometry.batch_size, geometry.accum_steps
     assert geometry.effective_batch_size is not None
     try:
-        peak = predictor.predict(geometry, num_train).peak_bytes
+        # the limit _prefetch started it with: predict's cache key holds it
+        peak = predictor.predict(geometry, num_train, spec.limit_bytes).peak_bytes
     except PredictionUnsupported as error:
         if batch != 1:  # the model does not run on fake tensors: no report
             raise

@@ -28,6 +28,7 @@ from search.fit import (
     show_fit_reports,
 )
 from search.validate import validate
+from train.allocator import predict_reserved
 from train.config import ConfigError
 from train.gpus import gpu
 from train.memory import format_bytes
@@ -222,6 +223,26 @@ def test_a_report_for_a_gpu_this_machine_lacks_is_in_cuda_reserved_bytes(hydra_c
     assert set(v100.unsupported) == {"tf32", "bf16"}
     assert "compute capability >= 8.0, V100-16GB has 7.x" in v100.unsupported["bf16"]
 
+
+
+def test_each_cell_of_a_cuda_report_is_replayed_once_under_the_runs_limit(
+    hydra_conf, monkeypatch
+) -> None:
+    """The allocator's replays are most of a CUDA report's time: each distinct step (micro-
+    batches, precision) goes through them once, under the run's limit; the cells that share
+    a step (accumulation 2 and 4: two micro-batches either way) share its prediction."""
+    calls: list[int | None] = []
+
+    def counted(events, settings, workspaces, limit_bytes):  # noqa: ANN001, ANN202
+        calls.append(limit_bytes)
+        return predict_reserved(events, settings, workspaces, limit_bytes)
+
+    monkeypatch.setattr("train.predict.predict_reserved", counted)
+    report = _report(hydra_conf, ["+experiment=resnet", *SMALL, "search.gpu=A100-40GB"])
+    steps = {(p, b, min(a, 2)) for p, b, a in report.cells if p not in report.unsupported}
+    assert set(report.accum_steps) > {1, 2}  # the premise: some cells share a step
+    assert len(calls) == len(steps)
+    assert set(calls) == {report.limit_bytes}
 
 # An 8B model planned for an H100 from this CPU-only machine: bf16 weights, 1024 tokens,
 # micro-batches 1 and 2, checkpointing off and on; the full report over the experiments'
