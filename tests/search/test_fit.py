@@ -224,7 +224,6 @@ def test_a_report_for_a_gpu_this_machine_lacks_is_in_cuda_reserved_bytes(hydra_c
     assert "compute capability >= 8.0, V100-16GB has 7.x" in v100.unsupported["bf16"]
 
 
-
 def test_each_cell_of_a_cuda_report_is_replayed_once_under_the_runs_limit(
     hydra_conf, monkeypatch
 ) -> None:
@@ -243,6 +242,7 @@ def test_each_cell_of_a_cuda_report_is_replayed_once_under_the_runs_limit(
     assert set(report.accum_steps) > {1, 2}  # the premise: some cells share a step
     assert len(calls) == len(steps)
     assert set(calls) == {report.limit_bytes}
+
 
 # An 8B model planned for an H100 from this CPU-only machine: bf16 weights, 1024 tokens,
 # micro-batches 1 and 2, checkpointing off and on; the full report over the experiments'
