@@ -63,6 +63,7 @@ from train.predict import (
     PredictionUnsupported,
     fits_budget,
     largest_fitting_batch,
+    replays_beside,
 )
 from train.run import OverBudget, RunSpec, budget_source, with_gpu_budget
 from train.workload import Workloads
@@ -244,85 +245,145 @@ def fit_report(
     spec: RunSpec,
     settings: SearchConfig,
     workloads: Workloads | None = None,
-    beside: bool = False,
 ) -> FitReport:
     """Predict every (precision, row, accumulation) of the space with the predictor of
     `workloads` (a study's: its trials then predict with the same one); PredictionUnsupported
     when the model cannot run on fake tensors."""
-    started = time.perf_counter()
-    derived = settings.accumulation == "derived"
-    trainer = spec.trainer
-    # validate drops the precisions this device cannot run from `space`; the report shows
-    # them, from the space as configured, with the reason.
-    configured = parse_space(cfg.search.params or {})
-    precisions = [str(p) for p in _space_values(configured, PRECISION_KEY, trainer.precision)]
-    unsupported = {p: reason for p in precisions if (reason := unsupported_reason(p, spec.target))}
-    if derived:
-        rows = _space_values(space, EFFECTIVE_KEY, trainer.effective_batch_size)
-        accums: list[int | None] = [None]
-    else:
-        rows = _space_values(space, BATCH_KEY, trainer.batch_size)
-        accums = sorted({int(a) for a in _space_values(space, ACCUM_KEY, trainer.accum_steps)})
-    report = FitReport(
-        spec.budget_bytes,
-        settings.preflight_margin,
-        derived,
-        precisions,
-        unsupported,
-        sorted({int(b) for b in rows}),
-        accums,
-    )
-    geometry_keys = {*GEOMETRY_KEYS, "optimizer.lr"}
-    report.checkpointing = trainer.activation_checkpointing
-    report.strategy, report.world_size = trainer.strategy, trainer.devices
-    report.device = _device_words(spec.target)
-    report.limit_bytes = spec.limit_bytes
-    report.budget_source = budget_source(settings.memory_budget, spec)
-    report.cuda = spec.target.type == "cuda"
-    report.model_dtype = (
-        str(cfg.model.dtype) if "dtype" in cfg.model and cfg.model.dtype is not None else None
-    )
-    report.searched = tuple(space.distributions)
-    report.held = {
-        key: OmegaConf.select(cfg, key)
-        for key in space.distributions
-        if key not in geometry_keys and OmegaConf.select(cfg, key) is not None
-    }
-    workload = (workloads or Workloads()).of(cfg)
-    predictor = workload.predictor(spec, cfg.optimizer)
-    num_train = workload.num_train
-    # The most micro-batches first: the predictor derives the step of one micro-batch
-    # from a step of several (train/predict.py _first_micro_batch).
-    order = [
-        (precision, row, accum)
-        for precision in precisions
-        for row in report.batch_sizes
-        for accum in sorted(accums, key=lambda a: -(a or 0))
-    ]
-    # CUDA, from `python -m search.fit` only (a study's process holds signal handlers and
-    # threads a forked worker must not inherit): each cell's replays beside the next's step
-    with predictor.replays_beside() if beside else contextlib.nullcontext():
-        if not derived:
-            for precision, row, accum in order:
-                if precision not in unsupported:
-                    _prefetch(predictor, _geometry(trainer, row, accum, precision), num_train, spec)
-        for precision, row, accum in order:
-            if precision in unsupported:
+    return _Tabulation(cfg, space, spec, settings, workloads or Workloads()).finish()
+
+
+class _Tabulation:
+    """One report being predicted: its cells' predictions are started one at a time
+    (`advance`: fit_reports has the next table's started while the allocator replays of
+    this one's last cells finish in replays_beside's second process), then collected in
+    order (`finish`)."""
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        space: SearchSpace,
+        spec: RunSpec,
+        settings: SearchConfig,
+        workloads: Workloads,
+    ) -> None:
+        self.cfg, self.spec, self.settings, self.workloads = cfg, spec, settings, workloads
+        self.started: float | None = None
+        trainer = spec.trainer
+        derived = settings.accumulation == "derived"
+        # validate drops the precisions this device cannot run from `space`; the report
+        # shows them, from the space as configured, with the reason.
+        configured = parse_space(cfg.search.params or {})
+        precisions = [str(p) for p in _space_values(configured, PRECISION_KEY, trainer.precision)]
+        unsupported = {
+            p: reason for p in precisions if (reason := unsupported_reason(p, spec.target))
+        }
+        if derived:
+            rows = _space_values(space, EFFECTIVE_KEY, trainer.effective_batch_size)
+            accums: list[int | None] = [None]
+        else:
+            rows = _space_values(space, BATCH_KEY, trainer.batch_size)
+            accums = sorted({int(a) for a in _space_values(space, ACCUM_KEY, trainer.accum_steps)})
+        report = self.report = FitReport(
+            spec.budget_bytes,
+            settings.preflight_margin,
+            derived,
+            precisions,
+            unsupported,
+            sorted({int(b) for b in rows}),
+            accums,
+        )
+        geometry_keys = {*GEOMETRY_KEYS, "optimizer.lr"}
+        report.checkpointing = trainer.activation_checkpointing
+        report.strategy, report.world_size = trainer.strategy, trainer.devices
+        report.device = _device_words(spec.target)
+        report.limit_bytes = spec.limit_bytes
+        report.budget_source = budget_source(settings.memory_budget, spec)
+        report.cuda = spec.target.type == "cuda"
+        report.model_dtype = (
+            str(cfg.model.dtype) if "dtype" in cfg.model and cfg.model.dtype is not None else None
+        )
+        report.searched = tuple(space.distributions)
+        report.held = {
+            key: OmegaConf.select(cfg, key)
+            for key in space.distributions
+            if key not in geometry_keys and OmegaConf.select(cfg, key) is not None
+        }
+        # The most micro-batches first: the predictor derives the step of one micro-batch
+        # from a step of several (train/predict.py _first_micro_batch).
+        self.order = [
+            (precision, row, accum)
+            for precision in precisions
+            for row in report.batch_sizes
+            for accum in sorted(accums, key=lambda a: -(a or 0))
+        ]
+        # the cells whose predictions advance starts: searched ones the device can run
+        self._todo = iter(
+            [] if derived else [cell for cell in self.order if cell[0] not in unsupported]
+        )
+        self.predictor: MemoryPredictor | None = None
+        self.num_train = 0
+        self._keys: dict[tuple[str, int, int | None], tuple] = {}  # started: cache keys
+        self._error: Exception | None = None  # raised by advance: raised again by finish
+
+    def advance(self) -> bool:
+        """Does the next piece of this report's work (its predictor, or one more cell's
+        prediction started); False when there is none. An error is kept for finish."""
+        if self._error is not None:
+            return False
+        if self.started is None:
+            self.started = time.perf_counter()
+        try:
+            if self.predictor is None:
+                workload = self.workloads.of(self.cfg)
+                self.predictor = workload.predictor(self.spec, self.cfg.optimizer)
+                self.num_train = workload.num_train
+                return True
+            for precision, row, accum in self._todo:
+                geometry = _geometry(self.spec.trainer, row, accum, precision)
+                with contextlib.suppress(PredictionUnsupported):  # _searched_cell says it
+                    self._keys[precision, row, accum] = self.predictor.prefetch(
+                        geometry, self.num_train, self.spec.limit_bytes
+                    )
+                return True
+        except Exception as error:  # noqa: BLE001 - raised where this report is asked for
+            self._error = error
+        return False
+
+    def finish(
+        self, idle: Callable[[], bool] = lambda: False, since: float | None = None
+    ) -> FitReport:
+        """The report, its cells predicted in order. While a cell waits for its allocator
+        replays, `idle()` is called (other work; False: none left). `seconds`: from its
+        first piece of work, or from `since` (the previous report handed over) if later."""
+        while self.advance():
+            pass
+        if self._error is not None:
+            raise self._error
+        report, predictor, spec, settings = self.report, self.predictor, self.spec, self.settings
+        assert predictor is not None and self.started is not None
+        trainer = spec.trainer
+        for precision, row, accum in self.order:
+            key = self._keys.get((precision, row, accum))
+            while key is not None and not predictor.ready(key) and idle():
+                pass
+            if precision in report.unsupported:
                 effective = row if accum is None else row * accum
-                batch = None if derived else row
-                cell = Cell(effective, batch, accum, None, None, unsupported[precision])
-            elif derived:
+                batch = None if report.derived else row
+                reason = report.unsupported[precision]
+                cell = Cell(effective, batch, accum, None, None, reason)
+            elif report.derived:
                 geometry = _geometry(trainer, row, 1, precision)
-                cell = _derived_cell(predictor, geometry, num_train, spec, settings)
+                cell = _derived_cell(predictor, geometry, self.num_train, spec, settings)
             else:
                 geometry = _geometry(trainer, row, accum, precision)
-                cell = _searched_cell(predictor, geometry, num_train, spec, settings)
+                cell = _searched_cell(predictor, geometry, self.num_train, spec, settings)
             report.cells[precision, row, accum] = cell
-    report.cells = {
-        key: report.cells[key] for key in itertools.product(precisions, report.batch_sizes, accums)
-    }
-    report.seconds = time.perf_counter() - started
-    return report
+        report.cells = {
+            key: report.cells[key]
+            for key in itertools.product(report.precisions, report.batch_sizes, report.accum_steps)
+        }
+        report.seconds = time.perf_counter() - max(self.started, since or self.started)
+        return report
 
 
 GEOMETRY_KEYS = {BATCH_KEY, ACCUM_KEY, PRECISION_KEY, EFFECTIVE_KEY, CHECKPOINTING_KEY}
@@ -378,7 +439,8 @@ def fit_reports(
     total)` is called as each report is done, before the next is predicted (show_fit_reports
     prints it then). Layouts without checkpointing come first: a checkpointing report
     marks the cells that need more than without it. `beside`: a CUDA report's allocator
-    replays in a second process (fit_report)."""
+    replays in a second process (replays_beside), the next table's steps computed here
+    while the last cells of one wait for theirs."""
     workloads = workloads or Workloads()
     planned = []
     for layout in layouts(cfg, space, spec):
@@ -397,15 +459,29 @@ def fit_reports(
             continue
         planned.append((layout, layout_cfg, dataclasses.replace(spec, trainer=trainer)))
     planned.sort(key=lambda each: each[2].trainer.activation_checkpointing != "none")
+    tabulations = [
+        _Tabulation(layout_cfg, space, layout_spec, settings, workloads)
+        for _, layout_cfg, layout_spec in planned
+    ]
     reports: list[FitReport] = []
-    for number, (layout, layout_cfg, layout_spec) in enumerate(planned, 1):
-        report = fit_report(layout_cfg, space, layout_spec, settings, workloads, beside)
-        report.at = {k: v for k, v in layout.items() if k not in TRAINER_LAYOUT}
-        report.held = {k: v for k, v in report.held.items() if k not in layout}
-        report.without_checkpointing = _without_checkpointing(report, reports)
-        reports.append(report)
-        if on_report is not None:
-            on_report(report, number, len(planned))
+    since = time.perf_counter()
+    # CUDA, from `python -m search.fit` only (a study's process holds signal handlers and
+    # threads a forked worker must not inherit): the allocator's replays in a second
+    # process; while a table's last cells wait for theirs, the next table's steps are
+    # computed here.
+    with replays_beside() if beside else contextlib.nullcontext():
+        for number, tabulation in enumerate(tabulations, 1):
+            layout = planned[number - 1][0]
+            following = tabulations[number] if number < len(tabulations) else None
+            idle = following.advance if following is not None and beside else lambda: False
+            report = tabulation.finish(idle, since)
+            report.at = {k: v for k, v in layout.items() if k not in TRAINER_LAYOUT}
+            report.held = {k: v for k, v in report.held.items() if k not in layout}
+            report.without_checkpointing = _without_checkpointing(report, reports)
+            reports.append(report)
+            if on_report is not None:
+                on_report(report, number, len(planned))
+            since = time.perf_counter()
     return reports
 
 
@@ -490,14 +566,6 @@ def _geometry(trainer: TrainerConfig, batch: int, accum: int, precision: str) ->
         effective_batch_size=None,  # batch x accum, filled in by TrainerConfig
         precision=precision,
     )
-
-
-def _prefetch(
-    predictor: MemoryPredictor, geometry: TrainerConfig, num_train: int, spec: RunSpec
-) -> None:
-    """Starts a cell's prediction; what it cannot predict, _searched_cell says."""
-    with contextlib.suppress(PredictionUnsupported):
-        predictor.prefetch(geometry, num_train, spec.limit_bytes)
 
 
 def _searched_cell(

@@ -203,7 +203,6 @@ class MemoryPredictor:
         self._example_n = batch_size_of(example)
         self._cache: dict[tuple, Prediction | _Pending] = {}
         self._answered: set[tuple] = set()  # keys predict returned once: cached since
-        self._pool: ProcessPoolExecutor | None = None  # replays_beside's second process
         self._lines: dict[tuple, _Line] = {}  # per micro-batch pattern and precision
         # (micro-batch, precision, clip) -> (events, first step?): a step of that
         # micro-batch alone, derived from one of several (_first_micro_batch)
@@ -335,22 +334,11 @@ class MemoryPredictor:
                 raise PredictionUnsupported(_reason(error)) from error
         return key
 
-    @contextmanager
-    def replays_beside(self) -> Iterator[None]:
-        """While active, a CUDA prediction's allocator replays (the smallest limit's
-        bisection: most of a large model's prediction) run in a second process, beside the
-        fake steps of the predictions asked for next (`prefetch`); a no-op on CPU."""
-        if self.target.type != "cuda" or self._pool is not None:
-            yield
-            return
-        # fork: the worker needs only train/allocator.py, already imported, and no torch
-        context = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(1, mp_context=context) as pool:
-            self._pool = pool
-            try:
-                yield
-            finally:
-                self._pool = None
+    def ready(self, key: tuple) -> bool:
+        """Whether predict(...) for the cache key prefetch returned would answer without
+        waiting for replays_beside's second process."""
+        found = self._cache[key]
+        return not isinstance(found, _Pending) or found.reserve.done()
 
     def _predict(
         self, sizes: list[int], trainer: TrainerConfig, limit_bytes: int | None
@@ -380,7 +368,7 @@ class MemoryPredictor:
         if self.target.type != "cuda":
             return Prediction(tensor_bytes, tensor_bytes, time.perf_counter() - started)
         pending = _Pending(self._reserve(events, limit_bytes), tensor_bytes, started, limit_bytes)
-        return pending if self._pool is not None else pending.result()
+        return pending if _BESIDE else pending.result()
 
     def _reserve(self, events: Events, limit_bytes: int | None) -> Future[CudaReserve]:
         """The step's events through the caching-allocator model, with the cuBLAS
@@ -390,8 +378,8 @@ class MemoryPredictor:
         settings = self.target.allocator or AllocatorSettings.from_env()
         workspaces = cublas_workspaces(self.target.capability, training=True)
         arguments = (events, settings, workspaces, limit_bytes)
-        if self._pool is not None:
-            return self._pool.submit(predict_reserved, *arguments)
+        if _BESIDE:
+            return _BESIDE[0].submit(predict_reserved, *arguments)
         done: Future[CudaReserve] = Future()
         done.set_result(predict_reserved(*arguments))
         return done
@@ -517,6 +505,29 @@ class MemoryPredictor:
             yield tree_map(fake, self._example)
         if marks is not None and events is not None:
             marks.append(len(events))
+
+
+_BESIDE: list[ProcessPoolExecutor] = []  # replays_beside's second process, while active
+
+
+@contextmanager
+def replays_beside() -> Iterator[None]:
+    """While active, the allocator replays of every CUDA prediction (the smallest limit's
+    bisection: most of a large model's prediction) run in one second process, beside the
+    fake steps of the predictions asked for next (`prefetch`), those of other predictors
+    (a fit report's next table) included. The process is forked at the first replay (it
+    needs only train/allocator.py, already imported, and no torch): a CPU prediction forks
+    nothing. Not for a process whose signal handlers and threads a child must not inherit
+    (a study's): `python -m search.fit` only."""
+    if _BESIDE:
+        yield
+        return
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        _BESIDE.append(pool)
+        try:
+            yield
+        finally:
+            _BESIDE.clear()
 
 
 @dataclass(frozen=True)

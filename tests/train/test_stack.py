@@ -14,7 +14,7 @@ import torch
 import yaml
 from torch import nn
 
-from train.predict import MemoryPredictor
+from train.predict import _BESIDE, MemoryPredictor, replays_beside
 from train.run import plan
 from train.stack import Step, _Canon, _insertions, _regions, find_stack
 from train.workload import Workloads
@@ -175,12 +175,12 @@ def test_replays_in_a_second_process_give_the_same_predictions(hydra_conf):
         for b, a, p in GEOMETRIES
     ]
     beside = Workloads().of(cfg).predictor(spec, cfg.optimizer)
-    with beside.replays_beside():
-        assert beside._pool is not None
-        for trainer in geometries:
-            beside.prefetch(trainer, 1000, spec.limit_bytes)
+    with replays_beside():
+        assert _BESIDE  # the second process, forked at the first replay
+        keys = [beside.prefetch(trainer, 1000, spec.limit_bytes) for trainer in geometries]
         got = [beside.predict(t, 1000, spec.limit_bytes) for t in geometries]
-    assert beside._pool is None
+        assert all(beside.ready(key) for key in keys)
+    assert not _BESIDE
     here = Workloads().of(cfg).predictor(spec, cfg.optimizer)
     expected = [here.predict(t, 1000, spec.limit_bytes) for t in geometries]
     figures = [(p.peak_bytes, p.tensor_bytes, p.reserved_bytes) for p in got]
