@@ -13,6 +13,7 @@ Blocks serve only the CUDA stream that allocated their segment, as in c10; `empt
 from __future__ import annotations
 
 import bisect
+import itertools
 import operator
 import os
 import re
@@ -380,6 +381,9 @@ class CachingAllocatorModel:
         self._seed_reserved_bytes = 0  # a seeded state may be over the limit
         self._next_synthetic_address = _SYNTHETIC_BASE
         self._gc = limit_bytes is not None and self.settings.garbage_collection_threshold > 0
+        # _Runs: while a list, each alloc_block's limit check as (event, reserved + segment)
+        self._checks: list[tuple[int, int]] | None = None
+        self._at = 0  # the event being replayed, for _checks
 
     @property
     def expandable_va_bytes(self) -> int:
@@ -396,7 +400,12 @@ class CachingAllocatorModel:
         on only); returns the block's address. `segment_address` is where a new segment goes
         if one is needed (a trace's segment_alloc), else a synthetic one; also a synthetic
         one when the model holds a segment over that range (see _place)."""
-        size = self.settings.round_size(nbytes)
+        return self._malloc_block(key, self.settings.round_size(nbytes), segment_address, stream)
+
+    def _malloc_block(
+        self, key: object, size: int, segment_address: int | None = None, stream: int = 0
+    ) -> int:
+        """malloc of a size round_size gave (a replay rounds each size once, not per run)."""
         pool = self.pools[size <= _SMALL_SIZE]
         block = self._get_free_block(pool, size, stream)
         if block is None:
@@ -468,6 +477,53 @@ class CachingAllocatorModel:
             sorted((b.address, b.size, b.allocated) for b in segment)
             for segment in by_segment.values()
         )
+
+    def copy(self) -> CachingAllocatorModel:
+        """An independent copy of the state: its segments, blocks (linked as here), free
+        block indexes and live allocations; the settings and limits are the same."""
+        new = CachingAllocatorModel.__new__(CachingAllocatorModel)
+        new.__dict__.update(self.__dict__)
+        segments = {
+            address: _Segment(s.address, s.size_bytes, s.small, s.expandable, s.stream)
+            for address, s in self._segments.items()
+        }
+        new._segments, new._segment_starts = segments, list(self._segment_starts)
+        new.pools = {}
+        for small, pool in self.pools.items():
+            copied = new.pools[small] = _Pool(small=small, get_free_calls=pool.get_free_calls)
+            for stream, keys in pool.keys.items():
+                copied.keys[stream] = list(keys)
+            for stream, unmapped in pool.unmapped.items():
+                copied.unmapped[stream] = list(unmapped)
+        for segment in segments.values():
+            new.pools[segment.small].join(segment)
+        blocks: dict[int, _Block] = {}  # id of a block here -> its copy
+        for block in itertools.chain(
+            self.live.values(),
+            *(pool.blocks.values() for pool in self.pools.values()),
+            *(pool.unmapped_blocks.values() for pool in self.pools.values()),
+        ):
+            blocks[id(block)] = _Block(
+                block.address,
+                block.size,
+                segments[block.segment.address],
+                block.prev,
+                block.next,
+                block.allocated,
+                block.mapped,
+                block.gc_base,
+            )
+        for block in blocks.values():
+            if block.prev is not None:
+                block.prev = blocks[id(block.prev)]
+            if block.next is not None:
+                block.next = blocks[id(block.next)]
+        new.live = {key: blocks[id(block)] for key, block in self.live.items()}
+        for small, pool in self.pools.items():
+            copied = new.pools[small]
+            copied.blocks = {a: blocks[id(b)] for a, b in pool.blocks.items()}
+            copied.unmapped_blocks = {a: blocks[id(b)] for a, b in pool.unmapped_blocks.items()}
+        return new
 
     def check(self) -> None:
         """Raises AssertionError naming the first broken invariant, read from the blocks
@@ -644,6 +700,8 @@ class CachingAllocatorModel:
         """alloc_block: the per-process limit is checked against get_allocation_size even
         with expandable segments (which then map only the pages they lack)."""
         segment_bytes = allocation_size(size)
+        if self._checks is not None:
+            self._checks.append((self._at, self.reserved_bytes + segment_bytes))
         if self.limit_bytes is not None and self.reserved_bytes + segment_bytes > self.limit_bytes:
             return None
         if self.settings.expandable_segments:
@@ -1027,12 +1085,26 @@ def _check_index(pool: _Pool) -> None:
 
 def replay(model: CachingAllocatorModel, events: Iterable[tuple[object, int]]) -> None:
     """Runs `(key, nbytes)` allocations and `(key, -1)` frees; raises AllocatorOutOfMemory."""
-    malloc, free = model.malloc, model.free
-    for key, nbytes in events:
-        if nbytes < 0:
+    _replay_rounded(model, _rounded(events, model.settings))
+
+
+def _rounded(
+    events: Iterable[tuple[object, int]], settings: AllocatorSettings
+) -> list[tuple[object, int]]:
+    """The events with each allocation's size rounded as the allocator rounds it (the
+    block's size): once for the several runs of a bisection."""
+    round_size = settings.round_size
+    return [(key, round_size(nbytes) if nbytes >= 0 else -1) for key, nbytes in events]
+
+
+def _replay_rounded(model: CachingAllocatorModel, events: list[tuple[object, int]]) -> None:
+    """replay of events _rounded gave."""
+    malloc, free = model._malloc_block, model.free
+    for key, size in events:
+        if size < 0:
             free(key)
         else:
-            malloc(key, nbytes)
+            malloc(key, size)
 
 
 def live_peak_bytes(
@@ -1080,24 +1152,80 @@ def smallest_fitting_limit(
     return high * LIMIT_RESOLUTION_BYTES
 
 
-def _peak_under(
-    settings: AllocatorSettings, steps: list[tuple[object, int]], limit_bytes: int
-) -> bool | int:
-    """Whether the step runs under `limit_bytes`: False, or its peak reserve there when
-    every limit from that peak up runs it the same way, else True. A run under a limit
-    differs from one under another only where c10 compares `reserved + segment` with it:
-    a comparison that failed (> limit) fails under any smaller limit, one that passed was
-    at most the peak, so every limit from the peak up decides alike. Not so with
-    expandable segments (the comparison counts a whole segment, the reserve only the pages
-    mapped) or garbage collection (a share of the limit)."""
-    model = CachingAllocatorModel(settings, limit_bytes)
-    try:
-        replay(model, steps)
-    except AllocatorOutOfMemory:
-        return False
-    if settings.expandable_segments or settings.garbage_collection_threshold > 0:
-        return True
-    return model.peak_reserved_bytes
+class _Runs:
+    """One step's runs under several limits (a bisection's), each started from the latest
+    state it shares with the run without a limit rather than from the first event. A run
+    under a limit L is the unlimited run, event for event, until the first new segment c10
+    would refuse under L (alloc_block's check: reserved + segment > L; nothing else in
+    c10's malloc and free reads the limit, garbage collection aside, which then runs every
+    limit from the start): the unlimited run records every such check, and a run keeps a
+    copy of the state before the event where it diverges, for the runs under nearby limits
+    that diverge there too. A bisection's runs diverge near the step's peak, mostly past
+    half its events, and the runs that fail there stop soon after."""
+
+    def __init__(self, steps: list[tuple[object, int]], settings: AllocatorSettings) -> None:
+        self.steps, self.settings = steps, settings
+        unlimited = self.unlimited = CachingAllocatorModel(settings)
+        checks: list[tuple[int, int]] = []
+        unlimited._checks = checks
+        malloc, free = unlimited._malloc_block, unlimited.free
+        for i, (key, size) in enumerate(steps):
+            if size < 0:
+                free(key)
+            else:
+                unlimited._at = i
+                malloc(key, size)
+        unlimited._checks = None
+        self._events = [i for i, _ in checks]
+        # the largest reserve + segment checked up to each check: a run under L diverges at
+        # the first check where it passes L
+        self._needs = list(itertools.accumulate((need for _, need in checks), max))
+        self._shared = settings.garbage_collection_threshold == 0
+        self._states = {0: CachingAllocatorModel(settings)}  # event -> the state before it
+
+    def under(self, limit_bytes: int) -> CachingAllocatorModel | None:
+        """The state after the step under `limit_bytes`; None when it runs out of memory."""
+        if not self._shared:
+            start, model = 0, CachingAllocatorModel(self.settings, limit_bytes)
+        else:
+            found = bisect.bisect_right(self._needs, limit_bytes)
+            if found == len(self._needs):
+                return self.unlimited  # no check reaches the limit: the same run
+            diverges = self._events[found]
+            start = max(i for i in self._states if i <= diverges)
+            model = self._states[start].copy()
+            model.limit_bytes = limit_bytes
+            _replay_rounded(model, self.steps[start:diverges])  # no check fails before
+            if diverges not in self._states:
+                self._states[diverges] = model.copy()
+            start = diverges
+        try:
+            _replay_rounded(model, self.steps[start:])
+        except AllocatorOutOfMemory:
+            return None
+        return model
+
+    def peak_under(self, limit_bytes: int) -> bool | int:
+        """Whether the step runs under `limit_bytes`: False, or its peak reserve there when
+        every limit from that peak up runs it the same way, else True. A run under a limit
+        differs from one under another only where c10 compares `reserved + segment` with
+        it: a comparison that failed (> limit) fails under any smaller limit, one that
+        passed was at most the peak, so every limit from the peak up decides alike. Not so
+        with expandable segments (the comparison counts a whole segment, the reserve only
+        the pages mapped) or garbage collection (a share of the limit)."""
+        model = self.under(limit_bytes)
+        if model is None:
+            return False
+        if self.settings.expandable_segments or not self._shared:
+            return True
+        return model.peak_reserved_bytes
+
+    def smallest_limit(self) -> int:
+        """smallest_limit of these steps."""
+        high = self.unlimited.peak_reserved_bytes + expandable_slack_bytes(
+            self.steps, self.settings
+        )
+        return smallest_fitting_limit(self.peak_under, live_peak_bytes(self.steps) - 1, high)
 
 
 def _workspace_events(workspaces: Iterable[int]) -> list[tuple[object, int]]:
@@ -1108,24 +1236,13 @@ def smallest_limit(
     events: list[tuple[object, int]],
     settings: AllocatorSettings,
     workspaces: Iterable[int] = (),
-    unlimited_peak_bytes: int | None = None,
 ) -> int:
     """The smallest per-process limit (bytes, exact to 2 MiB, see smallest_fitting_limit)
-    under which the step, after the cuBLAS workspaces, runs without an out-of-memory error.
-    `unlimited_peak_bytes`: its peak reserve without a limit, if already replayed."""
+    under which the step, after the cuBLAS workspaces, runs without an out-of-memory error."""
     steps = _workspace_events(workspaces) + list(events)
     if settings.backend == "cudaMallocAsync":
         return _async_reserved_bytes(steps)
-    if unlimited_peak_bytes is None:
-        unlimited = CachingAllocatorModel(settings)
-        replay(unlimited, steps)
-        unlimited_peak_bytes = unlimited.peak_reserved_bytes
-    high = unlimited_peak_bytes + expandable_slack_bytes(steps, settings)
-    return smallest_fitting_limit(
-        lambda limit_bytes: _peak_under(settings, steps, limit_bytes),
-        live_peak_bytes(steps, settings.round_size) - 1,
-        high,
-    )
+    return _Runs(_rounded(steps, settings), settings).smallest_limit()
 
 
 def expandable_slack_bytes(
@@ -1172,23 +1289,12 @@ def predict_reserved(
         peak = _async_reserved_bytes(steps)
         under = peak if limit_bytes is None or peak <= limit_bytes else None
         return CudaReserve(peak, peak, under)
-    unlimited = CachingAllocatorModel(settings)
-    replay(unlimited, steps)
-    peak = under = unlimited.peak_reserved_bytes
-    # A limit at or above the unlimited peak never binds (see _peak_under): the same run.
-    binds = limit_bytes is not None and (
-        peak > limit_bytes
-        or settings.expandable_segments
-        or settings.garbage_collection_threshold > 0
-    )
-    if binds:
-        limited = CachingAllocatorModel(settings, limit_bytes)
-        try:
-            replay(limited, steps)
-            under = limited.peak_reserved_bytes
-        except AllocatorOutOfMemory:
-            under = None
-    least = smallest_limit(events, settings, workspaces, peak)
+    runs = _Runs(_rounded(steps, settings), settings)
+    peak = under = runs.unlimited.peak_reserved_bytes
+    if limit_bytes is not None:
+        limited = runs.under(limit_bytes)
+        under = None if limited is None else limited.peak_reserved_bytes
+    least = runs.smallest_limit()
     return CudaReserve(peak, least, under)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -18,6 +18,10 @@ from train.allocator import (
     AllocatorOutOfMemory,
     AllocatorSettings,
     CachingAllocatorModel,
+    _replay_rounded,
+    _rounded,
+    _Runs,
+    live_peak_bytes,
 )
 from train.cuda_trace import device_traces, load_snapshot, replay_device
 
@@ -115,6 +119,24 @@ class AllocatorMachine(RuleBasedStateMachine):
         unmapped = self.model.unmap(address, nbytes)
         assert self.model.reserved_bytes == reserved - (nbytes if unmapped else 0)
 
+    @rule()
+    def copy(self):
+        # a bisection's run starts from a copy (_Runs): the copy shares nothing with the
+        # original, which changing the copy leaves as it was; the machine goes on with it
+        original = self.model
+        before = (original.segment_blocks(), original.reserved_bytes, sorted(original.live))
+        copied = original.copy()
+        copied.check()
+        for key in list(copied.live):
+            copied.free(key)
+        copied.release_cached_blocks()
+        copied.malloc(self.num_keys, MiB)
+        original.check()
+        assert (original.segment_blocks(), original.reserved_bytes, sorted(original.live)) == (
+            before
+        )
+        self.model = original.copy()
+
     @invariant()
     def invariants_hold(self):
         self.model.check()
@@ -131,6 +153,64 @@ AllocatorMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+# ------------------------------------------------------- runs from a shared state (_Runs)
+
+
+@st.composite
+def _steps(draw) -> list[tuple[int, int]]:
+    """A step's events: allocations of SIZES up to 120 MiB, frees of live ones."""
+    events, live = [], []
+    for key in range(draw(st.integers(1, 60))):
+        if live and draw(st.booleans()):
+            events.append((live.pop(draw(st.integers(0, len(live) - 1))), -1))
+        events.append((key, draw(SIZES.filter(lambda n: n <= 120 * MiB))))
+        live.append(key)
+    return events
+
+
+@given(
+    events=_steps(),
+    expandable=st.booleans(),
+    max_split=st.sampled_from([None, 20 * MiB, 40 * MiB]),
+    roundup=ROUNDUPS,
+    gc_threshold=st.sampled_from([0.0, 0.0, 0.5]),
+    shares=st.lists(st.integers(0, 140), min_size=1, max_size=12),
+)
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+def test_a_run_from_a_shared_state_is_the_run_from_the_first_event(
+    events, expandable, max_split, roundup, gc_threshold, shares
+):
+    """_Runs.under(limit): the state after the step under the limit, started from a copy of
+    the state where it leaves the unlimited run, is the state a run from the first event
+    reaches (or both run out of memory), for limits around the step's peak, asked for in
+    any order (each may start from a state an earlier one left)."""
+    allocator = AllocatorSettings(
+        expandable_segments=expandable,
+        max_split_size_bytes=max_split,
+        roundup_power2_divisions=roundup,
+        garbage_collection_threshold=gc_threshold,
+    )
+    steps = _rounded(events, allocator)
+    runs = _Runs(steps, allocator)
+    low, high = live_peak_bytes(steps), runs.unlimited.peak_reserved_bytes
+    for share in shares:  # 0-140% of the way from the live peak to the unlimited one
+        limit = low + (high - low) * share // 100
+        fresh = CachingAllocatorModel(allocator, limit)
+        try:
+            _replay_rounded(fresh, steps)
+        except AllocatorOutOfMemory:
+            fresh = None
+        got = runs.under(limit)
+        if fresh is None:
+            assert got is None, limit
+            continue
+        assert got is not None, limit
+        got.check()
+        figures = ("peak_reserved_bytes", "reserved_bytes", "num_segments")
+        assert [getattr(got, f) for f in figures] == [getattr(fresh, f) for f in figures]
+        assert got.segment_blocks() == fresh.segment_blocks()
 
 
 # ------------------------------------------------------------------ check() itself
