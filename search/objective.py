@@ -318,27 +318,18 @@ def learning_failure(result: RunResult) -> str | None:
     """Why a run that trained to its end did not learn, or None: its last validation loss
     is not finite, or no better than a uniform guess (RunResult.chance_loss: ln C for a
     cross-entropy over C classes; a run at chance level, such as one whose weights blew
-    up to a finite loss of 1e16). A task without that baseline (regression, a loss of
-    one's own) did not learn when no validation after its first was below the first. Not
-    "the last above the first" where there is a baseline: a run that learned in its first
-    epoch and then overfit has learned. Such a run is pruned as `diverged`: its
-    configuration and rate are no answer."""
+    up to a finite loss of 1e16), or not below its first validation's. Such a run is
+    pruned as `diverged`: its configuration and rate are no answer."""
     last = result.val_loss
     if not math.isfinite(last):
         return f"did not learn: val/loss is {last}"
     chance = result.chance_loss
-    if chance is not None:
-        if last < chance:
-            return None
-        classes = round(math.exp(chance))
+    if chance is not None and last >= chance:
         return (
             f"did not learn: val/loss {last:.4g} is no better than a uniform guess over "
-            f"{classes} classes (ln {classes} = {chance:.4g})"
+            f"{round(math.exp(chance))} classes (ln {round(math.exp(chance))} = {chance:.4g})"
         )
-    losses = [e.get("val/loss", math.nan) for e in result.evals]
-    if len(losses) > 1 and all(loss >= losses[0] for loss in losses[1:]):
-        return (
-            f"did not learn: val/loss {last:.4g}, no validation after its first below the "
-            f"first's {losses[0]:.4g}"
-        )
+    first = result.evals[0].get("val/loss") if len(result.evals) > 1 else None
+    if first is not None and last >= first:
+        return f"did not learn: val/loss {last:.4g} is not below its first validation's {first:.4g}"
     return None
