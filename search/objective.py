@@ -5,8 +5,7 @@ How a trial ends:
 - COMPLETE with the objective values;
 - PRUNED with a reason (search/record.py): `oom_predicted` (its step, computed on fake
   tensors before training, needs more than the budget: search/configure.py), `oom` (over
-  the budget when it ran), `diverged` (NaN/inf loss, or trained to its end without
-  learning: learning_failure), `slow` (its measured speed cannot
+  the budget when it ran), `diverged` (NaN/inf loss), `slow` (its measured speed cannot
   finish within search.trial_time_budget_s: search/stopping.py), `pruner` (the study's
   pruner, per validation), `missed_target` (short of search.target at its end);
 - FAIL with the error's message for anything unexpected; the study goes on.
@@ -19,7 +18,6 @@ sampler learns where the boundary is (search/sampler.py).
 
 from __future__ import annotations
 
-import math
 import time
 import traceback
 from collections.abc import Callable
@@ -247,10 +245,7 @@ class Objective:
         if efficiency is not None:
             extra[SCALING_METRIC] = efficiency
         outcome = Outcome("COMPLETE", result=result, extra=extra, mfu_note=note)
-        failure = learning_failure(result)
-        if failure is not None:  # counted and shown, never recommended nor on the front
-            outcome.state, outcome.reason, outcome.message = "PRUNED", DIVERGED, failure
-        elif watch.target.missed:
+        if watch.target.missed:
             outcome.state, outcome.reason = "PRUNED", MISSED_TARGET
             outcome.message = watch.target.missed_message(result)
         outcome.probe_s_per_sample = watch.probe_s_per_sample
@@ -312,24 +307,3 @@ def _checked(on_step: Callable[[int, int, float], None]) -> Callable[[int, int, 
         on_step(step, num_steps, elapsed_s)
 
     return checked
-
-
-def learning_failure(result: RunResult) -> str | None:
-    """Why a run that trained to its end did not learn, or None: its last validation loss
-    is not finite, or no better than a uniform guess (RunResult.chance_loss: ln C for a
-    cross-entropy over C classes; a run at chance level, such as one whose weights blew
-    up to a finite loss of 1e16), or not below its first validation's. Such a run is
-    pruned as `diverged`: its configuration and rate are no answer."""
-    last = result.val_loss
-    if not math.isfinite(last):
-        return f"did not learn: val/loss is {last}"
-    chance = result.chance_loss
-    if chance is not None and last >= chance:
-        return (
-            f"did not learn: val/loss {last:.4g} is no better than a uniform guess over "
-            f"{round(math.exp(chance))} classes (ln {round(math.exp(chance))} = {chance:.4g})"
-        )
-    first = result.evals[0].get("val/loss") if len(result.evals) > 1 else None
-    if first is not None and last >= first:
-        return f"did not learn: val/loss {last:.4g} is not below its first validation's {first:.4g}"
-    return None

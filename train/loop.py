@@ -93,9 +93,6 @@ class RunResult:
     interval_rates: list[float] = field(default_factory=list)
     # A data-parallel run's: each rank's peak (peak_bytes is the largest)
     rank_peak_bytes: list[int] = field(default_factory=list)
-    # The validation loss of a uniform guess (Task.chance_loss): ln C for C classes; None
-    # where the task's loss has none or the run never validated
-    chance_loss: float | None = None
 
     @property
     def val_acc(self) -> float:
@@ -284,12 +281,10 @@ def evaluate(
     device: torch.device,
     task: Task | None = None,
     ranks: Ranks | None = None,
-    chance: list[float | None] | None = None,
 ) -> Metrics:
     """The task's validation metrics, `val/loss` (mean per unit) and the derived ones, over
     the validation split; one host sync per metric at the end. On several ranks each
-    evaluates its share of the split and the sums are the ranks' together. `chance`, if
-    empty: the task's chance_loss of the first output is appended to it."""
+    evaluates its share of the split and the sums are the ranks' together."""
     task = task or Classification()
     pipeline = Pipeline.of(data)
     metrics = {name: metric.to(device) for name, metric in task.metrics().items()}
@@ -306,8 +301,6 @@ def evaluate(
         if padding:
             continue
         units += task.units(host_batch)
-        if chance is not None and not chance:
-            chance.append(task.chance_loss(output))
         loss_sum += task.loss(output, batch)
         task.update(metrics, output, batch)
     model.train()
@@ -385,8 +378,6 @@ class _Run:
     measured_steps: list[int] = field(init=False)  # run under the CPU memory tracker
     memory_checked_step: int = field(init=False)  # past it, the run fits its budget
     first_timed_step: int = field(init=False)  # warm-up and measured steps stay off the clock
-    # the task's chance_loss, from the first validation's first batch (RunResult.chance_loss)
-    chance: list[float | None] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         cfg, num_train = self.cfg, self.pipeline.num_train
@@ -524,7 +515,7 @@ def _validate(run: _Run, clock: ThroughputClock, step: int, evals: list[Metrics]
     clock.pause()
     metrics = evaluate(
         run.model, run.pipeline, run.cfg.batch_size, run.precision, run.device, run.task,
-        run.ranks, run.chance,
+        run.ranks,
     )  # fmt: skip
     metrics.update(
         step=step + 1, epoch=run.epoch(step), num_epochs=run.num_steps / run.steps_per_epoch
@@ -571,5 +562,4 @@ def _result(
         timed_units=clock.timed_units,
         data_wait_s=clock.data_wait_s,
         interval_rates=clock.interval_rates,
-        chance_loss=run.chance[0] if run.chance else None,
     )
