@@ -155,8 +155,8 @@ TABLE: dict[str, Check] = {
     "python -m search.fit +experiment=llm_full model.config=llama3_8b model.dtype=bfloat16 "
     "trainer.strategy=fsdp trainer.devices=8 search.gpu=H100-80GB": Check(
         "tests.search.test_fit::test_a_fit_report_per_rank_of_a_data_parallel_layout",
-        "the 8B report over the space takes 2 minutes on 2 cores; the test reports one rank "
-        "of FSDP on 8 H100s for the tiny Llama and checks it against the predictor",
+        "the 8B report over the space takes under a minute on 2 cores; the test reports one "
+        "rank of FSDP on 8 H100s for the tiny Llama and checks it against the predictor",
     ),
     # Other entry points
     "python -m search +experiment=resnet_derived data=digits search.n_trials=4": Check(
