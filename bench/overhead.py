@@ -12,7 +12,10 @@ number of optimizer steps) runs alternately, in one process:
 
 Both time the same steps: batchfit leaves the first `trainer.warmup_steps` optimizer steps
 out of its throughput, and on CPU also steps 0 and 1, which run under the memory tracker
-(see `train.loop._fit`); the plain loop leaves out the same steps. Validation is not timed
+(see `train.loop._fit`), and where a step has one micro-batch the gradient noise scale's
+window of split steps (`train.loop.split_window`); the plain loop leaves out the same
+steps. With accumulation the noise scale measures every timed step: its cost is in the
+ratio (`-- trainer.accum_steps=2` shows it). Validation is not timed
 in either. Throughput = timed samples / timed seconds; batchfit's is the trial's
 `throughput` user attribute (`RunResult.throughput_samples_per_sec`).
 
@@ -57,7 +60,7 @@ if str(REPO) not in sys.path:  # `python bench/overhead.py` from anywhere, insta
 from search.driver import StudyDriver  # noqa: E402
 from search.record import TrialRecord  # noqa: E402
 from train.build import build_model, build_optimizer, build_scheduler  # noqa: E402
-from train.loop import steps_plan  # noqa: E402
+from train.loop import split_window, steps_plan  # noqa: E402
 from train.run import plan  # noqa: E402
 from train.workload import Workload, Workloads  # noqa: E402
 
@@ -126,6 +129,8 @@ def plain_run(cfg: DictConfig, workload: Workload) -> Measured:
         torch.backends.cudnn.allow_tf32 = t.precision == "tf32"
     ebs = t.batch_size * t.accum_steps
     first_timed = first_timed_step(num_steps, t.warmup_steps, device)
+    # batchfit runs its noise-scale window of split steps (train/noise.py) off the clock too
+    first_timed = split_window(t, num_steps, first_timed).stop or first_timed
 
     def evaluate() -> float:
         """Validation accuracy (never timed): where batchfit validates, so both runs see the

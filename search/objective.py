@@ -53,6 +53,7 @@ from train.config import ConfigError
 from train.flops import MFU_NOTE_TAG
 from train.loop import Diverged, Hooks, RunResult
 from train.memory import MemoryStats, OutOfMemory, release_memory
+from train.noise import NOISE_TAG
 from train.run import RunSpec, perf_figures, run
 
 
@@ -237,6 +238,7 @@ class Objective:
         """A run that trained to its end (or its target); pruned as `missed_target` when it
         ended short of search.target, its figures kept (it cannot be ranked by time)."""
         perf, note = self._perf(cfg, spec, result, log)
+        log.tags({NOISE_TAG: result.noise_estimator})
         extra = {**perf, **watch.target.figures()}
         throughput = result.figures().get(f"throughput/{result.unit}_per_sec")
         efficiency = scaling_efficiency(

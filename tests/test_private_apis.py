@@ -9,6 +9,7 @@ Each of these has no public equivalent in the versions pinned (Optuna 5.0, torch
 - Study._storage, Trial._trial_id, FrozenTrial._trial_id (search/storage.py, search/worker.py)
 - BaseDistribution._contains (search/budget.py `_within`)
 - torch.amp.GradScaler._maybe_opt_step (train/predict.py `_FakeGradScaler`)
+- torch.amp.GradScaler._get_scale_async (train/noise.py: fp16's loss scale, no host sync)
 - torch._subclasses.fake_tensor.FakeTensorMode (train/predict.py)
 - torch.utils._python_dispatch.TorchDispatchMode (train/memory.py)
 - torch.utils._pytree tree_map, tree_leaves, tree_iter (train/batches.py, train/loop.py,
@@ -250,6 +251,14 @@ def test_grad_scaler_step_goes_through_maybe_opt_step() -> None:
     ((called_with, state_keys, args, kwargs),) = seen
     assert called_with is optimizer and "found_inf_per_device" in state_keys
     assert (args, kwargs) == (("arg",), {"key": "value"})
+
+
+def test_grad_scaler_gives_its_scale_as_a_tensor_without_a_sync() -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    assert scaler._get_scale_async() is None  # none before the first scale()
+    scaled = scaler.scale(torch.ones(()))
+    scale = scaler._get_scale_async()
+    assert isinstance(scale, torch.Tensor) and float(scale) == 1024.0 == float(scaled)
 
 
 def test_the_fake_scaler_steps_where_the_real_one_skips() -> None:

@@ -52,6 +52,7 @@ from train.config import ConfigError
 from train.flops import MFU_NOTE_TAG
 from train.loop import Diverged, Hooks, RunResult
 from train.memory import OutOfMemory, format_bytes
+from train.noise import NOISE_TAG
 from train.overrides import BEST_KEY, load_overrides, merge_overrides, override_key
 from train.predict import Prediction, PredictionUnsupported
 from train.preflight import PreflightConfig, misfit
@@ -349,6 +350,7 @@ def _logged_figures(ready: Prepared, log: RunLog, result: RunResult, console: Co
     if mfu_note:
         log.tags({MFU_NOTE_TAG: mfu_note})
         console.print(f"[yellow]note[/yellow] {escape(mfu_note)}", soft_wrap=True)
+    log.tags({NOISE_TAG: result.noise_estimator})
     log.end_figures({**result.metrics(), **extra, **perf}, result.num_steps)
     figures = result.figures()
     spread = figures.get("throughput/spread")

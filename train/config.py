@@ -102,6 +102,9 @@ class TrainerConfig:
     grad_clip_norm: float | None = None
     lr_scaling: str = "none"
     lr_ref_batch_size: int = 256
+    # Steps of the gradient noise scale's split estimator where a step has one micro-batch
+    # (train/noise.py): that many steps run as two halves, off the throughput clock. 0: none.
+    noise_scale_window: int = 8
     device: str = "auto"
     seed: int = 0
     # Samples per optimizer step. None: batch_size x accum_steps, filled in here; given, it
@@ -143,6 +146,7 @@ class TrainerConfig:
             )
         _check_int(problems, "trainer.batch_size", self.batch_size, 1)
         _check_int(problems, "trainer.accum_steps", self.accum_steps, 1)
+        _check_int(problems, "trainer.noise_scale_window", self.noise_scale_window, 0)
         if not problems:
             product = self.batch_size * self.accum_steps
             if self.effective_batch_size is None:

@@ -33,9 +33,10 @@ from train.memory import (
     is_oom_error,
     release_memory,
 )
+from train.noise import NoiseReading, NoiseScale
 from train.precision import Precision
 from train.ranks import CONTINUE, END, Ranks, Stopped
-from train.tasks import Classification, Task, batch_size_of
+from train.tasks import Classification, Task, batch_size_of, split_in_two
 from train.throughput import Stopwatch, ThroughputClock
 
 Metrics = dict[str, float]
@@ -93,6 +94,10 @@ class RunResult:
     interval_rates: list[float] = field(default_factory=list)
     # A data-parallel run's: each rank's peak (peak_bytes is the largest)
     rank_peak_bytes: list[int] = field(default_factory=list)
+    # The gradient noise scale's last reading (train/noise.py) and how it was measured;
+    # None, and why not, where the run had no step to measure it on
+    noise: NoiseReading | None = None
+    noise_estimator: str = ""
 
     @property
     def val_acc(self) -> float:
@@ -123,6 +128,8 @@ class RunResult:
         if len(self.rank_peak_bytes) > 1:
             for rank, peak in enumerate(self.rank_peak_bytes):
                 values[f"memory/rank_{rank}/peak_bytes"] = float(peak)
+        if self.noise is not None:
+            values.update(self.noise.metrics())
         if len(self.interval_rates) >= MIN_SPREAD_INTERVALS:
             rates = sorted(self.interval_rates)
             values["throughput/spread"] = (rates[-1] - rates[0]) / statistics.median(rates)
@@ -144,6 +151,7 @@ def optimizer_step(
     task: Task | None = None,
     ranks: Ranks | None = None,
     num_micro_batches: int | None = None,
+    noise: NoiseScale | None = None,
 ) -> torch.Tensor:
     """One optimizer step over `micro_batches`; returns the step's mean loss per unit (on
     device).
@@ -152,7 +160,8 @@ def optimizer_step(
     case `num_units`, the task's units in the whole step, must be given. On several ranks
     (`ranks`, with the step's `num_micro_batches`) `num_units` is the whole step's units
     over the ranks' number: the gradients are averaged over the ranks. A `Padding`
-    micro-batch runs with weight 0.
+    micro-batch runs with weight 0. `noise`, when it measures this step, reads the
+    gradients after the first micro-batch and before the update (train/noise.py).
     """
     task = task or Classification()
     if num_units is None:
@@ -176,6 +185,10 @@ def optimizer_step(
                 loss = loss * weight
             scaler.scale(loss).backward()
         step_loss += loss.detach()
+        if noise is not None and i == 0:
+            noise.first_micro_batch()
+    if noise is not None:
+        noise.step_end()
     if grad_clip_norm is not None:
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
         nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm)
@@ -356,6 +369,17 @@ def fit(
     raise OutOfMemory(oom_message, meter.stats().peak_bytes, meter.budget_bytes)
 
 
+def split_window(cfg: TrainerConfig, num_steps: int, first_timed_step: int) -> range:
+    """The steps where the noise scale's split estimator runs a one-micro-batch step as two
+    halves (train/noise.py), off the throughput clock: up to trainer.noise_scale_window
+    from the first step the clock would time, at most a third of the steps left, and at
+    least 2; empty where the run has several micro-batches a step, or too few steps."""
+    if cfg.accum_steps > 1 or cfg.batch_size < 2:
+        return range(0)
+    window = min(cfg.noise_scale_window, (num_steps - first_timed_step) // 3)
+    return range(first_timed_step, first_timed_step + window) if window >= 2 else range(0)
+
+
 @dataclass
 class _Run:
     """One run's parts and plan, fixed before its first step: what its steps, logging and
@@ -378,6 +402,9 @@ class _Run:
     measured_steps: list[int] = field(init=False)  # run under the CPU memory tracker
     memory_checked_step: int = field(init=False)  # past it, the run fits its budget
     first_timed_step: int = field(init=False)  # warm-up and measured steps stay off the clock
+    noise: NoiseScale | None = field(init=False)  # the gradient noise scale's estimator
+    noise_steps: range = field(init=False)  # the steps it measures
+    noise_note: str = field(init=False)  # how it measures, or why it does not
 
     def __post_init__(self) -> None:
         cfg, num_train = self.cfg, self.pipeline.num_train
@@ -389,6 +416,63 @@ class _Run:
         self.memory_checked_step = max(self.measured_steps, default=0)
         timed_from = max([cfg.warmup_steps, *(s + 1 for s in self.measured_steps)])
         self.first_timed_step = min(timed_from, self.num_steps - 1)
+        self._plan_noise_scale()
+
+    def _plan_noise_scale(self) -> None:
+        """Which estimator of train/noise.py this run uses, on which steps. With several
+        micro-batches a step, every step past the memory-measured ones; with one, a window
+        of split steps, taken off the throughput clock, of at most a third of the steps
+        left to time."""
+        cfg, ranks = self.cfg, self.ranks
+        trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        adapters = any("lora_" in name for name in trainable)
+        self.noise, self.noise_steps = None, range(0)
+        if cfg.accum_steps > 1:
+            estimator = "ranks" if ranks else "accumulation"
+            self.noise_steps = range(self.memory_checked_step + 1, self.num_steps)
+        else:
+            start = self.first_timed_step
+            window = split_window(cfg, self.num_steps, start)
+            if cfg.noise_scale_window == 0:
+                self.noise_note = "none: trainer.noise_scale_window=0"
+                return
+            if cfg.batch_size < 2:
+                self.noise_note = "none: a micro-batch of one sample cannot be split"
+                return
+            if not window:
+                self.noise_note = f"none: {self.num_steps} steps are too few to measure it on"
+                return
+            estimator = "split"
+            self.noise_steps = window
+            self.first_timed_step = window.stop
+        world = ranks.world if ranks else 1
+        sharded = cfg.strategy == "fsdp"
+        self.noise = NoiseScale(self.model, self.device, estimator, world, sharded, adapters)
+        self.noise_note = self.noise.describe()
+
+    def noise_step(
+        self, step: int, host_batches: list[Any], step_units: int
+    ) -> tuple[list[Any], bool]:
+        """The micro-batches of `step`, split in two when the split estimator measures it;
+        and whether the noise scale measures this step (set up on it when it does)."""
+        noise, cfg = self.noise, self.cfg
+        if noise is None or step not in self.noise_steps:
+            return host_batches, False
+        # Full steps only, the same on every rank: a ragged last step's sizes differ per rank.
+        start = (step % self.steps_per_epoch) * cfg.global_batch_size
+        if self.pipeline.num_train - start < cfg.global_batch_size:
+            return host_batches, False
+        if noise.estimator == "split":
+            host_batches = list(split_in_two(host_batches[0]))
+        world = self.ranks.world if self.ranks else 1
+        small = batch_size_of(host_batches[0]) * (world if noise.sharded else 1)
+        big = cfg.global_batch_size
+        first_units = self.task.units(host_batches[0])
+        if not 0 < small < big or not first_units:
+            return host_batches, False
+        grad_factor = (step_units / world) / first_units  # optimizer_step's num_units
+        noise.begin(small, big, grad_factor, self.scaler)
+        return host_batches, True
 
     def epoch(self, step: int) -> float:
         """Epochs done after `step`, fractional."""
@@ -404,16 +488,16 @@ class _Run:
         return (step + 1) % every == 0 or step + 1 == self.num_steps
 
     def optimizer_step(
-        self, host_batches: list[Any], num_units: int, copy: bool = False
+        self, host_batches: list[Any], num_units: int, copy: bool = False, noise: bool = False
     ) -> torch.Tensor:
         """One step over the host micro-batches, moved to the device one at a time; on
-        several ranks `num_units` is the whole step's."""
+        several ranks `num_units` is the whole step's. `noise`: the noise scale measures it."""
         ranks = self.ranks
         micro = (_on_device(b, self.device, copy) for b in host_batches)
         return optimizer_step(
             self.model, self.optimizer, self.scaler, self.precision, micro,
             self.cfg.grad_clip_norm, num_units / ranks.world if ranks else num_units, self.task,
-            ranks, len(host_batches),
+            ranks, len(host_batches), self.noise if noise else None,
         )  # fmt: skip
 
 
@@ -442,7 +526,8 @@ def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task,
             if step in run.measured_steps:
                 step_loss = _measured_step(run, host_batches, step_units)
             else:
-                step_loss = run.optimizer_step(host_batches, step_units)
+                host_batches, noise = run.noise_step(step, host_batches, step_units)
+                step_loss = run.optimizer_step(host_batches, step_units, noise=noise)
             del host_batches  # this step's batches go before the next step's arrive
             if hooks.on_memory and step == run.memory_checked_step:
                 hooks.on_memory(meter.stats())
@@ -503,9 +588,11 @@ def _log(run: _Run, clock: ThroughputClock, step: int, train_loss: float, lr: fl
         throughput = dict(zip(throughput, rates, strict=True))
     if not math.isfinite(train_loss):
         raise Diverged(step + 1, train_loss)
+    reading = run.noise.read(run.ranks) if run.noise else None  # a collective on ranks
     if run.hooks.on_log:
         metrics = {"train/loss": train_loss, "train/lr": lr, "train/epoch": run.epoch(step)}
-        run.hooks.on_log(step + 1, {**metrics, **throughput})
+        noise = reading.metrics() if reading else {}
+        run.hooks.on_log(step + 1, {**metrics, **throughput, **noise})
     return train_loss
 
 
@@ -545,6 +632,7 @@ def _result(
 ) -> RunResult:
     seconds, timed_steps = clock.seconds, clock.timed_steps(num_steps)
     memory = run.meter.stats()
+    noise = run.noise.read(run.ranks) if run.noise else None
     return RunResult(
         num_steps=num_steps,
         num_samples=num_samples,
@@ -562,4 +650,6 @@ def _result(
         timed_units=clock.timed_units,
         data_wait_s=clock.data_wait_s,
         interval_rates=clock.interval_rates,
+        noise=noise,
+        noise_estimator=run.noise_note,
     )

@@ -42,6 +42,23 @@ def batch_size_of(batch: Any) -> int:
     return tensor.shape[0]
 
 
+def split_in_two(batch: Any) -> tuple[Any, Any]:
+    """A batch's first half and the rest, split along the sample dimension (tensors whose
+    first dimension is the batch's; other leaves go to both)."""
+    n = batch_size_of(batch)
+    half = n // 2
+
+    def part(lo: int, hi: int | None) -> Any:
+        def cut(leaf: Any) -> Any:
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == n:
+                return leaf[lo:hi]
+            return leaf
+
+        return torch.utils._pytree.tree_map(cut, batch)
+
+    return part(0, half), part(half, None)
+
+
 def logits_of(output: Any) -> torch.Tensor:
     """The prediction tensor of a model's output: the tensor itself, `output["logits"]` of a
     dict, or `output.logits` of a dataclass-like output (e.g. Hugging Face's ModelOutput)."""

@@ -91,6 +91,19 @@ def test_two_ranks_train_as_one_process_and_each_rank_is_predicted_to_the_byte(
     # batch of 8; FSDP2 shards parameters, gradients and momentum: less than DDP.
     ddp, fsdp = layouts["ddp"][0], layouts["fsdp"][0]
     assert fsdp.peak_bytes < ddp.peak_bytes
+    # The gradient noise scale (train/noise.py): FSDP2 reduce-scatters each micro-batch, so
+    # its first micro-batch is the 16 samples one process's is, and the sums of squares of
+    # the two ranks' shards add up to one process's estimate. A DDP rank's first micro-batch
+    # is its own 8 samples before the all-reduce.
+    assert one.noise_estimator.startswith("accumulation:")
+    assert fsdp.noise_estimator.startswith("ranks:")
+    assert ddp.noise_estimator.startswith("ranks:")
+    assert one.noise is not None and fsdp.noise is not None and ddp.noise is not None
+    assert fsdp.noise.steps == one.noise.steps == 2  # full steps past the measured ones
+    assert fsdp.noise.grad_sq_norm == pytest.approx(one.noise.grad_sq_norm, rel=1e-4)
+    assert fsdp.noise.grad_variance == pytest.approx(one.noise.grad_variance, rel=1e-4)
+    assert ddp.noise.steps == 1  # DDP measures memory a step later: step 4 only
+    assert ddp.noise.grad_variance > 0
 
 
 def _untrained(hydra_conf: Callable[..., DictConfig]) -> nn.Module:

@@ -512,9 +512,11 @@ def test_the_clock_times_neither_memory_measured_nor_warm_up_steps(
     warmup_steps: int, first_timed: int, timed_samples: int
 ) -> None:
     data = _splits()
+    # (without the noise scale's window of split steps, also off the clock: test_noise.py)
     cfg = TrainerConfig(
-        batch_size=32, accum_steps=1, max_epochs=2, warmup_steps=warmup_steps, device="cpu"
-    )
+        batch_size=32, accum_steps=1, max_epochs=2, warmup_steps=warmup_steps, device="cpu",
+        noise_scale_window=0,
+    )  # fmt: skip
     assert memory_steps(len(data.train_y), cfg, 10) == [0, 1]
     result = _fit(_flat_linear(data), data, cfg)
     assert result.num_steps == 10
@@ -549,13 +551,14 @@ def test_validation_is_not_on_the_clock(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_the_throughput_spread_is_over_the_timed_logging_intervals():
     data = _splits()
-    # 152 samples / 8 = 19 steps an epoch, 2 epochs: 38 steps; warm-up 2; a log every 4.
+    # 152 samples / 8 = 19 steps an epoch, 2 epochs: 38 steps; warm-up 2; a log every 4;
+    # the noise scale's window of split steps (off the clock) is steps 2-9.
     cfg = TrainerConfig(batch_size=8, max_epochs=2, log_every_steps=4, warmup_steps=2)
     result = _fit(_flat_linear(data), data, cfg)
-    # Logs at steps 4, 8, ..., 36 and the last (38), all past the warm-up: 10 intervals.
-    assert len(result.interval_rates) == 10 and all(r > 0 for r in result.interval_rates)
+    # Logs at steps 12, 16, ..., 36 and the last (38), past the untimed steps: 8 intervals.
+    assert len(result.interval_rates) == 8 and all(r > 0 for r in result.interval_rates)
     rates = sorted(result.interval_rates)
-    median = (rates[4] + rates[5]) / 2
+    median = (rates[3] + rates[4]) / 2
     assert result.metrics()["throughput/spread"] == pytest.approx((rates[-1] - rates[0]) / median)
     short = _fit(_flat_linear(data), data, TrainerConfig(batch_size=8, max_steps=6))
     assert "throughput/spread" not in short.metrics()  # one interval says nothing of it
