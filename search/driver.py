@@ -15,7 +15,7 @@ from optuna.trial import TrialState
 from rich.console import Console
 from rich.markup import escape
 
-from search import fit, recommend, report, speed
+from search import decision, fit, recommend, report, speed
 from search.advice import what_would_fit
 from search.boundary import FIT_ATTR, fit_cells, frontier
 from search.budget import (
@@ -386,9 +386,9 @@ class StudyDriver:
 
             callbacks = [self.parent, self.results, show, self.budget.trial_finished]
             self.loop.run(objective, callbacks, progress.console)
-        self._speed_check()
+        decided = self._decide()
         self.parent.update(self.study)
-        rec = self.results.publish(self.study)
+        rec = self.results.publish(self.study, decided)
         self.parent.log.finish("FINISHED")
         self.tracking.close(self.console, settings.outage_wait_s)
         self._say_where_to_browse()
@@ -405,6 +405,27 @@ class StudyDriver:
 
     def _note(self, message: str) -> None:
         self.console.print(f"[yellow]note[/yellow] {message}")
+
+    def _decide(self) -> decision.Decision:
+        """The study's answer, made once for all its workers (search/decision.py): wait for
+        the other workers' trials; then the first to take the study's lock runs the speed
+        check and the recommendation, and the others reuse what it stored."""
+        storage, settings = self.checked.storage, self.checked.settings
+        decision.wait_for_others(self.study, storage, settings.n_trials, self._say)
+
+        def make() -> tuple[int | None, str | None]:
+            self._speed_check()
+            rec = self.results.recommendation(self.study)
+            return (rec.trial.number if rec else None), self.results.best_yaml(self.study, rec)
+
+        decided, made_here = decision.decide(self.study, storage, make)
+        if not made_here:
+            self._say(
+                f"The recommendation was made by another worker of this study "
+                f"({decided.made_by}) from the same {len(decided.finished)} finished trials: "
+                "its speed check and best.yaml are this worker's too"
+            )
+        return decided
 
     def _speed_check(self) -> None:
         """Time the recommendation's candidates side by side (search/speed.py) when it

@@ -21,6 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 from search import plots, report, speed
 from search.budget import num_trained
 from search.config import RecommendRule
+from search.decision import Decision
 from search.recommend import Recommendation, best_document, recommend
 from search.record import records
 from tracking.redact import redact
@@ -75,14 +76,28 @@ class Results:
         if self._published_at is None or now - self._published_at >= PUBLISH_EVERY_S:
             self.publish(study)
 
-    def publish(self, study: optuna.Study) -> Recommendation | None:
+    def best_yaml(self, study: optuna.Study, rec: Recommendation | None) -> str | None:
+        """best.yaml for `rec`. Masked in both copies, like everything batchfit writes: a
+        password in a URL comes back from its environment variable (see redact.py) on a
+        rerun."""
+        if rec is None:
+            return None
+        return redact(best_document(rec, study.study_name, self.overrides_of(rec.trial)))
+
+    def publish(
+        self, study: optuna.Study, decided: Decision | None = None
+    ) -> Recommendation | None:
+        """Publish what the study recommends now; at its end, the study's `decided` answer
+        (search/decision.py), the same best.yaml whichever worker publishes it."""
         rec = self.recommendation(study)
+        if decided is not None:
+            # The recommendation is a function of the finished trials and the stored speed
+            # check, which the decision was made from.
+            assert decided.trial == (rec.trial.number if rec else None), (decided, rec)
         overrides = self.overrides_of(rec.trial) if rec else []
         files = {"summary.md": report.summary_markdown(study, self.metrics, rec, overrides)}
-        if rec is not None:
-            # Masked in both copies, like everything batchfit writes: a password in a URL
-            # comes back from its environment variable (see redact.py) on a rerun.
-            document = redact(best_document(rec, study.study_name, overrides))
+        document = decided.best_yaml if decided is not None else self.best_yaml(study, rec)
+        if rec is not None and document is not None:
             files[BEST_FILE] = document
             if self.best_path is not None:
                 self.best_path.parent.mkdir(parents=True, exist_ok=True)

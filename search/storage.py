@@ -18,6 +18,10 @@ killed inside an append leaves no lock behind (Optuna's own symlink lock, made f
 path, leaves a dangling link that hangs every later writer); an append that fails (disk
 full) truncates what it wrote; and a torn record, left by a writer killed mid-write, is
 moved aside to `<journal>.torn-<time>` before anything is appended after it.
+
+The end of a study is made once, by one worker (search/decision.py), under `study_lock`: an
+flock on `<journal>.decision.flock` beside a journal, a PostgreSQL advisory lock in the
+database; and `running_elsewhere` says which trials of other workers that worker waits for.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import contextlib
 import copy
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -33,6 +38,7 @@ import random
 import re
 import socket
 import time
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -41,6 +47,7 @@ from typing import Any
 # what this module relies on (the heartbeat base class, for which Optuna beats and fails stale
 # trials; the journal lock's base class and context) is pinned by tests/test_private_apis.py.
 import optuna
+import sqlalchemy
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
 from optuna.storages._heartbeat import BaseHeartbeat
@@ -57,6 +64,8 @@ OWNER_ATTR = "batchfit:owner"  # system attr of a running trial: who runs it
 BEAT_ATTR = "batchfit:heartbeat"  # journal only: unix time of the trial's last heartbeat
 MAX_RETRY = 3  # a trial whose worker died this many times is not queued again
 LOCK_SUFFIX = ".flock"  # beside the journal: the lock its appends hold
+DECISION_SUFFIX = ".decision.flock"  # beside the journal: held while a study's end is decided
+DECISION_GRACE_S = 600  # no flock: Optuna's symlink lock older than this is a dead holder's
 TORN_SUFFIX = ".torn-"  # beside the journal: bytes of a record whose writer died mid-write
 UNRETRIED_SETTLE_S = 5.0  # a failed trial not queued again this long after: its worker died
 LOCK_WARN_S = 10.0  # say that the journal lock is taking long, this often
@@ -114,16 +123,29 @@ def _process_start(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[19])
 
 
+def _on_this_host(owner: dict[str, Any] | None) -> bool:
+    """Whether `owner` is a process this one can see: same host, boot and pid namespace."""
+    if not owner or owner.get("boot") is None or owner.get("boot") != this_owner()["boot"]:
+        return False
+    me = this_owner()
+    return owner.get("host") == me["host"] and owner.get("pid_namespace") == me["pid_namespace"]
+
+
 def owner_is_gone(owner: dict[str, Any] | None) -> bool:
     """True only when provably gone: same host and boot as us, and its process is no more
     (or the pid now belongs to a younger process). Another host's worker is never provably
     gone; its heartbeat's grace period decides."""
-    if not owner or owner.get("boot") is None or owner.get("boot") != this_owner()["boot"]:
-        return False
-    me = this_owner()
-    if owner.get("host") != me["host"] or owner.get("pid_namespace") != me["pid_namespace"]:
+    if not owner or not _on_this_host(owner):
         return False
     return _process_start(int(owner["pid"])) != owner.get("started")
+
+
+def owner_is_alive(owner: dict[str, Any] | None) -> bool:
+    """True only when provably alive: on this host, and its process is still the one that
+    recorded itself."""
+    if not owner or not _on_this_host(owner):
+        return False
+    return _process_start(int(owner["pid"])) == owner.get("started")
 
 
 class RetryStaleTrial:
@@ -245,13 +267,22 @@ class JournalWriteError(OSError):
 
 
 class FlockJournalLock(BaseJournalFileLock):
-    """An exclusive flock(2) on `<journal>.flock`. The kernel releases it when its holder
-    dies, however it dies, so no stale lock is ever left behind. Local filesystems, NFS
-    (v3 with lockd, v4) and Lustre or GPFS mounted with flock support it; a wait longer than
-    LOCK_WARN_S is said, with the lock's path, every LOCK_WARN_S."""
+    """An exclusive flock(2) on `<journal>.flock` (or another `suffix`). The kernel releases
+    it when its holder dies, however it dies, so no stale lock is ever left behind. Local
+    filesystems, NFS (v3 with lockd, v4) and Lustre or GPFS mounted with flock support it; a
+    wait longer than `warn_s` is said, with the lock's path and `held_by`, every `warn_s`."""
 
-    def __init__(self, journal: Path):
-        self.path = Path(f"{journal}{LOCK_SUFFIX}")
+    def __init__(
+        self,
+        journal: Path,
+        suffix: str = LOCK_SUFFIX,
+        held_by: str = "another process is writing the study (a stopped or hung one holds it "
+        "until it ends)",
+        warn_s: float | None = None,  # None: LOCK_WARN_S
+    ):
+        self.path = Path(f"{journal}{suffix}")
+        self.held_by = held_by
+        self.warn_s = warn_s
         self._fd: int | None = None
 
     def acquire(self) -> bool:
@@ -264,14 +295,13 @@ class FlockJournalLock(BaseJournalFileLock):
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
-                    if time.monotonic() - said > LOCK_WARN_S:
+                    if time.monotonic() - said > (self.warn_s or LOCK_WARN_S):
                         said = time.monotonic()
                         _log.warning(
-                            "waiting %.0f s for the journal lock %s: another process is "
-                            "writing the study (a stopped or hung one holds it until it "
-                            "ends)",
+                            "waiting %.0f s for the lock %s: %s",
                             said - started,
                             self.path,
+                            self.held_by,
                         )
                     time.sleep(delay)
                     delay = min(2 * delay, 0.1)
@@ -494,6 +524,73 @@ def queue_unretried(study: optuna.Study, settle_s: float = UNRETRIED_SETTLE_S) -
 def record_owner(study: optuna.Study, trial_id: int) -> None:
     """Say who runs this trial (heartbeats do it on their first beat)."""
     study._storage.set_trial_system_attr(trial_id, OWNER_ATTR, this_owner())
+
+
+def running_elsewhere(study: optuna.Study, storage: BaseStorage) -> list[FrozenTrial]:
+    """The study's running trials that their workers may still finish: with heartbeats,
+    those the heartbeat check would not fail (silent past the grace period, or an owner
+    provably gone); without, those whose owner is provably alive (its process on this host).
+    Without heartbeats a worker on another host that died is never noticed, so its trials
+    are not waited for (search.heartbeat_interval_s says the same)."""
+    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    if isinstance(storage, BaseHeartbeat) and storage.get_heartbeat_interval():
+        study_id = storage.get_study_id_from_name(study.study_name)
+        stale = set(storage._get_stale_trial_ids(study_id))
+        return [t for t in running if t._trial_id not in stale]
+    return [t for t in running if owner_is_alive(t.system_attrs.get(OWNER_ATTR))]
+
+
+@contextlib.contextmanager
+def study_lock(storage: BaseStorage, study_name: str) -> Iterator[None]:
+    """Held by one process at a time among all the study's workers, on any host, and
+    released when its holder dies however it dies:
+    - journal file: an flock on `<journal>.decision.flock` (one per journal); where the
+      filesystem has no flock, Optuna's symlink lock `<journal>.decision.lock`, taken over
+      from a holder that kept it DECISION_GRACE_S (a dead one);
+    - PostgreSQL: a session advisory lock keyed by the study's name, on a connection of its
+      own (the server releases it when that connection ends);
+    - SQLite and in-memory storages have one worker (validate refuses more): no lock;
+      neither for another database (MySQL), where two workers ending at once may each
+      decide (the later decision is the study's)."""
+    backend = getattr(storage, "_backend", None)
+    if isinstance(backend, SafeJournalFileBackend):
+        lock: BaseJournalFileLock
+        if isinstance(backend.lock, FlockJournalLock):
+            lock = FlockJournalLock(
+                backend.path,
+                DECISION_SUFFIX,
+                "another worker is deciding the study's recommendation",
+                warn_s=60.0,  # a speed check takes tens of seconds
+            )
+        else:
+            lock = JournalFileSymlinkLock(f"{backend.path}.decision", DECISION_GRACE_S)
+        with get_lock_file(lock):
+            yield
+        return
+    engine = getattr(storage, "engine", None)
+    if engine is not None and engine.dialect.name == "postgresql":
+        with _advisory_lock(engine, study_name):
+            yield
+        return
+    yield
+
+
+@contextlib.contextmanager
+def _advisory_lock(engine: Any, study_name: str) -> Iterator[None]:
+    digest = hashlib.sha256(f"batchfit:study_lock:{study_name}".encode()).digest()
+    key = {"key": int.from_bytes(digest[:8], "big", signed=True)}  # PostgreSQL's bigint
+    with engine.connect() as connection:
+        connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), key)
+        connection.commit()
+        try:
+            yield
+        finally:
+            try:
+                connection.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:key)"), key)
+                connection.commit()
+            except Exception:
+                connection.invalidate()  # closed, never back to the pool holding the lock
+                raise
 
 
 def _create_rdb(url: str, heartbeat: dict[str, Any]) -> HeartbeatRDBStorage:
