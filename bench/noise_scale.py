@@ -274,6 +274,12 @@ class Point:
         return statistics.fmean(r.steps for r in self.runs)
 
     @property
+    def at_edge(self) -> bool:
+        """The best rate is the grid's lowest or highest: a rate beyond it may be better."""
+        rates = [r.lr for r in self.swept]
+        return len(rates) > 1 and self.lr in (min(rates), max(rates))
+
+    @property
     def noise_scale(self) -> float:
         return _median([r.noise_scale for r in self.runs])
 
@@ -363,7 +369,8 @@ def _sweep_line(setup: Setup, batch: int, point: Point | None) -> str:
     swept = sorted(point.swept, key=lambda r: r.lr)
     tried = ", ".join(f"{r.lr:g}: {_steps(r.steps)} ({r.how})" for r in swept)
     seeds = ", ".join(_steps(r.steps) for r in point.runs)
-    return f"  {setup.name} B={batch}: {tried}; best {point.lr:g}, seeds {seeds}"
+    edge = " (the grid's edge)" if point.at_edge else ""
+    return f"  {setup.name} B={batch}: {tried}; best {point.lr:g}{edge}, seeds {seeds}"
 
 
 def _steps(steps: float) -> str:
@@ -409,12 +416,15 @@ def table(outcome: Outcome) -> list[str]:
     for p in outcome.points:
         predicted = model.steps(p.batch) if model else math.nan
         error = (predicted - p.steps) / p.steps
+        lr = f"{p.lr:g}{'*' if p.at_edge else ''}"
         lines.append(
-            f"| {p.batch} | {p.lr:g} | {p.steps:.1f} | {predicted:.1f} | {error:+.1%} "
+            f"| {p.batch} | {lr} | {p.steps:.1f} | {predicted:.1f} | {error:+.1%} "
             f"| {p.noise_scale:.3g} |"
         )
     for batch in outcome.missing:
         lines.append(f"| {batch} | - | not reached | - | - | - |")
+    if any(p.at_edge for p in outcome.points):
+        lines.append("* the grid's lowest or highest rate: one beyond it may take fewer steps")
     b_simple = outcome.noise_scale
     if model is None:
         lines.append(f"no fit: {outcome.no_fit}; B_simple {b_simple:.3g}")
