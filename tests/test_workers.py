@@ -4,6 +4,7 @@ away mid-study, and a password that must not show anywhere. Stores are read back
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -13,6 +14,8 @@ import yaml
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
+from search.decision import DECISION_ATTR
+from search.speed import SPEED_ATTR
 from search.storage import OWNER_ATTR
 from tests.sweeps import (
     FINISHED,
@@ -62,6 +65,39 @@ def test_joblib_workers_share_one_study(tmp_path: Path) -> None:
     fixed = yaml.safe_load(study.user_attrs["batchfit.config"])
     assert "worker" not in fixed and "workers" not in fixed["search"]
     assert fixed["loader"]["num_workers"] == 0  # the data loader's: the same for every worker
+
+
+def test_two_workers_give_one_answer(tmp_path: Path) -> None:
+    """The issue's case: two workers of one study end together (the study's two trials,
+    one each). The recommendation and its speed check are made once, by one of them; both
+    print that answer, and both best.yaml files and the parent run's are the same bytes."""
+    args = [
+        "--multirun", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "search.workers=2",
+        "search.n_trials=2", "model=small_cnn", "model.width=4", "data=digits",
+        "trainer.max_epochs=1", "search.study_name=one", "mlflow.system_metrics=false",
+        # Two configurations, one each, both candidates: two geometries for the speed check.
+        "search.recommend.tolerance=1.0", "search/sampler=grid",
+        "+search.params={trainer.batch_size:'choice(16,64)'}",
+    ]  # fmt: skip
+    out, _ = finish(search_process(args, tmp_path))
+    study = journal_study(tmp_path / "mlruns" / "optuna.journal", "one")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    check_stores(study, client, 2, num_epochs=1)
+    assert {t.params["trainer.batch_size"] for t in study.trials} == {16, 64}
+    assert len(set(study.user_attrs[SPEED_ATTR]["geometries"])) == 2
+    assert out.count("Speed check: timing 2 candidate configurations") == 1, out
+    assert out.count("The recommendation was made by another worker of this study") == 1
+    answers = re.findall(r"^Recommended: trial (\d+)", out, re.MULTILINE)
+    assert len(answers) == 2 and answers[0] == answers[1], out
+    assert study.user_attrs[DECISION_ATTR]["trial"] == int(answers[0])
+    sweep = next((tmp_path / "mlruns" / "hydra" / "multirun").glob("*/*"))
+    written = [(sweep / job / "best.yaml").read_text() for job in ("0", "1")]
+    (parent,) = client.search_runs(
+        [client.get_experiment_by_name("one").experiment_id], "tags.`batchfit.role` = 'study'"
+    )
+    logged = Path(client.download_artifacts(parent.info.run_id, "best.yaml", str(tmp_path)))
+    assert written[0] == written[1] == logged.read_text()
+    assert f"trial: {answers[0]}\n" in written[0]
 
 
 def test_single_process_killed_mid_trial_resumes_and_reruns_that_trial(tmp_path: Path) -> None:
