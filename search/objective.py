@@ -5,7 +5,8 @@ How a trial ends:
 - COMPLETE with the objective values;
 - PRUNED with a reason (search/record.py): `oom_predicted` (its step, computed on fake
   tensors before training, needs more than the budget: search/configure.py), `oom` (over
-  the budget when it ran), `diverged` (NaN/inf loss), `slow` (its measured speed cannot
+  the budget when it ran), `diverged` (NaN/inf loss, or trained to its end without
+  learning: learning_failure), `slow` (its measured speed cannot
   finish within search.trial_time_budget_s: search/stopping.py), `pruner` (the study's
   pruner, per validation), `missed_target` (short of search.target at its end);
 - FAIL with the error's message for anything unexpected; the study goes on.
@@ -18,6 +19,7 @@ sampler learns where the boundary is (search/sampler.py).
 
 from __future__ import annotations
 
+import math
 import time
 import traceback
 from collections.abc import Callable
@@ -247,9 +249,12 @@ class Objective:
         if efficiency is not None:
             extra[SCALING_METRIC] = efficiency
         outcome = Outcome("COMPLETE", result=result, extra=extra, mfu_note=note)
-        if watch.target.missed:
+        failure = learning_failure(result)
+        if watch.target.missed:  # short of search.target: whether it learned at all or not
             outcome.state, outcome.reason = "PRUNED", MISSED_TARGET
             outcome.message = watch.target.missed_message(result)
+        elif failure is not None:  # counted and shown, never recommended nor on the front
+            outcome.state, outcome.reason, outcome.message = "PRUNED", DIVERGED, failure
         outcome.probe_s_per_sample = watch.probe_s_per_sample
         return outcome
 
@@ -309,3 +314,33 @@ def _checked(on_step: Callable[[int, int, float], None]) -> Callable[[int, int, 
         on_step(step, num_steps, elapsed_s)
 
     return checked
+
+
+def learning_failure(result: RunResult) -> str | None:
+    """Why a run that trained to its end did not learn, or None: its last validation loss
+    is not finite, or no better than a uniform guess (RunResult.chance_loss: ln C for a
+    cross-entropy over C classes; a run at chance level, such as one whose weights blew
+    up to a finite loss of 1e16). A task without that baseline (regression, a loss of
+    one's own) did not learn when no validation after its first was below the first. Not
+    "the last above the first" where there is a baseline: a run that learned in its first
+    epoch and then overfit has learned. Such a run is pruned as `diverged`: its
+    configuration and rate are no answer."""
+    last = result.val_loss
+    if not math.isfinite(last):
+        return f"did not learn: val/loss is {last}"
+    chance = result.chance_loss
+    if chance is not None:
+        if last < chance:
+            return None
+        classes = round(math.exp(chance))
+        return (
+            f"did not learn: val/loss {last:.4g} is no better than a uniform guess over "
+            f"{classes} classes (ln {classes} = {chance:.4g})"
+        )
+    losses = [e.get("val/loss", math.nan) for e in result.evals]
+    if len(losses) > 1 and all(loss >= losses[0] for loss in losses[1:]):
+        return (
+            f"did not learn: val/loss {last:.4g}, no validation after its first below the "
+            f"first's {losses[0]:.4g}"
+        )
+    return None

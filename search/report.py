@@ -302,7 +302,8 @@ ADVICE = {
     "PRUNED (oom_predicted)": "predicted over search.memory_budget: the fit report above shows "
     "which batch sizes fit; search smaller ones or raise the budget",
     "PRUNED (oom)": "out of memory: search smaller batch sizes, or raise search.memory_budget",
-    "PRUNED (diverged)": "the loss diverged: lower the optimizer.lr range in search.params",
+    "PRUNED (diverged)": "the loss diverged or did not learn (its message says which): "
+    "narrow the optimizer.lr range in search.params",
     "PRUNED (missed_target)": "ended short of search.target: raise trainer.max_epochs or lower "
     "the target",
     f"PRUNED ({PRUNER})": "stopped by search.pruner below the median of the completed trials",

@@ -98,6 +98,9 @@ class RunResult:
     # None, and why not, where the run had no step to measure it on
     noise: NoiseReading | None = None
     noise_estimator: str = ""
+    # The validation loss of a uniform guess (Task.chance_loss): ln C for C classes; None
+    # where the task's loss has none or the run never validated
+    chance_loss: float | None = None
 
     @property
     def val_acc(self) -> float:
@@ -294,10 +297,12 @@ def evaluate(
     device: torch.device,
     task: Task | None = None,
     ranks: Ranks | None = None,
+    chance: list[float | None] | None = None,
 ) -> Metrics:
     """The task's validation metrics, `val/loss` (mean per unit) and the derived ones, over
     the validation split; one host sync per metric at the end. On several ranks each
-    evaluates its share of the split and the sums are the ranks' together."""
+    evaluates its share of the split and the sums are the ranks' together. `chance`, if
+    empty: the task's chance_loss of the first output is appended to it."""
     task = task or Classification()
     pipeline = Pipeline.of(data)
     metrics = {name: metric.to(device) for name, metric in task.metrics().items()}
@@ -314,6 +319,8 @@ def evaluate(
         if padding:
             continue
         units += task.units(host_batch)
+        if chance is not None and not chance:
+            chance.append(task.chance_loss(output))
         loss_sum += task.loss(output, batch)
         task.update(metrics, output, batch)
     model.train()
@@ -405,6 +412,8 @@ class _Run:
     noise: NoiseScale | None = field(init=False)  # the gradient noise scale's estimator
     noise_steps: range = field(init=False)  # the steps it measures
     noise_note: str = field(init=False)  # how it measures, or why it does not
+    # the task's chance_loss, from the first validation's first batch (RunResult.chance_loss)
+    chance: list[float | None] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         cfg, num_train = self.cfg, self.pipeline.num_train
@@ -602,7 +611,7 @@ def _validate(run: _Run, clock: ThroughputClock, step: int, evals: list[Metrics]
     clock.pause()
     metrics = evaluate(
         run.model, run.pipeline, run.cfg.batch_size, run.precision, run.device, run.task,
-        run.ranks,
+        run.ranks, run.chance,
     )  # fmt: skip
     metrics.update(
         step=step + 1, epoch=run.epoch(step), num_epochs=run.num_steps / run.steps_per_epoch
@@ -652,4 +661,5 @@ def _result(
         interval_rates=clock.interval_rates,
         noise=noise,
         noise_estimator=run.noise_note,
+        chance_loss=run.chance[0] if run.chance else None,
     )

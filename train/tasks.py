@@ -135,6 +135,17 @@ class Task:
     def metrics(self) -> dict[str, Metric]:
         return {"acc": ArgmaxAccuracy()}
 
+    def chance_loss(self, output: Any) -> float | None:
+        """The loss per unit of a uniform guess, which an untrained model does no better
+        than: ln C for a cross-entropy over C classes (or a vocabulary of C tokens), with or
+        without label smoothing. None where the loss has no such baseline (a loss of one's
+        own, regression). A trial whose validation loss is not below it did not learn
+        (search/objective.py: never recommended)."""
+        if type(self).loss not in (Task.loss, Classification.loss, LanguageModel.loss):
+            return None
+        classes = self.predictions(output).shape[-1]
+        return math.log(classes) if classes > 1 else None
+
     def update(self, metrics: dict[str, Metric], output: Any, batch: Any) -> None:
         preds, target = self.predictions(output), self.target(batch)
         for metric in metrics.values():

@@ -232,6 +232,25 @@ def test_diverged_and_slow_trials_are_pruned_with_their_reason(hydra_conf, store
 
 
 @pytest.mark.study
+def test_a_trial_that_trained_without_learning_is_pruned_as_diverged(hydra_conf, stores) -> None:
+    """optimizer.lr=1e-30: the run trains to its end with its weights as they started (each
+    update is below a float32 weight's resolution), so its validation loss stays at its
+    initial one, no better than a uniform guess's; pruned as diverged (counted and shown,
+    never recommended)."""
+    still = ["search.n_trials=1", "optimizer.lr=1e-30", "trainer.val_every_steps=2"]
+    driver = _driver(hydra_conf, [*stores["overrides"], *still], name="still")
+    driver.run()
+    (trial,) = driver.study.get_trials()
+    assert trial.state == TrialState.PRUNED
+    assert trial.user_attrs["reason"] == "diverged"
+    message = trial.user_attrs["message"]
+    # the seeded initial weights' loss: 2.318 on digits, above ln 10 = 2.303
+    assert message.startswith("did not learn: val/loss"), message
+    assert "no better than a uniform guess over 10 classes (ln 10 = 2.303)" in message
+    assert driver.study.best_trials == []
+
+
+@pytest.mark.study
 def test_resume_runs_to_n_trials_without_duplicates(hydra_conf, stores) -> None:
     common = [
         *stores["overrides"],

@@ -116,7 +116,7 @@ def test_trials_predicted_not_to_fit_are_pruned_before_training(hydra_conf, stor
         excess = t.user_attrs["predicted_bytes"] * 1.05 / MiB - 1
         assert t.constraints["memory"] == pytest.approx(excess) and excess > 0
     for t in trained:
-        assert t.state == TrialState.COMPLETE
+        assert _trained(t)
         assert abs(t.user_attrs["prediction_error"]) < 0.01
         assert t.user_attrs["peak_bytes"] <= MiB
         assert t.constraints["memory"] <= 0
@@ -129,7 +129,7 @@ def test_trials_predicted_not_to_fit_are_pruned_before_training(hydra_conf, stor
         metrics = runs[f"trial-{t.number}"].data.metrics
         assert metrics["memory/predicted_bytes"] == t.user_attrs["predicted_bytes"]
         assert metrics["time/prediction_s"] == 0  # the fit report at study start predicted it
-        if t.state == TrialState.COMPLETE:
+        if _trained(t):
             assert metrics["memory/prediction_error"] == pytest.approx(
                 t.user_attrs["prediction_error"]
             )
@@ -172,7 +172,7 @@ def test_without_preflight_the_oom_is_measured(hydra_conf, stores) -> None:
             assert t.user_attrs["peak_bytes"] > MiB
             assert t.constraints["memory"] > 0
         else:
-            assert t.state == TrialState.COMPLETE and t.constraints["memory"] <= 0
+            assert _trained(t) and t.constraints["memory"] <= 0
     for name, run in _runs(stores, "measured").items():
         assert "memory/predicted_bytes" not in run.data.metrics, name
 
@@ -238,7 +238,7 @@ def test_a_model_that_cannot_be_predicted_is_measured(hydra_conf, stores) -> Non
     trials = driver.study.get_trials()
     assert len(trials) == 2
     for t in trials:
-        assert t.state == TrialState.COMPLETE
+        assert _trained(t)
         assert 0 < t.user_attrs["peak_bytes"] <= MiB
         assert "predicted_bytes" not in t.user_attrs
         assert t.constraints["memory"] <= 0  # measured memory still reaches the sampler
@@ -286,7 +286,7 @@ def test_derived_accumulation_splits_the_effective_batch_to_fit(hydra_conf, stor
         effective = t.params["trainer.effective_batch_size"]
         batch, accum = t.user_attrs["trainer.batch_size"], t.user_attrs["trainer.accum_steps"]
         assert batch * accum == effective == t.user_attrs["effective_batch_size"]
-        assert t.state == TrialState.COMPLETE
+        assert _trained(t)
         assert t.user_attrs["peak_bytes"] <= MiB
         assert abs(t.user_attrs["prediction_error"]) < 0.01
         # The largest divisor predicted to fit, as train.predict finds it.
@@ -371,6 +371,17 @@ def test_a_budget_below_the_training_state_stops_before_the_first_trial(hydra_co
     assert optuna.get_all_study_names(stores["optuna"]) == []
 
 
+def _trained(t: optuna.trial.FrozenTrial) -> bool:
+    """Trained to its end: COMPLETE, or pruned as `diverged` because a few steps of the tiny
+    CNN left it at chance level (search/objective.py learning_failure): its memory figures
+    are the same either way."""
+    if t.state == TrialState.COMPLETE:
+        return True
+    return t.user_attrs.get("reason") == "diverged" and t.user_attrs["message"].startswith(
+        "did not learn"
+    )
+
+
 LR = "optimizer.lr:'interval(0.01,0.1)'"  # a continuous key: no two proposals repeat
 
 
@@ -391,7 +402,7 @@ def test_proposals_predicted_not_to_fit_take_no_trial_slot(hydra_conf, stores) -
     trained = [t for t in trials if t not in unbilled]
     # All 5 of search.n_trials trained; the proposals predicted not to fit came on top, and
     # still reached the sampler as infeasible.
-    assert len(trained) == 5 and all(t.state == TrialState.COMPLETE for t in trained)
+    assert len(trained) == 5 and all(_trained(t) for t in trained)
     assert unbilled, "the seed gives no proposal over the budget: the test shows nothing"
     for t in unbilled:
         assert t.params["trainer.batch_size"] >= 256 and t.constraints["memory"] > 0
@@ -399,10 +410,8 @@ def test_proposals_predicted_not_to_fit_take_no_trial_slot(hydra_conf, stores) -
     assert parent.data.metrics["trials/trained"] == 5
     assert parent.data.metrics["trials/unbilled"] == len(unbilled)
     shown = driver.console.export_text()
-    assert (
-        f"5 finished trials: 5 COMPLETE; not counted, answered without training: {len(unbilled)}"
-        in shown
-    )
+    assert "5 finished trials: " in shown
+    assert f"; not counted, answered without training: {len(unbilled)}" in shown
     assert shown.count("not counted in search.n_trials") == len(unbilled)
 
 

@@ -164,7 +164,8 @@ def test_when_every_trial_is_slow_the_summary_blames_the_machine_or_the_budget()
     study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"reason": "diverged"}))
     assert none_completed(study.get_trials()) == (
         "No trial completed. The trials ended as: 3 PRUNED (slow); 1 PRUNED (diverged) (the "
-        "loss diverged: lower the optimizer.lr range in search.params)."
+        "loss diverged or did not learn (its message says which): narrow the optimizer.lr "
+        "range in search.params)."
     )
     study.add_trial(create_trial(state=TrialState.FAIL, user_attrs={"error": "boom"}))
     assert "; 1 FAIL (an error in training: its line above says which" in none_completed(

@@ -47,7 +47,10 @@ def test_a_validation_hook_can_end_the_run() -> None:
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     # CPU runs measure the memory of steps 0 and 1 off the clock: timed from step 2 on.
-    cfg = TrainerConfig(batch_size=8, max_epochs=3, val_every_steps=3, warmup_steps=0)
+    # (no noise-scale window of split steps, which would take steps 2-8 off the clock too)
+    cfg = TrainerConfig(
+        batch_size=8, max_epochs=3, val_every_steps=3, warmup_steps=0, noise_scale_window=0
+    )
     seen = []
 
     def on_eval(step: int, metrics: dict) -> bool:

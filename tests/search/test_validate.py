@@ -216,7 +216,9 @@ def test_bad_input_loses_nothing_already_recorded(hydra_conf, stores) -> None:
     study = optuna.load_study(study_name="v", storage=stores["optuna"])
     # The trial it trained, and nothing waiting: a study of n_trials enqueues at most
     # n_trials of the fit report's first trials.
-    assert [t.state.name for t in study.trials] == ["COMPLETE"]
+    # (complete, or pruned as diverged where its one epoch left it at chance level)
+    assert [t.state.name for t in study.trials] in (["COMPLETE"], ["PRUNED"])
+    assert all(t.user_attrs.get("reason") in (None, "diverged") for t in study.trials)
 
 
 def _run_search(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
