@@ -1,7 +1,7 @@
 """Does the gradient noise scale that every trial measures predict the critical batch?
 
-    python bench/noise_scale.py             # MLP/digits and a small GPT, side by side (~10 min)
-    python bench/noise_scale.py --quick     # 3 batch sizes, 2 learning rates, 1 seed (~2 min)
+    python bench/noise_scale.py             # MLP/digits and a small GPT, side by side (~4 min)
+    python bench/noise_scale.py --quick     # 3 batch sizes, 2 learning rates, 1 seed (~1.5 min)
     python bench/noise_scale.py --tasks digits --seeds 3 --threads 2
 
 McCandlish et al. 2018, "An Empirical Model of Large-Batch Training" (arXiv 1812.06162):
