@@ -23,6 +23,7 @@ from search.budget import (
     num_trained,
     study_records,
 )
+from search.config import Target
 from search.configure import Configurer
 from search.levers import with_default_space
 from search.objective import Objective
@@ -39,7 +40,14 @@ from tracking.runs import RunLog, Tracker, ui_link
 from train.config import ConfigError
 from train.overrides import override_key
 from train.predict import PredictionUnsupported
-from train.run import OverBudget, RunSpec, planned_elsewhere, resolve_device, with_gpu_budget
+from train.run import (
+    OverBudget,
+    RunSpec,
+    planned_elsewhere,
+    resolve_device,
+    with_gpu_budget,
+    with_lr_reference,
+)
 from train.workload import Workloads
 
 PARENT_ATTR = "mlflow_parent_run_id"
@@ -49,6 +57,7 @@ _RESUMABLE_KEYS = (
     "n_trials", "params", "sampler", "pruner", "trial_time_budget_s", "heartbeat_interval_s",
     "storage", "study_name", "preflight", "preflight_margin", "oom_constraint", "workers",
     "recommend", "threads", "timeout_s", "speed_check", "fit_report_first", "default_space",
+    "validations_per_epoch",
 )  # fmt: skip
 INTERRUPT_WAIT_S = 5.0  # on Ctrl-C, how long queued MLflow writes may still take
 
@@ -213,6 +222,13 @@ def _set_up(
 SETUP_TAG = "batchfit.setup"  # on the parent run once its params and reports are logged
 
 
+def _loss_target(target: Target | None) -> float | None:
+    """search.target's val/loss to reach (time to target), if it is one."""
+    if target is not None and target.metric == "val/loss" and target.op == "<=":
+        return float(target.value)
+    return None
+
+
 def setup_done(tracker: Tracker, parent: RunLog) -> bool:
     """Whether the parent run has its params, search space, fixed config and fit report."""
     tracker.outbox.drain()
@@ -260,6 +276,7 @@ class StudyDriver:
             lambda trial: report.rerun_overrides(trial, base_overrides, checked.space.fixed),
             output_dir,
             margin=checked.settings.preflight_margin,
+            loss_target=_loss_target(checked.settings.target),
         )
         self.budget = TrialBudget(
             checked.settings.n_trials, checked.space.size(), checked.space.distributions
@@ -281,6 +298,8 @@ class StudyDriver:
         name = cfg.search.study_name or default_study_name(choices)
         given = list(overrides)  # as typed: the advice's commands extend them
         overrides = with_gpu_budget(cfg, overrides)  # search.gpu=CARD: the card's budget
+        searched_keys = list(cfg.search.params or {})
+        overrides = with_lr_reference(cfg, overrides, searched_keys)  # lr at one batch
         # The data and memory predictors of the study: the checks, the fit report and the
         # trials build each once.
         workloads = Workloads()

@@ -195,9 +195,15 @@ def test_train_best_yaml_trains_the_recommended_trial_again(study: Study, tmp_pa
     assert run.info.run_name == f"retrain trial-{trial.number} of plug · {_geometry(trial)}"
     assert run.data.tags["batchfit.study"] == "plug"
     assert run.data.tags["batchfit.trial"] == str(trial.number)
-    # The study's lr_scaling is none: the rate is said to be optimizer.lr as given.
-    lr = trial.params["optimizer.lr"]
-    assert f"lr {lr:.4g} (optimizer.lr, used as given: trainer.lr_scaling=none)" in done.stdout
+    # The study's lr_scaling is auto: linear for SGD, from the reference batch the study
+    # fixed at its command line's (trainer.batch_size=32): the rate the trial trained with.
+    lr, effective = trial.params["optimizer.lr"], trial.user_attrs["effective_batch_size"]
+    assert trial.user_attrs["lr_scaled"] == pytest.approx(lr * effective / 32)
+    assert trial.user_attrs["lr_rule"] == "linear" and trial.user_attrs["lr_reference"] == 32
+    assert (
+        f"lr {lr * effective / 32:.4g} (optimizer.lr={lr:g} scaled linear (auto: the "
+        f"optimizer's) to effective batch {effective} from trainer.lr_ref_batch_size=32)"
+    ) in done.stdout
     trial_config = yaml.safe_load(
         _artifact(conf.client, trial.user_attrs["mlflow_run_id"], "config.yaml", tmp_path)
     )

@@ -280,12 +280,13 @@ def _start_run(ready: Prepared) -> RunLog:
 def _lr(spec: RunSpec) -> str:
     """The rate trained with, and where it comes from."""
     t = spec.trainer
-    if t.lr_scaling == "none":
-        return f"lr {spec.lr:.4g} (optimizer.lr, used as given: trainer.lr_scaling=none)"
+    rule = spec.lr_rule if t.lr_scaling != "auto" else f"{spec.lr_rule} (auto: the optimizer's)"
+    if spec.lr_rule == "none" or spec.lr_ref == t.global_batch_size:
+        return f"lr {spec.lr:.4g} (optimizer.lr, used as given: trainer.lr_scaling={rule})"
     return (
-        f"lr {spec.lr:.4g} (optimizer.lr={spec.base_lr:g} scaled {t.lr_scaling} to "
+        f"lr {spec.lr:.4g} (optimizer.lr={spec.base_lr:g} scaled {rule} to "
         f"{'global' if t.distributed else 'effective'} batch {t.global_batch_size} from "
-        f"trainer.lr_ref_batch_size={t.lr_ref_batch_size})"
+        f"trainer.lr_ref_batch_size={spec.lr_ref})"
     )
 
 

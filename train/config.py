@@ -13,7 +13,7 @@ from typing import Any
 
 from train.precision import PRECISIONS
 
-LR_SCALING_RULES = ("none", "linear", "sqrt")
+LR_SCALING_RULES = ("auto", "none", "linear", "sqrt")  # auto: by the optimizer (train/lr.py)
 CHECKPOINTING_MODES = ("none", "blocks")  # train/checkpointing.py
 DEVICES = ("auto", "cpu", "cuda")
 STRATEGIES = ("none", "ddp", "fsdp")  # train/distributed.py
@@ -100,8 +100,10 @@ class TrainerConfig:
     log_every_steps: int = 10
     warmup_steps: int = 2  # optimizer steps left out of throughput timing
     grad_clip_norm: float | None = None
-    lr_scaling: str = "none"
-    lr_ref_batch_size: int = 256
+    lr_scaling: str = "auto"
+    # The global batch at which optimizer.lr is right. None: the run's own (the rate is used
+    # as given), except in a study, which fixes it at the command line's (search/driver.py).
+    lr_ref_batch_size: int | None = None
     # Steps of the gradient noise scale's split estimator where a step has one micro-batch
     # (train/noise.py): that many steps run as two halves, off the throughput clock. 0: none.
     noise_scale_window: int = 8
@@ -160,7 +162,8 @@ class TrainerConfig:
                 )
         _check_int(problems, "trainer.log_every_steps", self.log_every_steps, 1)
         _check_int(problems, "trainer.warmup_steps", self.warmup_steps, 0)
-        _check_int(problems, "trainer.lr_ref_batch_size", self.lr_ref_batch_size, 1)
+        if self.lr_ref_batch_size is not None:
+            _check_int(problems, "trainer.lr_ref_batch_size", self.lr_ref_batch_size, 1)
         for key in ("max_epochs", "max_steps", "val_every_steps"):
             if getattr(self, key) is not None:
                 _check_int(problems, f"trainer.{key}", getattr(self, key), 1)

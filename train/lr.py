@@ -8,6 +8,20 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 
+def rule_for(optimizer_target: str) -> str:
+    """The rule trainer.lr_scaling=auto takes for an optimizer (its `_target_`): linear for
+    SGD (Goyal et al. 2017, "Accurate, Large Minibatch SGD", arXiv 1706.02677); square root
+    for Adam-type optimizers (Malladi et al. 2022, "On the SDEs and Scaling Rules for
+    Adaptive Gradient Algorithms", arXiv 2205.10287; LAMB and Adafactor with them); none
+    for the others, for which no rule is established."""
+    name = optimizer_target.rsplit(".", 1)[-1].lower()
+    if any(family in name for family in ("adam", "lamb", "adafactor")):
+        return "sqrt"
+    if name.endswith("sgd"):
+        return "linear"
+    return "none"
+
+
 def scaled_lr(base_lr: float, effective_batch_size: int, rule: str, ref_batch_size: int) -> float:
     """The rate for `effective_batch_size` when `base_lr` is right at `ref_batch_size`.
 

@@ -18,4 +18,6 @@ DEVICES_KEY = "trainer.devices"  # ranks of a data-parallel run
 # What follows from them: derived values, not config keys.
 EFFECTIVE_PARAM = "effective_batch_size"  # batch_size x accum_steps
 LR_PARAM = "lr_scaled"  # optimizer.lr scaled to the global batch by trainer.lr_scaling
+LR_RULE_PARAM = "lr_rule"  # the rule that scaled it: trainer.lr_scaling, `auto` resolved
+LR_REF_PARAM = "lr_reference"  # the global batch at which optimizer.lr is the rate
 GLOBAL_PARAM = "global_batch_size"  # effective_batch_size x trainer.devices

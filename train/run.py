@@ -9,7 +9,7 @@ trial go through `plan` and `run`, so a trial and its rerun execute the same cod
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ from train.config import ConfigError, TrainerConfig
 from train.device import DeviceSpec, device_spec
 from train.flops import perf_metrics
 from train.loop import Hooks, RunResult, fit, steps_plan
-from train.lr import scaled_lr
+from train.lr import rule_for, scaled_lr
 from train.memory import (
     MAX_BUDGET_BYTES,
     MemoryMeter,
@@ -42,6 +42,8 @@ from train.params import (
     EFFECTIVE_PARAM,
     GLOBAL_PARAM,
     LR_PARAM,
+    LR_REF_PARAM,
+    LR_RULE_PARAM,
     PRECISION_KEY,
     STRATEGY_KEY,
 )
@@ -60,7 +62,9 @@ class RunSpec:
     target: DeviceSpec  # what its memory is predicted for: that device, or search.gpu's
     budget_bytes: int | None
     base_lr: float
-    lr: float  # base_lr scaled to the effective batch size by trainer.lr_scaling
+    lr: float  # base_lr scaled to the global batch size by lr_rule from lr_ref
+    lr_rule: str = "none"  # trainer.lr_scaling, `auto` resolved by the optimizer (train/lr.py)
+    lr_ref: int | None = None  # trainer.lr_ref_batch_size, None resolved to the global batch
 
     def params(self) -> dict[str, Any]:
         """What the run trains with, searched or not, and what follows from it."""
@@ -75,6 +79,8 @@ class RunSpec:
             DEVICES_KEY: self.trainer.devices,
             GLOBAL_PARAM: self.trainer.global_batch_size,
             LR_PARAM: self.lr,
+            LR_RULE_PARAM: self.lr_rule,
+            LR_REF_PARAM: self.lr_ref,
             "device": str(self.device),
         }
 
@@ -126,10 +132,13 @@ def plan(cfg: DictConfig, budget: Any) -> RunSpec:
         )
     if problems:
         raise ConfigError(problems)
-    lr = scaled_lr(  # to the global batch: all devices' samples per optimizer step
-        float(base_lr), trainer.global_batch_size, trainer.lr_scaling, trainer.lr_ref_batch_size
-    )
-    return RunSpec(trainer, device, target, budget_bytes, float(base_lr), lr)
+    rule = trainer.lr_scaling
+    if rule == "auto":
+        rule = rule_for(str(cfg.optimizer.get("_target_", "")))
+    ref = trainer.lr_ref_batch_size or trainer.global_batch_size
+    # to the global batch: all devices' samples per optimizer step
+    lr = scaled_lr(float(base_lr), trainer.global_batch_size, rule, ref)
+    return RunSpec(trainer, device, target, budget_bytes, float(base_lr), lr, rule, ref)
 
 
 BUDGET_KEY = "search.memory_budget"
@@ -169,6 +178,35 @@ def with_gpu_budget(cfg: DictConfig, overrides: Sequence[str]) -> list[str]:
         raise ConfigError(problems)
     cfg.search.memory_budget = share
     return [*overrides, f"{BUDGET_KEY}={share}"]
+
+
+LR_REF_KEY = "trainer.lr_ref_batch_size"
+LR_SCALING_KEY = "trainer.lr_scaling"
+
+
+def with_lr_reference(
+    cfg: DictConfig, overrides: Sequence[str], searched: Iterable[str] = ()
+) -> list[str]:
+    """A study's reference batch for its learning rate: the command line's global batch
+    (trainer.batch_size x accum_steps x devices, before any searched value), where
+    trainer.lr_ref_batch_size is null and a rule scales the rate (trainer.lr_scaling not
+    none, or searched). The search samples optimizer.lr as the rate at that batch, and
+    every geometry trains at the rate its rule scales it to, so trials of different batches
+    compare like with like. cfg is set in place and `overrides` returned with the key added,
+    so that trials, rerun commands and best.yaml train at the same rate. Anything else:
+    `overrides` as they are."""
+    trainer = cfg.trainer
+    if trainer.get("lr_ref_batch_size") is not None:
+        return list(overrides)
+    scaling = trainer.get("lr_scaling", "none")
+    if scaling == "auto":
+        scaling = rule_for(str(cfg.optimizer.get("_target_", "")))
+    if scaling == "none" and LR_SCALING_KEY not in set(searched):
+        return list(overrides)
+    batch = trainer.get("effective_batch_size") or trainer.batch_size * trainer.accum_steps
+    reference = int(batch) * int(trainer.get("devices", 1))
+    trainer.lr_ref_batch_size = reference
+    return [*overrides, f"{LR_REF_KEY}={reference}"]
 
 
 def budget_source(budget: Any, spec: RunSpec) -> str:

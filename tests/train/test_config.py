@@ -45,7 +45,7 @@ def test_defaults_are_valid():
         (dict(val_every_steps=0), r"trainer\.val_every_steps .*val_every_steps=1"),
         (dict(precision="fp8"), r"trainer\.precision must be one of fp32, tf32, bf16, fp16, "
                                 r"got 'fp8'; override with trainer\.precision=bf16"),
-        (dict(lr_scaling="cubic"), r"trainer\.lr_scaling must be one of none, linear, sqrt, "
+        (dict(lr_scaling="cubic"), r"trainer\.lr_scaling must be one of auto, none, linear, sqrt, "
                                    r"got 'cubic'; override with trainer\.lr_scaling=linear"),
         (dict(device="tpu"), r"trainer\.device must be one of auto, cpu, cuda, got 'tpu'; "
                              r"override with trainer\.device=auto"),
@@ -127,7 +127,9 @@ def test_every_rule_and_device_is_accepted_and_unknown_ones_are_refused_with_the
         assert TrainerConfig(lr_scaling=rule).lr_scaling == rule
     for device in DEVICES:
         assert TrainerConfig(device=device).device == device
-    with pytest.raises(ConfigError, match=r"lr_scaling must be one of none, linear, sqrt, got"):
+    with pytest.raises(
+        ConfigError, match=r"lr_scaling must be one of auto, none, linear, sqrt, got"
+    ):
         TrainerConfig(lr_scaling="cubic")
     with pytest.raises(ConfigError, match=r"device must be one of auto, cpu, cuda, got 'tpu'"):
         TrainerConfig(device="tpu")

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from train.lr import constant, scaled_lr, warmup_cosine
+from train.lr import constant, rule_for, scaled_lr, warmup_cosine
+from train.run import plan, with_lr_reference
 
 
 @pytest.mark.parametrize(
@@ -98,3 +99,41 @@ def test_warmup_cosine_factor_formula():
         progress = (step - 5) / 15
         assert factor(step) == pytest.approx(0.5 * (1 + math.cos(math.pi * progress)))
     assert factor(1000) == pytest.approx(0.0)  # clamped past the end
+
+
+@pytest.mark.parametrize(
+    ("target", "rule"),
+    [
+        ("torch.optim.SGD", "linear"),
+        ("torch.optim.AdamW", "sqrt"),
+        ("torch.optim.Adam", "sqrt"),
+        ("torch.optim.NAdam", "sqrt"),
+        ("bitsandbytes.optim.PagedAdamW8bit", "sqrt"),
+        ("transformers.optimization.Adafactor", "sqrt"),
+        ("torch.optim.RMSprop", "none"),
+        ("", "none"),
+    ],
+)
+def test_auto_takes_the_optimizers_rule(target, rule):
+    assert rule_for(target) == rule
+
+
+def test_a_run_uses_its_rate_as_given_and_a_study_fixes_the_reference(hydra_conf):
+    """`auto` resolves by the optimizer; without a reference batch a run's own global batch
+    is it (the rate as given); a study fixes the reference at the command line's batch, so
+    that every geometry trains at the rate its rule scales it to."""
+    cfg = hydra_conf(["optimizer=adamw", "optimizer.lr=0.001", "trainer.batch_size=16"])
+    spec = plan(cfg, None)
+    assert (spec.lr_rule, spec.lr_ref, spec.lr) == ("sqrt", 16, 0.001)
+    overrides = with_lr_reference(cfg, ["trainer.batch_size=16", "trainer.accum_steps=2"])
+    assert overrides[-1] == "trainer.lr_ref_batch_size=16"  # the config's 16 x 1
+    trial = hydra_conf(["optimizer=adamw", "optimizer.lr=0.001", *overrides])
+    trial_spec = plan(trial, None)  # 16 x 2 = 32: twice the reference
+    assert trial_spec.lr == pytest.approx(0.001 * math.sqrt(2))
+    sgd = hydra_conf(["trainer.batch_size=16", "trainer.lr_ref_batch_size=64"])
+    assert with_lr_reference(sgd, ["x=1"]) == ["x=1"]  # a reference given is kept
+    assert plan(sgd, None).lr == pytest.approx(sgd.optimizer.lr / 4)  # linear for SGD
+    none = hydra_conf(["trainer.lr_scaling=none"])
+    assert with_lr_reference(none, []) == []  # no rule: nothing to fix
+    searched = with_lr_reference(none, [], ["trainer.lr_scaling"])
+    assert searched == [f"trainer.lr_ref_batch_size={none.trainer.batch_size}"]
