@@ -187,6 +187,9 @@ class SearchConfig:
     # smallest accumulation: the fastest geometries are tried whatever the sampler draws.
     fit_report_first: bool = True
     default_space: bool = True  # an empty search.params searches the four levers (levers.py)
+    # How often a trial validates where trainer.val_every_steps is null: None, once an epoch
+    # (4 times with search.target); the time to target reads each trial's crossing between two.
+    validations_per_epoch: int | None = None
     outage_wait_s: float = 600.0  # mlflow.outage_wait_s: wait for an unreachable MLflow at the end
     recommend: RecommendRule = field(
         default_factory=lambda: RecommendRule()
@@ -269,6 +272,14 @@ class SearchConfig:
                     f"search.{key} must be true or false, got {getattr(self, key)!r}; "
                     f"override with search.{key}=true"
                 )
+        every = self.validations_per_epoch
+        if every is not None and (
+            isinstance(every, bool) or not isinstance(every, int) or every < 1
+        ):
+            problems.append(
+                f"search.validations_per_epoch must be an integer >= 1 or null, got {every!r}; "
+                "e.g. search.validations_per_epoch=4"
+            )
         margin = self.preflight_margin
         if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin < 1:
             problems.append(

@@ -6,6 +6,7 @@ objective values, or the exception that tells it the trial was pruned or failed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import optuna
@@ -118,6 +119,7 @@ def trial_record(
         val_acc=result.val.get("val/acc") if result else None,
         metrics=outcome.figures(),
         step_ms=result.step_ms if result else None,
+        val_curve=_val_curve(result),
         # what the throughput clock timed (warm-up and memory-measured steps out)
         timed_steps=result.timed_steps if result else None,
         timed_samples=result.timed_samples if result else None,
@@ -126,6 +128,15 @@ def trial_record(
         projected_s=round(outcome.projected_s, 1) if outcome.projected_s is not None else None,
         time_budget_s=settings.trial_time_budget_s if outcome.projected_s is not None else None,
     )
+
+
+def _val_curve(result: RunResult | None) -> list[list[float]] | None:
+    """[step, val/loss] of each validation with a finite loss."""
+    if result is None:
+        return None
+    points = [(e.get("step"), e.get("val/loss")) for e in result.evals]
+    curve = [[int(s), round(float(v), 6)] for s, v in points if s is not None and v is not None]
+    return [p for p in curve if math.isfinite(p[1])] or None
 
 
 def _throughput(result: RunResult | None) -> float | None:

@@ -39,6 +39,7 @@ from matplotlib.figure import Figure  # without pyplot: no backend, no global fi
 from matplotlib.transforms import Bbox
 from optuna.trial import FrozenTrial, TrialState
 
+from search import time_to_target
 from search.recommend import metric_value
 from search.record import OOM_REASONS, SLOW, TrialRecord
 from train.params import (
@@ -596,11 +597,56 @@ def html(study: optuna.Study, metrics: Sequence[str]) -> str:
     )
 
 
+def time_to_target_plot(plan: time_to_target.Plan) -> Figure:
+    """McCandlish et al. 2018's model fitted to the study, against the global batch: samples
+    to the target (the curve E(B) = E_min (1 + B/B_crit), the trials that crossed it on it),
+    and the time to it (each trained geometry's predicted steps x its seconds per step, the
+    trials' measured times beside them)."""
+    fig = Figure(figsize=(10, 4.8), layout="constrained")
+    fig.suptitle("\n".join(textwrap.wrap(f"Time to target: {plan.describe()}", 110)), fontsize=10)
+    samples, seconds = fig.subplots(1, 2)
+    batches = [p.batch for p in plan.points]
+    lo, hi = min(batches) / 2, max(batches) * 2
+    xs = [lo * (hi / lo) ** (i / 99) for i in range(100)]
+    samples.plot(xs, [plan.model.samples(x) for x in xs], color="tab:orange", label="predicted")
+    samples.scatter(
+        batches, [p.steps * p.batch for p in plan.points], color="black", marker="x",
+        label="trials, measured", zorder=3,
+    )  # fmt: skip
+    samples.axvline(plan.model.b_crit, color="gray", linestyle=":", label="B_crit")
+    samples.set_ylabel("samples to target")
+    predicted = sorted(plan.predicted, key=lambda p: p.batch)
+    seconds.plot(
+        [p.batch for p in predicted], [p.seconds for p in predicted], color="tab:blue",
+        marker="D", label="predicted: steps x the geometry's s/step",
+    )  # fmt: skip
+    for p in predicted:
+        seconds.annotate(p.geometry, (p.batch, p.seconds), fontsize=7, xytext=(4, 4),
+                         textcoords="offset points")  # fmt: skip
+    seconds.scatter(
+        batches, [p.steps * p.step_s for p in plan.points], facecolors="none",
+        edgecolors="black", label="trials, measured", zorder=3,
+    )  # fmt: skip
+    seconds.scatter(
+        [plan.best.batch], [plan.best.seconds], s=160, facecolors="none", edgecolors="tab:red",
+        label="recommended", zorder=4,
+    )  # fmt: skip
+    seconds.set_ylabel("seconds to target")
+    for ax in (samples, seconds):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("global batch size (samples per optimizer step)")
+        ax.grid(True, which="both", alpha=0.3)
+        _legend(ax)
+    return fig
+
+
 def render(
     study: optuna.Study,
     metrics: Sequence[str],
     recommended: int | None,
     margin: float | None = None,
+    plan: time_to_target.Plan | None = None,
 ) -> dict[str, bytes]:
     """Every plot of the study: file name -> content. `margin`: search.preflight_margin, for
     the memory plot's line where pruning starts (None: the budget line alone)."""
@@ -614,5 +660,7 @@ def render(
     importance = importances(study, metrics)
     if importance is not None:
         files["importances.png"] = png(importance)
+    if plan is not None:
+        files["time_to_target.png"] = png(time_to_target_plot(plan))
     files["study.html"] = html(study, metrics).encode()
     return files

@@ -16,13 +16,13 @@ trains it again (train/__main__.py composes the file's overrides, then the comma
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from omegaconf import OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
-from search import speed
+from search import speed, time_to_target
 from search.config import RecommendRule
 from search.record import TrialRecord
 from train.overrides import BEST_KEY
@@ -86,9 +86,22 @@ class Recommendation:
     value: float  # the trial's `rule.metric`
     preferred: float | None  # the trial's `rule.prefer` (None: no trial within had one)
     verdict: SpeedVerdict | None = None  # chosen by the speed check, against the runner-up
+    # Chosen by the predicted time to target (search/time_to_target.py), when the trials
+    # support a prediction; else why they do not (`by_time_note`), and the rule decided.
+    by_time: time_to_target.Plan | None = None
+    by_time_note: str | None = None
 
     def describe(self) -> str:
         rule, n = self.rule, self.trial.number
+        if self.by_time is not None:
+            best = self.by_time.best
+            return (
+                f"trial {n}, the configuration predicted to reach the target soonest: "
+                f"{best.geometry}, {best.steps:.0f} steps x {best.step_s:.3g} s = "
+                f"{best.seconds:.3g} s to {self.by_time.describe()}; "
+                f"{'trials' if len(best.trials) > 1 else 'trial'} "
+                f"{', '.join(map(str, best.trials))} trained it"
+            )
         if rule.metric == rule.prefer or not rule.tolerance or self.preferred is None:
             return f"trial {n}, the best {rule.metric} ({self.value:.4g})"
         among = f"{self.num_candidates} trial" + ("s" if self.num_candidates > 1 else "")
@@ -166,6 +179,30 @@ def _by_speed_check(
 
 
 def recommend(
+    trials: Sequence[FrozenTrial],
+    rule: RecommendRule,
+    speeds: Mapping[str, Speed] | None = None,
+    loss_target: float | None = None,
+) -> Recommendation | None:
+    """By the predicted time to target (`by_time`) where the trials support a prediction
+    (to search.target's val/loss, `loss_target`, or the loss half the trials reached);
+    else by the rule (`by_rule`), saying why not."""
+    rec = by_rule(trials, rule, speeds)
+    if rec is None:
+        return None
+    try:
+        plan = time_to_target.plan(trials, loss_target)
+    except time_to_target.Untrusted as why:
+        return replace(rec, by_time_note=f"time to target not predicted: {why}")
+    group = [t for t in trials if t.number in plan.best.trials]
+    top, _ = candidates(group, rule)
+    if top is None:
+        return replace(rec, by_time_note="time to target: its fastest trials have no metric")
+    preferred = metric_value(top[0], rule.prefer)
+    return replace(rec, trial=top[0], value=top[1], preferred=preferred, verdict=None, by_time=plan)
+
+
+def by_rule(
     trials: Sequence[FrozenTrial],
     rule: RecommendRule,
     speeds: Mapping[str, Speed] | None = None,

@@ -88,6 +88,8 @@ class TrialRecord:
     val_acc: float | None = _attr("val_acc")
     metrics: Mapping[str, float] = _attr("metrics", dict)
     step_ms: float | None = _attr("step_ms")
+    # [optimizer step, val/loss] at each validation: time to target (search/time_to_target.py)
+    val_curve: list | None = _attr("val_curve")
     timed_steps: int | None = _attr("timed_steps")
     timed_samples: int | None = _attr("timed_samples")
     mfu_note: str | None = _attr("mfu_note")  # why its perf/mfu is above 1 (train/flops.py)

@@ -26,7 +26,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from search import boundary, speed
+from search import boundary, speed, time_to_target
 from search.budget import num_trained
 from search.recommend import Recommendation
 from search.record import PRUNER, TrialRecord, mib, records
@@ -34,7 +34,14 @@ from search.space import override_value
 from tracking.redact import redact
 from train.memory import format_bytes
 from train.overrides import BEST_KEY, override_key
-from train.params import ACCUM_KEY, BATCH_KEY
+from train.params import (
+    ACCUM_KEY,
+    BATCH_KEY,
+    GLOBAL_PARAM,
+    LR_PARAM,
+    LR_REF_PARAM,
+    LR_RULE_PARAM,
+)
 from train.threads import usable_cores
 
 
@@ -264,13 +271,55 @@ def summary(
         console.print(timed)
     if rec is None:
         return
-    console.print(f"[bold]Recommended[/bold]: {rec.describe()}", soft_wrap=True)
     # Not rich markup: hydra.searchpath=[...] would be read as a tag and dropped.
     plain = {"soft_wrap": True, "markup": False, "highlight": False}
+    if rec.by_time is not None:
+        header, rows = time_to_target.table(rec.by_time)
+        predicted = Table(title=f"Time to target, predicted: {rec.by_time.describe()}")
+        for column in header:
+            predicted.add_column(column, justify="right")
+        for row in rows:
+            predicted.add_row(*row)
+        console.print(predicted)
+    elif rec.by_time_note:
+        console.print(rec.by_time_note + "; recommended by search.recommend's rule", **plain)
+    console.print(f"[bold]Recommended[/bold]: {rec.describe()}", soft_wrap=True)
+    plan = lr_plan(rec.trial)
+    if plan:
+        console.print(plan, **plain)
     console.print("Overrides: " + redact(" ".join(overrides)), **plain)
     console.print("Train it again: " + redact(rerun_command(overrides)), **plain)
     if best_path:
         console.print(f"or: python -m train +{BEST_KEY}={shlex.quote(best_path)}", **plain)
+
+
+LR_EXPONENT = {"linear": 1.0, "sqrt": 0.5}
+
+
+def lr_plan(trial: FrozenTrial) -> str | None:
+    """The learning rate to use at the global batch one will train with: the study's rule
+    (train/lr.py) applied to the recommended trial's rate."""
+    run = TrialRecord.of(trial).run
+    rule, base, scaled = run.get(LR_RULE_PARAM), run.get("optimizer.lr"), run.get(LR_PARAM)
+    batch, ref = run.get(GLOBAL_PARAM), run.get(LR_REF_PARAM)
+    if rule is None or base is None or scaled is None or not batch:
+        return None
+    if rule not in LR_EXPONENT or not ref:
+        return (
+            f"Learning rate: {scaled:.3g} at any global batch (trainer.lr_scaling={rule}: the "
+            "rate as given; a rule such as linear or sqrt scales it with the batch)"
+        )
+    power = LR_EXPONENT[rule]
+    examples = ", ".join(
+        f"{b} -> {base * (b / ref) ** power:.3g}" for b in sorted({max(1, batch // 2), batch * 2})
+    )
+    return (
+        f"Learning rate: {scaled:.3g} at this global batch of {batch} (optimizer.lr={base:.3g} "
+        f"at {ref}, scaled {rule}: x (batch/{ref})^{power:g}); at another global batch, "
+        f"optimizer.lr x (batch/{ref})^{power:g}: {examples}. The commands above keep the "
+        f"rule and trainer.lr_ref_batch_size={ref}: a batch or accumulation given after them "
+        "trains at its scaled rate."
+    )
 
 
 def speed_table(study: optuna.Study) -> tuple[list[str], list[list[str]]]:
@@ -417,9 +466,18 @@ def summary_markdown(
     if not best_trials(study, limit=1):
         parts.append(none_completed(trials))
     if rec is not None:
+        if rec.by_time is not None:
+            parts += [
+                f"## Time to target, predicted\n\n{rec.by_time.describe()}",
+                _md_table(*time_to_target.table(rec.by_time)),
+            ]
+        plan = lr_plan(rec.trial)
+        rule = f"Rule: {rec.rule.describe()} (`search.recommend`)"
+        if rec.by_time_note:
+            rule = f"{rec.by_time_note}. {rule}"
         parts += [
             "## Recommended configuration",
-            f"{rec.describe()}. Rule: {rec.rule.describe()} (`search.recommend`).",
+            f"{rec.describe()}. {rule}." + (f"\n\n{plan}" if plan else ""),
             _md_table(trial_columns(trials), [trial_row(rec.trial)]),
             "Train it again (or `python -m train +best=best.yaml` with this run's `best.yaml`):",
             f"```\n{redact(rerun_command(overrides))}\n```",

@@ -52,8 +52,10 @@ class Results:
         overrides_of: Callable[[FrozenTrial], list[str]],
         output_dir: Path | None,
         margin: float | None = None,
+        loss_target: float | None = None,
     ):
         self.parent = parent
+        self.loss_target = loss_target  # search.target's val/loss, for the time to target
         self.margin = margin  # search.preflight_margin, for memory_vs_batch.png
         self.metrics = list(metrics)
         self.rule = rule
@@ -68,7 +70,7 @@ class Results:
 
     def recommendation(self, study: optuna.Study) -> Recommendation | None:
         trials = study.get_trials(deepcopy=False)
-        return recommend(trials, self.rule, speed.stored(study))
+        return recommend(trials, self.rule, speed.stored(study), self.loss_target)
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         """Optuna callback: publish, unless that was done less than PUBLISH_EVERY_S ago."""
@@ -107,7 +109,13 @@ class Results:
         self.parent.description(description(files["summary.md"]))
         self.parent.artifacts({name: text.encode() for name, text in files.items()})
         self.parent.artifacts(
-            plots.render(study, self.metrics, rec.trial.number if rec else None, self.margin),
+            plots.render(
+                study,
+                self.metrics,
+                rec.trial.number if rec else None,
+                self.margin,
+                rec.by_time if rec else None,
+            ),
             PLOTS_PATH,
         )
         self._published_at = time.monotonic()

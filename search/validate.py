@@ -99,6 +99,7 @@ def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
             speed_check=search.speed_check,
             fit_report_first=search.fit_report_first,
             default_space=search.default_space,
+            validations_per_epoch=search.get("validations_per_epoch"),
             outage_wait_s=cfg.mlflow.outage_wait_s,
             recommend=rule,
             known_metrics=known,
