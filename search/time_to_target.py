@@ -3,8 +3,8 @@ times the seconds a step of that geometry takes.
 
 The steps come from McCandlish et al. 2018's model (search/critical_batch.py): S(B) =
 S_min (1 + B_crit / B) for the global batch B. Its constants come from the study's trials:
-- the target is search.target's val/loss where it has one, else the median of the loss
-  each trial reached at best (half the trials reached it);
+- the target is search.target's val/loss where it has one, else the loss every batch
+  size reached (the highest of the batch sizes' best losses);
 - each trial's steps to it are read from its validation curve (the `val_curve` it
   records: optimizer step and val/loss at each validation), interpolated linearly between
   the validations around the first crossing; at each batch size the fewest steps count
@@ -135,12 +135,20 @@ def _curve(trial: FrozenTrial) -> list[list[float]]:
 
 
 def _target(trials: Sequence[FrozenTrial], target: float | None) -> tuple[float, str]:
+    """search.target's val/loss, or the loss every batch size reached: the highest of the
+    batch sizes' best losses (each batch size's best trial then gives the model a point)."""
     if target is not None:
         return target, "search.target"
-    bests = [min(loss for _, loss in _curve(t)) for t in trials if _curve(t)]
+    bests: dict[int, float] = {}
+    for t in trials:
+        record = TrialRecord.of(t)
+        batch = record.run.get(GLOBAL_PARAM) or record.effective_batch_size
+        if _curve(t) and batch:
+            best = min(loss for _, loss in _curve(t))
+            bests[batch] = min(bests.get(batch, math.inf), best)
     if not bests:
         raise Untrusted("no trial recorded a validation curve")
-    return statistics.median(bests), "the median of the trials' best val/loss"
+    return max(bests.values()), "the loss every batch size reached"
 
 
 def plan(trials: Sequence[FrozenTrial], target: float | None = None) -> Plan:

@@ -115,16 +115,15 @@ def test_with_two_batch_sizes_the_noise_scale_stands_for_b_crit_when_stable():
         plan(_study([_trial(32, _on_model(32), 40), _trial(128, _on_model(128), 90)]), 1.0)
 
 
-def test_without_a_target_the_median_best_loss_is_one():
-    trials = _study([_trial(b, _on_model(b), 50.0, noise=64) for b in (32, 64, 128)])
-    p = plan(trials)
-    assert p.target_source == "the median of the trials' best val/loss"
-    assert p.target == pytest.approx(statistics_median_best(trials))
-
-
-def statistics_median_best(trials: list[FrozenTrial]) -> float:
-    bests = sorted(min(v for _, v in t.user_attrs["val_curve"]) for t in trials)
-    return bests[len(bests) // 2]
+def test_without_a_target_the_loss_every_batch_size_reached_is_one():
+    trials = [_trial(b, _on_model(b), 50.0, noise=64) for b in (32, 64, 128)]
+    trials.append(_trial(64, 2 * _on_model(64), 50.0, noise=64))  # slower: not the batch's best
+    trials[1].user_attrs["val_curve"][-1][1] = 0.1  # 64's best trial reached 0.1
+    p = plan(_study(trials))
+    assert p.target_source == "the loss every batch size reached"
+    bests = [min(v for _, v in t.user_attrs["val_curve"]) for t in trials[:3]]
+    assert p.target == max(bests) and max(bests) > 0.1
+    assert {x.batch for x in p.points} == {32, 64, 128}
 
 
 def test_the_learning_rate_plan_scales_by_the_studys_rule():
