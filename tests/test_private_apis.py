@@ -10,6 +10,7 @@ Each of these has no public equivalent in the versions pinned (Optuna 5.0, torch
 - BaseDistribution._contains (search/budget.py `_within`)
 - torch.amp.GradScaler._maybe_opt_step (train/predict.py `_FakeGradScaler`)
 - torch.amp.GradScaler._get_scale_async (train/noise.py: fp16's loss scale, no host sync)
+- torch._foreach_norm with a dtype (train/noise.py: the gradients' norms, as clip_grad_norm_)
 - torch._subclasses.fake_tensor.FakeTensorMode (train/predict.py)
 - torch.utils._python_dispatch.TorchDispatchMode (train/memory.py)
 - torch.utils._pytree tree_map, tree_leaves, tree_iter (train/batches.py, train/loop.py,
@@ -259,6 +260,13 @@ def test_grad_scaler_gives_its_scale_as_a_tensor_without_a_sync() -> None:
     scaled = scaler.scale(torch.ones(()))
     scale = scaler._get_scale_async()
     assert isinstance(scale, torch.Tensor) and float(scale) == 1024.0 == float(scaled)
+
+
+def test_foreach_norm_gives_each_tensors_norm_in_the_dtype_asked() -> None:
+    tensors = [torch.full((3, 4), 0.5, dtype=torch.bfloat16), torch.tensor([3.0, 4.0])]
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    assert [n.dtype for n in norms] == [torch.float32, torch.float32]
+    assert [float(n) for n in norms] == [pytest.approx(0.5 * 12**0.5), 5.0]
 
 
 def test_the_fake_scaler_steps_where_the_real_one_skips() -> None:

@@ -116,17 +116,15 @@ class NoiseScale:
         return self._sizes is not None
 
     def _sq_norm(self) -> torch.Tensor:
-        """Σ |grad|² over this rank's gradients (its shards under FSDP), in float64, one
-        scalar temporary at a time."""
-        total = torch.zeros((), dtype=torch.float64, device=self._state.device)
-        for p in self.params:
-            grad = p.grad
-            if grad is None:
-                continue
-            if isinstance(grad, DTensor):
-                grad = grad.to_local()
-            norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-            total += norm.double().square()
+        """Σ |grad|² over this rank's gradients (its shards under FSDP), in float64: one
+        fused norm per gradient (float32, also for bf16 gradients), as clip_grad_norm_
+        computes them."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self._state.device)
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        total = torch.stack(norms).double().square().sum()
         if self._scaler is not None:  # the scale as a device tensor: no host sync
             total /= self._scaler._get_scale_async().double().square()
         return total
