@@ -10,9 +10,10 @@ S_min (1 + B_crit / B) for the global batch B. Its constants come from the study
   the validations around the first crossing; at each batch size the fewest steps count
   (its best learning rate);
 - with 3 or more batch sizes, S_min and B_crit are fitted, and trusted when the fit is
-  within FIT_TOLERANCE of every point; otherwise B_crit is the trials' median gradient
-  noise scale B_simple (train/noise.py; the paper's estimate of B_crit), trusted when the
-  trials' estimates agree within NOISE_SPREAD, and S_min follows from the measured steps.
+  within FIT_TOLERANCE of every point; with 2, the line through them is trusted when the
+  trials' median gradient noise scale B_simple (train/noise.py; the paper's estimate of
+  B_crit) is within NOISE_SPREAD of its B_crit; with 1, B_crit is B_simple itself, trusted
+  when the trials' estimates agree within NOISE_SPREAD, and S_min follows from the steps.
 Where neither holds, `plan` raises Untrusted saying why, and the study recommends by its
 other rule.
 
@@ -202,26 +203,40 @@ def plan(trials: Sequence[FrozenTrial], target: float | None = None) -> Plan:
 def _model(
     best_steps: dict[int, float], noises: list[float], noise: float | None
 ) -> tuple[StepsModel, str]:
-    """S_min and B_crit: fitted over 3+ batch sizes when the fit holds, else B_simple."""
+    """S_min and B_crit: fitted over 3+ batch sizes when the fit holds; over 2 when the
+    noise scale confirms it; from one batch size and a stable noise scale."""
     batches = sorted(best_steps)
-    why = f"{len(batches)} batch size(s) reached it"
-    if len(batches) >= 3:
+    if len(batches) >= 2:
         try:
             fitted = fit_steps(batches, [best_steps[b] for b in batches])
         except NoFit as error:
-            why = str(error)
-        else:
+            raise Untrusted(f"no fit: {error}") from None
+        if len(batches) >= 3:
             if fitted.worst_error() <= FIT_TOLERANCE:
                 return fitted, f"fitted over {len(batches)} batch sizes"
-            why = f"the fit misses a batch by {fitted.worst_error():.0%}"
+            raise Untrusted(
+                f"the fit over {len(batches)} batch sizes misses one by "
+                f"{fitted.worst_error():.0%} (more than {FIT_TOLERANCE:.0%})"
+            )
+        # Two batch sizes determine the line exactly: trusted when the trials' noise scale,
+        # an independent estimate of B_crit, agrees with it (bench/noise_scale.py's 3x).
+        if noise is None:
+            raise Untrusted("2 batch sizes, and no noise scale measured to confirm their fit")
+        ratio = noise / fitted.b_crit
+        if not 1 / NOISE_SPREAD <= ratio <= NOISE_SPREAD:
+            raise Untrusted(
+                f"2 batch sizes give B_crit {fitted.b_crit:.3g}, and the trials' noise scale "
+                f"{noise:.3g} is not within {NOISE_SPREAD:g}x of it"
+            )
+        return fitted, f"fitted on 2 batch sizes, B_simple within {NOISE_SPREAD:g}x of it"
     if noise is None:
-        raise Untrusted(f"no fit ({why}) and no trial measured its gradient noise scale")
+        raise Untrusted("1 batch size reached it, and no trial measured its noise scale")
     spread = max(noises) / min(noises) if min(noises) > 0 else math.inf
     if spread > NOISE_SPREAD:
         raise Untrusted(
-            f"no fit ({why}), and the trials' noise scales differ {spread:.1f}x "
+            f"1 batch size reached it, and the trials' noise scales differ {spread:.1f}x "
             f"(more than {NOISE_SPREAD:g}x): too unstable to stand for B_crit"
         )
     s_min = statistics.median(s / (1 + noise / b) for b, s in best_steps.items())
     model = StepsModel(s_min, noise, tuple((float(b), s) for b, s in best_steps.items()))
-    return model, f"B_crit taken as the trials' median noise scale; no fit: {why}"
+    return model, "B_crit taken as the trials' median noise scale (1 batch size reached it)"

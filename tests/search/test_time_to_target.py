@@ -102,17 +102,33 @@ def test_the_model_is_fitted_and_the_fastest_geometry_is_recommended():
     assert "crossed val/loss 1 between two validations" in by_rule.by_time_note
 
 
-def test_with_two_batch_sizes_the_noise_scale_stands_for_b_crit_when_stable():
+def test_two_batch_sizes_are_trusted_when_the_noise_scale_confirms_their_line():
     trials = _study([_trial(32, _on_model(32), 40, noise=60), _trial(128, _on_model(128), 90, 70)])
     p = plan(trials, target=1.0)
+    assert p.model.b_crit == pytest.approx(B_CRIT, rel=0.02)  # the line through both
+    assert p.model.s_min == pytest.approx(S_MIN, rel=0.02)
+    assert p.source == "fitted on 2 batch sizes, B_simple within 3x of it"
+    far = [_trial(32, _on_model(32), 40, noise=10), _trial(128, _on_model(128), 90, 15)]
+    with pytest.raises(Untrusted, match="noise scale 12.5 is not within 3x of it"):
+        plan(_study(far), target=1.0)
+    with pytest.raises(Untrusted, match="no noise scale measured to confirm"):
+        plan(_study([_trial(32, _on_model(32), 40), _trial(128, _on_model(128), 90)]), 1.0)
+
+
+def test_one_batch_size_takes_b_crit_from_a_stable_noise_scale():
+    trials = _study([_trial(64, _on_model(64), 50, noise=60), _trial(64, 400.0, 50, noise=70)])
+    p = plan(trials, target=1.0)
     assert p.model.b_crit == pytest.approx(65.0)  # the median of 60 and 70
-    assert p.model.s_min == pytest.approx(S_MIN, rel=0.05)
-    assert p.source.startswith("B_crit taken as the trials' median noise scale")
-    unstable = [_trial(32, _on_model(32), 40, noise=10), _trial(128, _on_model(128), 90, 70)]
+    assert p.model.steps(64) == pytest.approx(_on_model(64), rel=0.02)  # its fewest steps
+    unstable = [_trial(64, _on_model(64), 50, noise=10), _trial(64, 400.0, 50, noise=70)]
     with pytest.raises(Untrusted, match="noise scales differ 7.0x"):
         plan(_study(unstable), target=1.0)
-    with pytest.raises(Untrusted, match="no trial measured its gradient noise scale"):
-        plan(_study([_trial(32, _on_model(32), 40), _trial(128, _on_model(128), 90)]), 1.0)
+
+
+def test_steps_that_do_not_fall_with_the_batch_are_no_fit():
+    trials = _study([_trial(b, 100.0 + b, 50, noise=64) for b in (32, 64, 128)])
+    with pytest.raises(Untrusted, match="no fit: steps to the target do not fall"):
+        plan(trials, target=1.0)
 
 
 def test_without_a_target_the_loss_every_batch_size_reached_is_one():
