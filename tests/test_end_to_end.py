@@ -80,8 +80,10 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
             assert params[key] == str(value)
         eff = t.params["trainer.batch_size"] * t.params["trainer.accum_steps"]
         assert params["effective_batch_size"] == str(eff)
-        # lr follows the effective batch (the default rule here is none: lr as given)
-        assert float(params["lr_scaled"]) == pytest.approx(t.params["optimizer.lr"])
+        # lr follows the effective batch: SGD's rule (trainer.lr_scaling=auto: linear), from
+        # the reference the study fixed at the command line's batch (trainer.batch_size=32)
+        assert (params["lr_rule"], params["lr_reference"]) == ("linear", "32")
+        assert float(params["lr_scaled"]) == pytest.approx(t.params["optimizer.lr"] * eff / 32)
         metrics = run.data.metrics
         assert metrics["memory/budget_bytes"] == 2**20
         assert metrics["memory/predicted_bytes"] > 0  # every trial is predicted first

@@ -604,8 +604,14 @@ def test_llm_lora_study(workdir: Path) -> None:
     ran = _run_study(command, workdir)
     _check_study(ran, "llm_lora-text")
     assert ran.study.metric_names == ["val/loss", "throughput/tokens_per_sec"]
-    done = [t for t in ran.study.trials if t.state == TrialState.COMPLETE]
-    assert len(done) == 3, ran.out
+    # Trained to their end: complete, or pruned as diverged where a few steps left one no
+    # better than a uniform guess over the 256 bytes (search/objective.py learning_failure)
+    done = [
+        t
+        for t in ran.study.trials
+        if t.state == TrialState.COMPLETE or t.user_attrs.get("reason") == "diverged"
+    ]
+    assert len(done) == 3 and any(t.state == TrialState.COMPLETE for t in done), ran.out
     searched = {
         "trainer.batch_size", "trainer.accum_steps", "trainer.precision", "data.seq_len",
         "trainer.activation_checkpointing", "model.lora.r", "optimizer.lr",
@@ -614,10 +620,13 @@ def test_llm_lora_study(workdir: Path) -> None:
         assert set(t.params) == searched
         assert 1 <= t.params["trainer.batch_size"] <= 8
         figures = t.user_attrs["metrics"]
-        # Finite and near a uniform guess at worst: the first trials are the fit report's
-        # largest batches, a few optimizer steps over this text (test_hf: the tiny models
-        # learn; the README's full study reaches ~3.0 nats).
-        assert math.isfinite(figures["val/loss"]) and figures["val/loss"] < math.log(256) + 0.5
+        # Below a uniform guess when complete; the first trials are the fit report's largest
+        # batches, a few optimizer steps over this text, and one left at chance level is
+        # pruned as diverged (test_hf: the tiny models learn; the full study reaches ~3.0).
+        if t.state == TrialState.COMPLETE:
+            assert math.isfinite(figures["val/loss"]) and figures["val/loss"] < math.log(256)
+        else:
+            assert t.user_attrs["message"].startswith("did not learn: val/loss")
         # Target tokens: seq_len - 1 of each packed sequence (the task shifts the labels).
         assert figures["throughput/tokens_per_sec"] == pytest.approx(
             figures["throughput/samples_per_sec"] * (t.params["data.seq_len"] - 1), rel=1e-6
@@ -627,8 +636,12 @@ def test_llm_lora_study(workdir: Path) -> None:
     experiment = client.get_experiment_by_name(ran.study.study_name)
     runs = client.search_runs([experiment.experiment_id], "tags.`batchfit.role` = 'trial'")
     completed = [r for r in runs if r.data.tags["batchfit.state"] == "COMPLETE"]
-    assert len(completed) == 3
-    for run in completed:
+    assert len(completed) == sum(t.state == TrialState.COMPLETE for t in done)
+    trained = [
+        r for r in runs if r.data.tags.get("batchfit.trial") in {str(t.number) for t in done}
+    ]
+    assert len(trained) == 3
+    for run in trained:  # the diverged one's figures are logged as a complete one's
         metrics = run.data.metrics
         for name in ("val/loss", "throughput/tokens_per_sec", "perf/mfu"):
             assert metrics[name] > 0, name
