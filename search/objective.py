@@ -327,11 +327,10 @@ def learning_failure(result: RunResult) -> str | None:
     is not finite, or no better than a uniform guess (RunResult.chance_loss: ln C for a
     cross-entropy over C classes; a run at chance level, such as one whose weights blew
     up to a finite loss of 1e16), unless its val/acc is at least twice chance's. A task
-    without that baseline (regression, a loss of
-    one's own) did not learn when no validation after its first was below the first. Not
-    "the last above the first" where there is a baseline: a run that learned in its first
-    epoch and then overfit has learned. Such a run is pruned as `diverged`: its
-    configuration and rate are no answer."""
+    without that baseline (regression, a loss of one's own) did not learn when no
+    validation after its first was below the first. Not "the last above the first" where
+    there is a baseline: a run that learned in its first epoch and then overfit has learned.
+    Such a run is pruned as `diverged`: its configuration and rate are no answer."""
     last = result.val_loss
     if not math.isfinite(last):
         return f"did not learn: val/loss is {last}"

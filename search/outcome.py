@@ -134,9 +134,12 @@ def _val_curve(result: RunResult | None) -> list[list[float]] | None:
     """[step, val/loss] of each validation with a finite loss."""
     if result is None:
         return None
-    points = [(e.get("step"), e.get("val/loss")) for e in result.evals]
-    curve = [[int(s), round(float(v), 6)] for s, v in points if s is not None and v is not None]
-    return [p for p in curve if math.isfinite(p[1])] or None
+    curve = [
+        [int(e["step"]), round(float(e["val/loss"]), 6)]
+        for e in result.evals
+        if "step" in e and math.isfinite(e.get("val/loss", math.nan))
+    ]
+    return curve or None
 
 
 def _throughput(result: RunResult | None) -> float | None:

@@ -185,7 +185,7 @@ def recommend(
     loss_target: float | None = None,
 ) -> Recommendation | None:
     """By the predicted time to target (`by_time`) where the trials support a prediction
-    (to search.target's val/loss, `loss_target`, or the loss half the trials reached);
+    (to search.target's val/loss, `loss_target`, or the loss every batch size reached);
     else by the rule (`by_rule`), saying why not."""
     rec = by_rule(trials, rule, speeds)
     if rec is None:

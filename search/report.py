@@ -32,6 +32,7 @@ from search.recommend import Recommendation
 from search.record import PRUNER, TrialRecord, mib, records
 from search.space import override_value
 from tracking.redact import redact
+from train.lr import scaled_lr
 from train.memory import format_bytes
 from train.overrides import BEST_KEY, override_key
 from train.params import (
@@ -255,32 +256,17 @@ def summary(
     console.print(table)
     header, cells = boundary.table(study)
     if cells:
-        limits = Table(title=boundary.title(study))
-        for column in header:
-            limits.add_column(column, justify="right")
-        for cell in cells:
-            limits.add_row(*cell)
-        console.print(limits)
+        console.print(_right_aligned(boundary.title(study), header, cells))
     header, rows = speed_table(study)
     if rows:
-        timed = Table(title="Speed check (the candidates timed side by side)")
-        for column in header:
-            timed.add_column(column, justify="right")
-        for row in rows:
-            timed.add_row(*row)
-        console.print(timed)
+        console.print(_right_aligned(SPEED_TITLE, header, rows))
     if rec is None:
         return
     # Not rich markup: hydra.searchpath=[...] would be read as a tag and dropped.
     plain = {"soft_wrap": True, "markup": False, "highlight": False}
     if rec.by_time is not None:
-        header, rows = time_to_target.table(rec.by_time)
-        predicted = Table(title=f"Time to target, predicted: {rec.by_time.describe()}")
-        for column in header:
-            predicted.add_column(column, justify="right")
-        for row in rows:
-            predicted.add_row(*row)
-        console.print(predicted)
+        title = f"Time to target, predicted: {rec.by_time.describe()}"
+        console.print(_right_aligned(title, *time_to_target.table(rec.by_time)))
     elif rec.by_time_note:
         console.print(rec.by_time_note + "; recommended by search.recommend's rule", **plain)
     console.print(f"[bold]Recommended[/bold]: {rec.describe()}", soft_wrap=True)
@@ -293,9 +279,6 @@ def summary(
         console.print(f"or: python -m train +{BEST_KEY}={shlex.quote(best_path)}", **plain)
 
 
-LR_EXPONENT = {"linear": 1.0, "sqrt": 0.5}
-
-
 def lr_plan(trial: FrozenTrial) -> str | None:
     """The learning rate to use at the global batch one will train with: the study's rule
     (train/lr.py) applied to the recommended trial's rate."""
@@ -304,22 +287,34 @@ def lr_plan(trial: FrozenTrial) -> str | None:
     batch, ref = run.get(GLOBAL_PARAM), run.get(LR_REF_PARAM)
     if rule is None or base is None or scaled is None or not batch:
         return None
-    if rule not in LR_EXPONENT or not ref:
+    if rule == "none" or not ref:
         return (
             f"Learning rate: {scaled:.3g} at any global batch (trainer.lr_scaling={rule}: the "
             "rate as given; a rule such as linear or sqrt scales it with the batch)"
         )
-    power = LR_EXPONENT[rule]
     examples = ", ".join(
-        f"{b} -> {base * (b / ref) ** power:.3g}" for b in sorted({max(1, batch // 2), batch * 2})
+        f"{b} -> {scaled_lr(base, b, rule, ref):.3g}"
+        for b in sorted({max(1, batch // 2), batch * 2})
     )
     return (
         f"Learning rate: {scaled:.3g} at this global batch of {batch} (optimizer.lr={base:.3g} "
-        f"at {ref}, scaled {rule}: x (batch/{ref})^{power:g}); at another global batch, "
-        f"optimizer.lr x (batch/{ref})^{power:g}: {examples}. The commands above keep the "
-        f"rule and trainer.lr_ref_batch_size={ref}: a batch or accumulation given after them "
-        "trains at its scaled rate."
+        f"at {ref}, scaled {rule}); at another global batch, optimizer.lr scaled {rule} from "
+        f"{ref}: {examples}. The commands above keep the rule and "
+        f"trainer.lr_ref_batch_size={ref}: a batch or accumulation given after them trains "
+        "at its scaled rate."
     )
+
+
+SPEED_TITLE = "Speed check (the candidates timed side by side)"
+
+
+def _right_aligned(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> Table:
+    table = Table(title=title)
+    for column in header:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 def speed_table(study: optuna.Study) -> tuple[list[str], list[list[str]]]:
@@ -494,7 +489,7 @@ def summary_markdown(
         parts += [f"## {boundary.title(study)}", _md_table(header, cells)]
     header, rows = speed_table(study)
     if rows:
-        parts += ["## Speed check (the candidates timed side by side)", _md_table(header, rows)]
+        parts += [f"## {SPEED_TITLE}", _md_table(header, rows)]
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     if pruned:
         rows = [(t.number, *trial_row(t)[1:5], TrialRecord.of(t).reason or PRUNER) for t in pruned]

@@ -125,9 +125,9 @@ def _process_start(pid: int) -> int | None:
 
 def _on_this_host(owner: dict[str, Any] | None) -> bool:
     """Whether `owner` is a process this one can see: same host, boot and pid namespace."""
-    if not owner or owner.get("boot") is None or owner.get("boot") != this_owner()["boot"]:
-        return False
     me = this_owner()
+    if not owner or owner.get("boot") is None or owner.get("boot") != me["boot"]:
+        return False
     return owner.get("host") == me["host"] and owner.get("pid_namespace") == me["pid_namespace"]
 
 

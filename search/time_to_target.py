@@ -131,24 +131,25 @@ def table(plan: Plan) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def _curve(trial: FrozenTrial) -> list[list[float]]:
-    return TrialRecord.of(trial).val_curve or []
+def _batch(record: TrialRecord) -> int | None:
+    """The global batch a trial trained with."""
+    batch = record.run.get(GLOBAL_PARAM) or record.effective_batch_size
+    return int(batch) if batch else None
 
 
-def _target(trials: Sequence[FrozenTrial], target: float | None) -> tuple[float, str]:
+def _target(records: Sequence[TrialRecord], target: float | None) -> tuple[float, str]:
     """search.target's val/loss, or the loss every batch size reached: the highest of the
     batch sizes' best losses (each batch size's best trial then gives the model a point)."""
     if target is not None:
         return target, "search.target"
     bests: dict[int, float] = {}
-    for t in trials:
-        record = TrialRecord.of(t)
-        batch = record.run.get(GLOBAL_PARAM) or record.effective_batch_size
-        if _curve(t) and batch:
-            best = min(loss for _, loss in _curve(t))
+    for record in records:
+        batch = _batch(record)
+        if batch:
+            best = min(loss for _, loss in record.val_curve)
             bests[batch] = min(bests.get(batch, math.inf), best)
     if not bests:
-        raise Untrusted("no trial recorded a validation curve")
+        raise Untrusted("no trial recorded the batch size it trained with")
     return max(bests.values()), "the loss every batch size reached"
 
 
@@ -156,22 +157,23 @@ def plan(trials: Sequence[FrozenTrial], target: float | None = None) -> Plan:
     """Predicted time to `target` (search.target's val/loss, or None) for each geometry
     the completed trials trained; raises Untrusted when they do not support one."""
     done = [
-        t
+        (t, record)
         for t in trials
-        if t.state == TrialState.COMPLETE and not TrialRecord.of(t).is_repeat and _curve(t)
+        if t.state == TrialState.COMPLETE
+        and not (record := TrialRecord.of(t)).is_repeat
+        and record.val_curve
     ]
     if len(done) < 2:
         raise Untrusted(f"{len(done)} completed trial(s) with a validation curve: 2 or more needed")
-    loss, target_source = _target(done, target)
+    loss, target_source = _target([record for _, record in done], target)
     points = []
-    for t in done:
-        record = TrialRecord.of(t)
-        steps = steps_to(_curve(t), loss)
-        batch = record.run.get(GLOBAL_PARAM) or record.effective_batch_size
+    for t, record in done:
+        steps = steps_to(record.val_curve, loss)
+        batch = _batch(record)
         if steps is None or not batch or not record.step_ms:
             continue
         label = speed.label(speed.geometry(t))
-        points.append(Point(t.number, label, int(batch), steps, record.step_ms / 1000))
+        points.append(Point(t.number, label, batch, steps, record.step_ms / 1000))
     if len(points) < 2:
         raise Untrusted(
             f"{len(points)} trial(s) crossed val/loss {loss:.4g} between two validations: 2 or "
@@ -180,7 +182,8 @@ def plan(trials: Sequence[FrozenTrial], target: float | None = None) -> Plan:
     best_steps: dict[int, float] = {}
     for p in points:
         best_steps[p.batch] = min(best_steps.get(p.batch, math.inf), p.steps)
-    noises = [v for t in done if (v := TrialRecord.of(t).figure(NOISE_METRIC)) and math.isfinite(v)]
+    # (a negative reading, its variance estimate below zero, says nothing of B_crit)
+    noises = [v for _, r in done if (v := r.figure(NOISE_METRIC)) is not None and v > 0]
     noise = statistics.median(noises) if noises else None
     model, source = _model(best_steps, noises, noise)
     by_geometry: dict[str, list[Point]] = {}

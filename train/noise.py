@@ -29,10 +29,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from train.ranks import Ranks
 
 NOISE_TAG = "batchfit.noise_scale"  # a run's tag: which estimator measured it, or why none did
 DECAY = 0.9  # the moving averages' decay per measured step
@@ -111,10 +115,6 @@ class NoiseScale:
         self._sizes = (small, big, grad_factor)
         self._scaler = scaler if scaler is not None and scaler.is_enabled() else None
 
-    @property
-    def measuring(self) -> bool:
-        return self._sizes is not None
-
     def _sq_norm(self) -> torch.Tensor:
         """Σ |grad|² over this rank's gradients (its shards under FSDP), in float64: one
         fused norm per gradient (float32, also for bf16 gradients), as clip_grad_norm_
@@ -146,11 +146,11 @@ class NoiseScale:
         ok = torch.isfinite(grad_sq) & torch.isfinite(variance)  # fp16 overflow: skipped
         d = self.decay
         state = self._state
-        update = torch.stack([grad_sq, variance, torch.ones_like(grad_sq), torch.ones_like(big)])
-        smoothed = torch.cat([d * state[:3] + (1 - d) * update[:3], state[3:] + 1])
+        update = torch.stack([grad_sq, variance, torch.ones_like(grad_sq)])
+        smoothed = torch.cat([d * state[:3] + (1 - d) * update, state[3:] + 1])
         state.copy_(torch.where(ok, smoothed, state))
 
-    def read(self, ranks: object | None = None) -> NoiseReading | None:
+    def read(self, ranks: Ranks | None = None) -> NoiseReading | None:
         """The smoothed estimate (host sync); None before any measured step. On several
         ranks a collective: every rank calls it."""
         values = self._state.tolist()

@@ -152,3 +152,12 @@ def test_the_learning_rate_plan_scales_by_the_studys_rule():
     sqrt.user_attrs.update({"lr_rule": "sqrt", "lr_reference": 16, "optimizer.lr": 2e-5})
     sqrt.user_attrs["lr_scaled"] = 2e-5
     assert "8 -> 1.41e-05, 32 -> 2.83e-05" in lr_plan(sqrt)
+
+
+def test_a_negative_noise_reading_is_left_out_of_the_median():
+    """A reading whose variance estimate fell below zero says nothing of B_crit: without it
+    the median is 65 and confirms the two batch sizes' line; with it, it would be 60."""
+    trials = [_trial(32, _on_model(32), 40, noise=60), _trial(128, _on_model(128), 90, 70)]
+    trials.append(_trial(32, 2 * _on_model(32), 40, noise=-500))
+    p = plan(_study(trials), target=1.0)
+    assert p.noise_scale == pytest.approx(65.0)
