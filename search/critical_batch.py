@@ -10,7 +10,11 @@ steps almost one for one; above it, they mostly buy nothing. The paper's B_crit 
 predicted by the gradient noise scale B_simple (train/noise.py) up to a factor of a few.
 
 S is linear in 1/B (S = S_min + S_min B_crit / B), so measured (B, S) pairs give both
-constants by a least-squares line; `fit_steps` says when they do not.
+constants by a least-squares line; `fit_steps` says when they do not. When every batch
+measured is well below B_crit, steps fall as 1/B (the same samples at every batch) and the
+line's intercept S_min is lost in the noise, at or below zero: `fit_samples` then fits the
+model's limit S = E_min / B (S_min 0, B_crit unbounded by the measurements: above the
+largest batch measured, by how much they cannot say).
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ class StepsModel:
     """S(B) = s_min (1 + b_crit / B), fitted to `points` (batch, steps) measurements."""
 
     s_min: float
-    b_crit: float
+    b_crit: float  # math.inf: every batch measured is below it (`fit_samples`)
     points: tuple[tuple[float, float], ...] = ()
+    limit_e_min: float | None = None  # E_min where b_crit is inf (s_min is 0 there)
 
     def steps(self, batch: float) -> float:
-        return self.s_min * (1 + self.b_crit / batch)
+        return self.s_min + self.e_min / batch
 
     def samples(self, batch: float) -> float:
         """E(B) = S(B) B = E_min (1 + B / b_crit)."""
@@ -37,7 +42,14 @@ class StepsModel:
 
     @property
     def e_min(self) -> float:
+        if self.limit_e_min is not None:
+            return self.limit_e_min
         return self.s_min * self.b_crit
+
+    @property
+    def unbounded(self) -> bool:
+        """B_crit above every batch measured, by an amount they cannot say."""
+        return math.isinf(self.b_crit)
 
     def worst_error(self) -> float:
         """The largest |predicted - measured| / measured steps over the fitted points."""
@@ -45,7 +57,13 @@ class StepsModel:
 
 
 class NoFit(ValueError):
-    """The measurements do not determine the model; the message says why."""
+    """The measurements do not determine the model; the message says why.
+    `below_critical`: steps fell with the batch, as fast as 1/B or faster (the intercept
+    S_min at or below zero): `fit_samples` is the model's limit for them."""
+
+    def __init__(self, message: str, below_critical: bool = False):
+        super().__init__(message)
+        self.below_critical = below_critical
 
 
 def fit_steps(batches: Sequence[float], steps: Sequence[float]) -> StepsModel:
@@ -72,6 +90,20 @@ def fit_steps(batches: Sequence[float], steps: Sequence[float]) -> StepsModel:
     if intercept <= 0 or slope <= 0:
         raise NoFit(
             f"steps to the target do not fall as the batch grows like S_min (1 + B_crit/B) "
-            f"(fitted S_min {intercept:.3g}, S_min B_crit {slope:.3g})"
+            f"(fitted S_min {intercept:.3g}, S_min B_crit {slope:.3g})",
+            below_critical=slope > 0,
         )
     return StepsModel(s_min=intercept, b_crit=slope / intercept, points=tuple(points))
+
+
+def fit_samples(batches: Sequence[float], steps: Sequence[float]) -> StepsModel:
+    """The model's limit below B_crit, S = E_min / B: the same samples to the target at
+    every batch, E_min fitted by least squares of S against 1/B through the origin (weighted
+    by 1/S² as `fit_steps`). Its `worst_error` says how well the batches agree on it."""
+    points = [(float(b), float(s)) for b, s in zip(batches, steps, strict=True)]
+    points = [(b, s) for b, s in points if b > 0 and s > 0 and math.isfinite(s)]
+    if not points:
+        raise NoFit("no steps to fit")
+    # minimise sum ((S - E/B) / S)^2: E = sum(1/(B S)) / sum(1/(B S)^2)
+    e_min = sum(1 / (b * s) for b, s in points) / sum(1 / (b * s) ** 2 for b, s in points)
+    return StepsModel(0.0, math.inf, tuple(points), limit_e_min=e_min)

@@ -417,7 +417,7 @@ class StudyDriver:
             self.study,
             settings.metrics,
             rec,
-            self.results.overrides_of(rec.trial) if rec else [],
+            self.results.overrides(rec),
             _shown(best_path) if rec and best_path else None,
         )
         return rec.trial.values[0] if rec else None

@@ -601,26 +601,33 @@ def time_to_target_plot(plan: time_to_target.Plan) -> Figure:
     """McCandlish et al. 2018's model fitted to the study, against the global batch: samples
     to the target (the curve E(B) = E_min (1 + B/B_crit), the trials that crossed it on it),
     and the time to it (each trained geometry's predicted steps x its seconds per step, the
-    trials' measured times beside them)."""
+    trials' measured times beside them, and the fit report's cells no trial trained)."""
     fig = Figure(figsize=(10, 4.8), layout="constrained")
     fig.suptitle("\n".join(textwrap.wrap(f"Time to target: {plan.describe()}", 110)), fontsize=10)
     samples, seconds = fig.subplots(1, 2)
     batches = [p.batch for p in plan.points]
-    lo, hi = min(batches) / 2, max(batches) * 2
+    lo, hi = min(batches) / 2, max(batches) * (1 if plan.model.unbounded else 2)
     xs = [lo * (hi / lo) ** (i / 99) for i in range(100)]
     samples.plot(xs, [plan.model.samples(x) for x in xs], color="tab:orange", label="predicted")
     samples.scatter(
         batches, [p.steps * p.batch for p in plan.points], color="black", marker="x",
         label="trials, measured", zorder=3,
     )  # fmt: skip
-    samples.axvline(plan.model.b_crit, color="gray", linestyle=":", label="B_crit")
+    if not plan.model.unbounded:  # else above every batch measured, by how much unknown
+        samples.axvline(plan.model.b_crit, color="gray", linestyle=":", label="B_crit")
     samples.set_ylabel("samples to target")
-    predicted = sorted(plan.predicted, key=lambda p: p.batch)
-    seconds.plot(
-        [p.batch for p in predicted], [p.seconds for p in predicted], color="tab:blue",
-        marker="D", label="predicted: steps x the geometry's s/step",
+    trained = [p for p in plan.predicted if p.trials]
+    seconds.scatter(
+        [p.batch for p in trained], [p.seconds for p in trained], color="tab:blue",
+        marker="D", label="predicted: steps x the geometry's measured s/step", zorder=2,
     )  # fmt: skip
-    for p in predicted:
+    cells = [p for p in plan.predicted if not p.trials]
+    if cells:
+        seconds.scatter(
+            [p.batch for p in cells], [p.seconds for p in cells], color="tab:green",
+            marker="+", label="fit report cells no trial trained (s/step interpolated)",
+        )  # fmt: skip
+    for p in {*trained, plan.best}:
         seconds.annotate(p.geometry, (p.batch, p.seconds), fontsize=7, xytext=(4, 4),
                          textcoords="offset points")  # fmt: skip
     seconds.scatter(

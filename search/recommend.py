@@ -15,6 +15,7 @@ trains it again (train/__main__.py composes the file's overrides, then the comma
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -25,7 +26,8 @@ from optuna.trial import FrozenTrial, TrialState
 from search import speed, time_to_target
 from search.config import RecommendRule
 from search.record import TrialRecord
-from train.overrides import BEST_KEY
+from search.space import override_value
+from train.overrides import BEST_KEY, override_key
 from train.speed import Speed
 
 
@@ -91,8 +93,37 @@ class Recommendation:
     by_time: time_to_target.Plan | None = None
     by_time_note: str | None = None
 
+    @property
+    def untrained(self) -> time_to_target.Predicted | None:
+        """The fit report cell recommended, when no trial trained it: `trial` then gives
+        the rest of its configuration (the learning rate at the reference batch)."""
+        if self.by_time is not None and not self.by_time.best.trials:
+            return self.by_time.best
+        return None
+
+    def overrides(self, trial_overrides: Sequence[str]) -> list[str]:
+        """What trains the recommended configuration: the trial's overrides, with the
+        untrained cell's batch size, accumulation and the rest set over them."""
+        cell = self.untrained
+        if cell is None:
+            return list(trial_overrides)
+        sets = dict(cell.sets)
+        kept = [o for o in trial_overrides if override_key(o) not in sets]
+        return kept + [f"{k}={override_value(v)}" for k, v in sets.items()]
+
     def describe(self) -> str:
         rule, n = self.rule, self.trial.number
+        cell = self.untrained
+        if cell is not None:
+            assert self.by_time is not None
+            return (
+                f"{cell.geometry}, the configuration predicted to reach the target soonest: "
+                f"{cell.steps:.0f} steps x {cell.step_s:.3g} s ({cell.step_basis} from its "
+                f"precision's trials) = {cell.seconds:.3g} s to {self.by_time.describe()}; "
+                f"no trial trained it: the fit report predicts it fits, and its learning "
+                f"rate is trial {n}'s (the nearest batch that reached the target), scaled by "
+                "the study's rule"
+            )
         if self.by_time is not None:
             best = self.by_time.best
             return (
@@ -183,18 +214,30 @@ def recommend(
     rule: RecommendRule,
     speeds: Mapping[str, Speed] | None = None,
     loss_target: float | None = None,
+    cells: Sequence[Mapping[str, Any]] = (),
 ) -> Recommendation | None:
     """By the predicted time to target (`by_time`) where the trials support a prediction
-    (to search.target's val/loss, `loss_target`, or the loss every batch size reached);
-    else by the rule (`by_rule`), saying why not."""
+    (to search.target's val/loss, `loss_target`, or the loss every batch size reached),
+    over the trained geometries and the fit report's fitting `cells`; else by the rule
+    (`by_rule`), saying why not. A cell no trial trained takes the rest of its
+    configuration from the trial that reached the target at the batch nearest its own."""
     rec = by_rule(trials, rule, speeds)
     if rec is None:
         return None
     try:
-        plan = time_to_target.plan(trials, loss_target)
+        plan = time_to_target.plan(trials, loss_target, cells)
     except time_to_target.Untrusted as why:
         return replace(rec, by_time_note=f"time to target not predicted: {why}")
-    group = [t for t in trials if t.number in plan.best.trials]
+    best = plan.best
+    if not best.trials:  # a cell: the crossing trial of the nearest batch, fewest steps first
+        nearest = min(plan.points, key=lambda p: (abs(math.log(p.batch / best.batch)), p.steps))
+        template = next(t for t in trials if t.number == nearest.trial)
+        value = metric_value(template, rule.metric)
+        return Recommendation(
+            template, rule, rec.best_value, 1, value if value is not None else math.nan,
+            None, by_time=plan,
+        )  # fmt: skip
+    group = [t for t in trials if t.number in best.trials]
     top, _ = candidates(group, rule)
     if top is None:
         return replace(rec, by_time_note="time to target: its fastest trials have no metric")
@@ -242,6 +285,18 @@ def best_document(rec: Recommendation, study_name: str, overrides: Sequence[str]
         "values": figures,
         "overrides": list(overrides),
     }
+    cell = rec.untrained
+    if cell is not None:  # trial's figures are not this configuration's: its prediction is
+        del body["values"]
+        body["configuration"] = cell.geometry
+        body["trained_by_a_trial"] = False
+        body["predicted"] = {
+            "global_batch": cell.batch,
+            "steps_to_target": round(cell.steps, 1),
+            "seconds_per_step": cell.step_s,
+            "seconds_to_target": round(cell.seconds, 3),
+            "seconds_per_step_from": cell.step_basis,
+        }
     header = (
         f"# The configuration study {study_name} recommends: {rec.describe()}.\n"
         f"# Train it again: python -m train +{BEST_KEY}=<this file> [more overrides]\n"

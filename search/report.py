@@ -270,7 +270,7 @@ def summary(
     elif rec.by_time_note:
         console.print(rec.by_time_note + "; recommended by search.recommend's rule", **plain)
     console.print(f"[bold]Recommended[/bold]: {rec.describe()}", soft_wrap=True)
-    plan = lr_plan(rec.trial)
+    plan = lr_plan(rec.trial, rec.untrained.batch if rec.untrained else None)
     if plan:
         console.print(plan, **plain)
     console.print("Overrides: " + redact(" ".join(overrides)), **plain)
@@ -279,14 +279,17 @@ def summary(
         console.print(f"or: python -m train +{BEST_KEY}={shlex.quote(best_path)}", **plain)
 
 
-def lr_plan(trial: FrozenTrial) -> str | None:
+def lr_plan(trial: FrozenTrial, batch: int | None = None) -> str | None:
     """The learning rate to use at the global batch one will train with: the study's rule
-    (train/lr.py) applied to the recommended trial's rate."""
+    (train/lr.py) applied to the recommended trial's rate, at its global batch or `batch`
+    (a fit report cell no trial trained, which takes the trial's rate)."""
     run = TrialRecord.of(trial).run
     rule, base, scaled = run.get(LR_RULE_PARAM), run.get("optimizer.lr"), run.get(LR_PARAM)
-    batch, ref = run.get(GLOBAL_PARAM), run.get(LR_REF_PARAM)
+    batch, ref = batch or run.get(GLOBAL_PARAM), run.get(LR_REF_PARAM)
     if rule is None or base is None or scaled is None or not batch:
         return None
+    if ref and rule != "none":
+        scaled = scaled_lr(base, batch, rule, ref)
     if rule == "none" or not ref:
         return (
             f"Learning rate: {scaled:.3g} at any global batch (trainer.lr_scaling={rule}: the "
@@ -466,13 +469,17 @@ def summary_markdown(
                 f"## Time to target, predicted\n\n{rec.by_time.describe()}",
                 _md_table(*time_to_target.table(rec.by_time)),
             ]
-        plan = lr_plan(rec.trial)
+        plan = lr_plan(rec.trial, rec.untrained.batch if rec.untrained else None)
         rule = f"Rule: {rec.rule.describe()} (`search.recommend`)"
         if rec.by_time_note:
             rule = f"{rec.by_time_note}. {rule}"
         parts += [
             "## Recommended configuration",
             f"{rec.describe()}. {rule}." + (f"\n\n{plan}" if plan else ""),
+        ]
+        if rec.untrained is not None:
+            parts.append(f"Trial {rec.trial.number}, whose learning rate it takes:")
+        parts += [
             _md_table(trial_columns(trials), [trial_row(rec.trial)]),
             "Train it again (or `python -m train +best=best.yaml` with this run's `best.yaml`):",
             f"```\n{redact(rerun_command(overrides))}\n```",

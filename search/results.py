@@ -19,6 +19,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from search import plots, report, speed
+from search.boundary import FIT_ATTR
 from search.budget import num_trained
 from search.config import RecommendRule
 from search.decision import Decision
@@ -70,7 +71,12 @@ class Results:
 
     def recommendation(self, study: optuna.Study) -> Recommendation | None:
         trials = study.get_trials(deepcopy=False)
-        return recommend(trials, self.rule, speed.stored(study), self.loss_target)
+        cells = study.user_attrs.get(FIT_ATTR) or ()
+        return recommend(trials, self.rule, speed.stored(study), self.loss_target, cells)
+
+    def overrides(self, rec: Recommendation | None) -> list[str]:
+        """The overrides that train `rec`'s configuration again."""
+        return rec.overrides(self.overrides_of(rec.trial)) if rec is not None else []
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         """Optuna callback: publish, unless that was done less than PUBLISH_EVERY_S ago."""
@@ -84,7 +90,7 @@ class Results:
         rerun."""
         if rec is None:
             return None
-        return redact(best_document(rec, study.study_name, self.overrides_of(rec.trial)))
+        return redact(best_document(rec, study.study_name, self.overrides(rec)))
 
     def publish(
         self, study: optuna.Study, decided: Decision | None = None
@@ -96,7 +102,7 @@ class Results:
             # The recommendation is a function of the finished trials and the stored speed
             # check, which the decision was made from.
             assert decided.trial == (rec.trial.number if rec else None), (decided, rec)
-        overrides = self.overrides_of(rec.trial) if rec else []
+        overrides = self.overrides(rec)
         files = {"summary.md": report.summary_markdown(study, self.metrics, rec, overrides)}
         document = decided.best_yaml if decided is not None else self.best_yaml(study, rec)
         if rec is not None and document is not None:

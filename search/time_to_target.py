@@ -17,27 +17,40 @@ S_min (1 + B_crit / B) for the global batch B. Its constants come from the study
 Where neither holds, `plan` raises Untrusted saying why, and the study recommends by its
 other rule.
 
-Seconds per step are the trials' own (time/step_ms) for the geometries they trained.
+Seconds per step are the trials' own (time/step_ms) for the geometries they trained. The
+fit report's other cells that fit (search/boundary.py's `fit_report`, kept in the study) are
+predicted too: their steps from the same model, their seconds per step from the trials
+of their family (the cells alike but for batch size and accumulation: one precision,
+checkpointing, sequence length, data-parallel layout). A step of micro-batch m with
+accumulation a takes a t(m): t is each measured micro-batch size's median seconds per micro-
+step (step_ms / a), linear between two measured sizes ("interpolated"); beyond them, the line
+of the two nearest where it has a fixed cost per micro-step (intercept >= 0), else the
+nearest size's seconds per sample ("extrapolated"). A cell some trial trained that did not
+complete (diverged, too slow, out of memory on the device) is not predicted: the trials
+showed it does not finish.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
 from search import speed
-from search.critical_batch import NoFit, StepsModel, fit_steps
+from search.critical_batch import NoFit, StepsModel, fit_samples, fit_steps
 from search.record import TrialRecord
-from train.params import GLOBAL_PARAM
+from train.params import ACCUM_KEY, BATCH_KEY, CHECKPOINTING_KEY, GLOBAL_PARAM
 
 FIT_TOLERANCE = 0.25  # the fit's worst relative error in steps over its points
 NOISE_SPREAD = 3.0  # the largest / smallest trial noise scale, for B_simple to be trusted
 NOISE_METRIC = "stats/grad_noise_scale"
 LOSS = "val/loss"
+MEASURED = "measured"  # a Predicted's seconds per step: the trials' own
+CELL_COLUMNS = ("fits", "peak_bytes")  # a fit report cell's figures, not its coordinates
 
 
 class Untrusted(ValueError):
@@ -63,7 +76,10 @@ class Predicted:
     batch: int
     steps: float
     step_s: float
-    trials: tuple[int, ...]  # the trials that trained this geometry
+    trials: tuple[int, ...]  # the trials that trained this geometry; () for a fit report cell
+    step_basis: str = MEASURED  # or 'interpolated (64, 128)', 'extrapolated (64)'
+    # A fit report cell no trial trained: the overrides that set it (key, value), in order.
+    sets: tuple[tuple[str, Any], ...] = ()
 
     @property
     def seconds(self) -> float:
@@ -91,10 +107,12 @@ class Plan:
     def describe(self) -> str:
         m = self.model
         noise = f", B_simple {self.noise_scale:.3g}" if self.noise_scale is not None else ""
-        return (
-            f"val/loss <= {self.target:.4g} ({self.target_source}): S_min {m.s_min:.3g} steps, "
-            f"B_crit {m.b_crit:.3g} samples ({self.source}{noise})"
-        )
+        if m.unbounded:
+            constants = f"E_min {m.e_min:.4g} samples, B_crit unbounded"
+        else:
+            constants = f"S_min {m.s_min:.3g} steps, B_crit {m.b_crit:.3g} samples"
+        target = f"val/loss <= {self.target:.4g} ({self.target_source})"
+        return f"{target}: {constants} ({self.source}{noise})"
 
 
 def steps_to(curve: Sequence[Sequence[float]], target: float) -> float | None:
@@ -115,16 +133,20 @@ def steps_to(curve: Sequence[Sequence[float]], target: float) -> float | None:
 
 def table(plan: Plan) -> tuple[list[str], list[list[str]]]:
     """The predicted geometries, fastest first, as rows."""
-    header = ["configuration", "global batch", "steps", "s/step", "time", "samples", "trials"]
+    header = [
+        "configuration", "global batch", "steps", "s/step", "s/step from", "time", "samples",
+        "trials",
+    ]  # fmt: skip
     rows = [
         [
             p.geometry,
             str(p.batch),
             f"{p.steps:.0f}",
             f"{p.step_s:.3g}",
+            p.step_basis,
             f"{p.seconds:.3g} s",
             f"{p.samples:.0f}",
-            ", ".join(map(str, p.trials)),
+            ", ".join(map(str, p.trials)) or "-",
         ]
         for p in plan.predicted
     ]
@@ -153,9 +175,14 @@ def _target(records: Sequence[TrialRecord], target: float | None) -> tuple[float
     return max(bests.values()), "the loss every batch size reached"
 
 
-def plan(trials: Sequence[FrozenTrial], target: float | None = None) -> Plan:
+def plan(
+    trials: Sequence[FrozenTrial],
+    target: float | None = None,
+    cells: Sequence[Mapping[str, Any]] = (),
+) -> Plan:
     """Predicted time to `target` (search.target's val/loss, or None) for each geometry
-    the completed trials trained; raises Untrusted when they do not support one."""
+    the completed trials trained and each fit report cell that fits (`cells`, the study's
+    `fit_report`); raises Untrusted when the trials do not support a prediction."""
     done = [
         (t, record)
         for t in trials
@@ -186,21 +213,151 @@ def plan(trials: Sequence[FrozenTrial], target: float | None = None) -> Plan:
     noises = [v for _, r in done if (v := r.figure(NOISE_METRIC)) is not None and v > 0]
     noise = statistics.median(noises) if noises else None
     model, source = _model(best_steps, noises, noise)
-    by_geometry: dict[str, list[Point]] = {}
-    for p in points:
-        by_geometry.setdefault(p.geometry, []).append(p)
+    trained = _trained(trials, cells)
     predicted = [
         Predicted(
-            geometry,
-            group[0].batch,
-            model.steps(group[0].batch),
-            statistics.median(p.step_s for p in group),
-            tuple(sorted(p.trial for p in group)),
+            g.label, g.batch, model.steps(g.batch), statistics.median(g.step_s), tuple(g.trials)
         )
-        for geometry, group in by_geometry.items()
+        for g in trained.values()
+        if g.complete
     ]
+    predicted += _cells(model, cells, trained)
+    if model.unbounded:  # how far above the batches B_crit lies, they cannot say
+        predicted = [p for p in predicted if p.batch <= max(best_steps)]
     predicted.sort(key=lambda p: p.seconds)
     return Plan(loss, target_source, model, source, noise, tuple(points), tuple(predicted))
+
+
+@dataclass
+class _Trained:
+    """A geometry trials trained: its label, global batch, their seconds per step."""
+
+    label: str
+    family: tuple[str, ...]  # the fit report cell's coordinates but batch size and accumulation
+    micro: int
+    accum: int
+    batch: int
+    geometry: speed.Geometry
+    step_s: list[float]
+    trials: list[int]  # its complete trials
+    complete: bool = False  # one of them has its seconds per step
+
+
+def _family_keys(cells: Sequence[Mapping[str, Any]]) -> list[str]:
+    keys = {k for cell in cells for k in cell} - {BATCH_KEY, ACCUM_KEY, *CELL_COLUMNS}
+    return sorted(keys)
+
+
+def _trained(
+    trials: Sequence[FrozenTrial], cells: Sequence[Mapping[str, Any]]
+) -> dict[str, _Trained]:
+    """The geometries the finished trials tried, by label: their measured seconds per step
+    and whether one completed (one that did not: diverged, too slow, out of memory)."""
+    keys = _family_keys(cells)
+    found: dict[tuple, _Trained] = {}
+    for t in trials:
+        record = TrialRecord.of(t)
+        values = {**record.params, **record.run}
+        values.setdefault(CHECKPOINTING_KEY, "none")
+        batch = _batch(record)
+        if not record.is_finished or record.is_repeat or not batch or BATCH_KEY not in values:
+            continue
+        micro, accum = int(values[BATCH_KEY]), int(values.get(ACCUM_KEY) or 1)
+        family = tuple(str(values.get(k)) for k in keys)
+        geometry = speed.geometry(t)
+        g = found.setdefault(
+            speed.label(geometry),
+            _Trained(speed.label(geometry), family, micro, accum, batch, geometry, [], []),
+        )
+        if t.state == TrialState.COMPLETE:
+            g.trials.append(t.number)  # those that support it: complete
+        if record.step_ms:
+            g.step_s.append(record.step_ms / 1000)
+        g.complete |= t.state == TrialState.COMPLETE and bool(record.step_ms)
+    return found
+
+
+def _cells(
+    model: StepsModel, cells: Sequence[Mapping[str, Any]], trained: Mapping[str, _Trained]
+) -> list[Predicted]:
+    """The fitting cells no trial trained, with their seconds per step from their family's
+    trials (`t`, the module's docstring); a family no trial timed is left out."""
+    keys = _family_keys(cells)
+    timed = [g for g in trained.values() if g.step_s]
+    tried = {(g.family, g.micro, g.accum) for g in trained.values()}
+    out = []
+    for cell in cells:
+        micro, accum = int(cell[BATCH_KEY]), int(cell[ACCUM_KEY])
+        family = tuple(str(cell.get(k)) for k in keys)
+        kin = [g for g in timed if g.family == family]
+        if not cell["fits"] or (family, micro, accum) in tried or not kin:
+            continue
+        ranks = round(statistics.median(g.batch / (g.micro * g.accum) for g in kin))
+        micro_s, basis = _micro_step_s(kin, micro)
+        like = kin[0].geometry
+        swapped = {BATCH_KEY: micro, ACCUM_KEY: accum}
+        label = speed.label(tuple((k, swapped.get(k, v)) for k, v in like))
+        batch = micro * accum * ranks
+        sets = tuple((k, cell[k]) for k in cell if k not in CELL_COLUMNS)
+        out.append(Predicted(label, batch, model.steps(batch), accum * micro_s, (), basis, sets))
+    return out
+
+
+def _micro_step_s(kin: Sequence[_Trained], micro: int) -> tuple[float, str]:
+    """Seconds per micro-step of `micro` samples, from the timed geometries of its family,
+    and how it was found ('interpolated (32, 64)': the measured sizes it rests on)."""
+    per_size: dict[int, list[float]] = {}
+    for g in kin:
+        per_size.setdefault(g.micro, []).extend(s / g.accum for s in g.step_s)
+    sizes = sorted(per_size)
+    t = {m: statistics.median(per_size[m]) for m in sizes}
+    if micro in t:
+        return t[micro], f"{MEASURED} ({micro}, other accumulation)"
+    below = [m for m in sizes if m < micro]
+    above = [m for m in sizes if m > micro]
+    if below and above:
+        lo, hi = below[-1], above[0]
+        return t[lo] + (t[hi] - t[lo]) * (micro - lo) / (hi - lo), f"interpolated ({lo}, {hi})"
+    ends = sizes[-2:] if below else sizes[:2]
+    if len(ends) == 2:
+        (m0, m1) = ends
+        slope = (t[m1] - t[m0]) / (m1 - m0)
+        if slope > 0 and t[m0] - slope * m0 >= 0:  # a fixed cost per micro-step, then per sample
+            return t[m0] + slope * (micro - m0), f"extrapolated ({m0}, {m1})"
+    nearest = sizes[-1] if below else sizes[0]
+    return t[nearest] * micro / nearest, f"extrapolated ({nearest}, its s/sample)"
+
+
+def _below_critical(
+    best_steps: dict[int, float], noise: float | None, why: NoFit
+) -> tuple[StepsModel, str]:
+    """Steps fell as 1/B or faster: every batch size below B_crit, the model's limit
+    S = E_min / B (search/critical_batch.py fit_samples), trusted when the batch sizes'
+    samples to the target agree within FIT_TOLERANCE and the trials' noise scale, where
+    measured, does not put B_crit below them (B_simple at least the largest batch over
+    NOISE_SPREAD); with 2 batch sizes, only with that noise scale."""
+    batches = sorted(best_steps)
+    limit = fit_samples(batches, [best_steps[b] for b in batches])
+    if limit.worst_error() > FIT_TOLERANCE:
+        raise Untrusted(
+            f"no fit: {why}; and the samples to it differ by up to {limit.worst_error():.0%} "
+            f"across the batch sizes (more than {FIT_TOLERANCE:.0%})"
+        )
+    if noise is None and len(batches) < 3:
+        raise Untrusted(
+            "2 batch sizes took the same samples to it (steps fell as 1/B), and no noise "
+            "scale measured to confirm that both are below B_crit"
+        )
+    if noise is not None and noise < batches[-1] / NOISE_SPREAD:
+        raise Untrusted(
+            f"steps fell as 1/B up to a batch of {batches[-1]}, yet the trials' noise scale "
+            f"{noise:.3g} puts B_crit below it: the trials disagree"
+        )
+    return limit, (
+        f"steps fell as 1/B over {len(batches)} batch sizes, the same samples to it within "
+        f"{limit.worst_error():.0%}: every one below B_crit, which is above {batches[-1]}, "
+        "by how much they cannot say"
+    )
 
 
 def _model(
@@ -213,7 +370,9 @@ def _model(
         try:
             fitted = fit_steps(batches, [best_steps[b] for b in batches])
         except NoFit as error:
-            raise Untrusted(f"no fit: {error}") from None
+            if not error.below_critical:
+                raise Untrusted(f"no fit: {error}") from None
+            return _below_critical(best_steps, noise, error)
         if len(batches) >= 3:
             if fitted.worst_error() <= FIT_TOLERANCE:
                 return fitted, f"fitted over {len(batches)} batch sizes"

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from search.critical_batch import NoFit, StepsModel, fit_steps
+from search.critical_batch import NoFit, StepsModel, fit_samples, fit_steps
 
 BATCHES = [8, 16, 32, 64, 128]
 
@@ -81,3 +81,21 @@ def test_steps_falling_faster_than_one_over_b_have_no_positive_s_min() -> None:
     # S = 1000/B - 5: falls faster than the model allows, the line's intercept is negative.
     with pytest.raises(NoFit, match="fitted S_min -5"):
         fit_steps(BATCHES, [1000 / b - 5 for b in BATCHES])
+
+
+def test_steps_falling_faster_than_the_model_are_below_critical_and_fit_the_limit():
+    """S_min below zero with steps still falling: NoFit says below_critical, and
+    fit_samples finds the samples every batch took (S = E_min / B) and how far each is."""
+    steps = [1000 / b - 5 for b in BATCHES]
+    with pytest.raises(NoFit) as error:
+        fit_steps(BATCHES, steps)
+    assert error.value.below_critical
+    with pytest.raises(NoFit) as rising:
+        fit_steps(BATCHES, [100 + b for b in BATCHES])
+    assert not rising.value.below_critical
+    limit = fit_samples([16, 64], [100, 25])
+    assert limit.unbounded and limit.s_min == 0
+    assert limit.e_min == pytest.approx(1600) and limit.steps(32) == pytest.approx(50)
+    assert limit.samples(128) == pytest.approx(1600) and limit.worst_error() == 0
+    off = fit_samples([16, 64], [100, 50])  # 1600 and 3200 samples: E between, both missed
+    assert 1600 < off.e_min < 3200 and off.worst_error() > 0.25

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import optuna
 import pytest
+import yaml
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from search.config import RecommendRule
-from search.recommend import recommend
+from search.plots import time_to_target_plot
+from search.recommend import best_document, recommend
 from search.report import lr_plan
 from search.time_to_target import Untrusted, plan, steps_to
 
@@ -161,3 +163,129 @@ def test_a_negative_noise_reading_is_left_out_of_the_median():
     trials.append(_trial(32, 2 * _on_model(32), 40, noise=-500))
     p = plan(_study(trials), target=1.0)
     assert p.noise_scale == pytest.approx(65.0)
+
+
+def _cell(batch: int, accum: int = 1, precision: str = "fp32", fits: bool = True) -> dict:
+    """A fit report cell as the study keeps it (search/boundary.py fit_cells)."""
+    return {
+        "trainer.precision": precision, "trainer.accum_steps": accum,
+        "trainer.activation_checkpointing": "none", "trainer.batch_size": batch,
+        "fits": fits, "peak_bytes": 1000 * batch,
+    }  # fmt: skip
+
+
+def test_fit_report_cells_no_trial_trained_are_predicted_and_recommended():
+    """Trials at 32, 64 and 256 (on the model) timed at 50, 70 and 120 ms a step; the fit
+    report's 128x1 fp32, which no trial trained, takes 70 + (120 - 70)(128 - 64)/(256 - 64)
+    = 86.7 ms a step, interpolated: 150 steps x 86.7 ms = 13.0 s beats 64's 14 s, 32's
+    15 s and 256's 15 s. The cells that do not fit, have no trial of their precision, or
+    that a trial tried and diverged are not predicted; 64x2 is 2 micro-steps of 64."""
+    ms = {32: 50.0, 64: 70.0, 256: 120.0}
+    trials = [_trial(b, _on_model(b), ms[b]) for b in ms]
+    diverged = _trial(16, _on_model(16), 30)
+    diverged = create_trial(
+        state=TrialState.PRUNED, params=diverged.params, distributions=diverged.distributions,
+        user_attrs={**diverged.user_attrs, "reason": "diverged", "state": "PRUNED"},
+    )  # fmt: skip
+    trials = _study([*trials, diverged])
+    cells = [
+        _cell(16), _cell(32), _cell(64), _cell(128), _cell(256), _cell(512, fits=False),
+        _cell(64, accum=2), _cell(128, precision="bf16"), _cell(1024),
+    ]  # fmt: skip
+    p = plan(trials, target=1.0, cells=cells)
+    by = {x.geometry: x for x in p.predicted}
+    assert set(by) == {"32x1 fp32", "64x1 fp32", "256x1 fp32", "128x1 fp32", "64x2 fp32",
+                       "1024x1 fp32"}  # fmt: skip
+    cell = by["128x1 fp32"]
+    assert cell.trials == () and cell.step_basis == "interpolated (64, 256)"
+    assert cell.step_s == pytest.approx(0.070 + 0.050 * 64 / 192)
+    assert cell.steps == pytest.approx(_on_model(128), rel=0.02)
+    assert p.best is cell
+    assert by["64x2 fp32"].step_s == pytest.approx(0.140)
+    assert by["64x2 fp32"].step_basis == "measured (64, other accumulation)"
+    # Beyond the largest measured size: the line through 64 and 256 (a fixed 53 ms a
+    # micro-step, then 0.26 ms a sample), not a guess at a constant throughput.
+    assert by["1024x1 fp32"].step_basis == "extrapolated (64, 256)"
+    assert by["1024x1 fp32"].step_s == pytest.approx(0.070 + 0.050 * 960 / 192)
+    assert dict(cell.sets) == {
+        "trainer.precision": "fp32", "trainer.accum_steps": 1,
+        "trainer.activation_checkpointing": "none", "trainer.batch_size": 128,
+    }  # fmt: skip
+
+    rec = recommend(trials, RecommendRule(ACC, 0.01, SPEED), loss_target=1.0, cells=cells)
+    assert rec.untrained is cell or rec.untrained == cell
+    # its learning rate from the trial that reached the target at the nearest batch (64 and
+    # 256 are as near: 256, in fewer steps)
+    assert rec.trial.number == 2
+    assert rec.describe().startswith("128x1 fp32, the configuration predicted to reach")
+    assert "no trial trained it" in rec.describe()
+    base = ["trainer.batch_size=256", "optimizer.lr=0.01", "trainer.lr_ref_batch_size=32"]
+    assert rec.overrides(base) == [
+        "optimizer.lr=0.01", "trainer.lr_ref_batch_size=32", "trainer.precision=fp32",
+        "trainer.accum_steps=1", "trainer.activation_checkpointing=none",
+        "trainer.batch_size=128",
+    ]  # fmt: skip
+    # at 128, optimizer.lr=0.01 at 32 scaled linearly: 0.04
+    assert lr_plan(rec.trial, rec.untrained.batch).startswith(
+        "Learning rate: 0.04 at this global batch of 128 (optimizer.lr=0.01 at 32"
+    )
+    document = best_document(rec, "s", rec.overrides(base))
+    body = yaml.safe_load(document)
+    assert body["configuration"] == "128x1 fp32" and body["trained_by_a_trial"] is False
+    assert body["predicted"]["seconds_to_target"] == pytest.approx(cell.seconds, rel=1e-3)
+    assert "values" not in body  # trial 2's figures are not this configuration's
+
+
+def test_one_measured_micro_batch_extrapolates_at_its_throughput():
+    """With one micro-batch size timed, another takes its seconds per sample."""
+    trials = _study([_trial(64, _on_model(64), 64.0, noise=60), _trial(64, 400.0, 64.0, noise=70)])
+    p = plan(trials, target=1.0, cells=[_cell(64), _cell(128)])
+    cell = next(x for x in p.predicted if not x.trials)
+    assert cell.step_basis == "extrapolated (64, its s/sample)"
+    assert cell.step_s == pytest.approx(0.128)
+
+
+def test_steps_falling_as_one_over_b_is_every_batch_below_b_crit():
+    """The same samples to the target at 16, 64 and 128 (within 5%): the fit's intercept
+    S_min falls below zero, and the model's limit S = E_min / B takes over; B_crit lies above
+    128 by an amount the trials cannot say, so nothing above it is predicted. A noise scale
+    that puts B_crit below the batches contradicts them."""
+    samples = {16: 1400.0, 64: 1472.0, 128: 1370.0}
+    ms = {16: 40.0, 64: 150.0, 128: 190.0}
+    trials = _study([_trial(b, samples[b] / b, ms[b], noise=400) for b in samples])
+    cells = [_cell(16), _cell(64), _cell(128), _cell(256)]
+    p = plan(trials, target=1.0, cells=cells)
+    assert p.model.unbounded and p.model.s_min == 0
+    assert p.model.e_min == pytest.approx(1410, rel=0.03)
+    assert "E_min 14" in p.describe() and "B_crit unbounded" in p.describe()
+    assert "steps fell as 1/B over 3 batch sizes" in p.source
+    assert max(x.batch for x in p.predicted) == 128  # 256: beyond what the trials say
+    assert p.best.geometry == "128x1 fp32"  # the fewest seconds per sample
+    figure = time_to_target_plot(p)
+    assert not any(line.get_label() == "B_crit" for line in figure.axes[0].lines)
+    low = _study([_trial(b, samples[b] / b, ms[b], noise=20) for b in samples])
+    with pytest.raises(Untrusted, match="noise scale 20 puts B_crit below it"):
+        plan(low, target=1.0)
+    scattered = _study([_trial(b, s, 50.0, noise=400) for b, s in ((16, 40), (64, 20), (128, 3))])
+    with pytest.raises(Untrusted, match="samples to it differ by up to"):
+        plan(scattered, target=1.0)
+
+
+def test_the_plot_shows_the_model_the_trials_and_the_cells():
+    ms = {32: 50.0, 64: 70.0, 256: 120.0}
+    trials = _study([_trial(b, _on_model(b), ms[b]) for b in ms])
+    p = plan(trials, target=1.0, cells=[_cell(32), _cell(64), _cell(128), _cell(256)])
+    figure = time_to_target_plot(p)
+    samples, seconds = figure.axes
+    assert [line.get_label() for line in samples.lines] == ["predicted", "B_crit"]
+    assert samples.lines[1].get_xdata()[0] == pytest.approx(p.model.b_crit)
+    labels = [c.get_label() for c in seconds.collections]
+    assert labels == [
+        "predicted: steps x the geometry's measured s/step",
+        "fit report cells no trial trained (s/step interpolated)",
+        "trials, measured", "recommended",
+    ]  # fmt: skip
+    cell_xy = seconds.collections[1].get_offsets()
+    assert [tuple(xy) for xy in cell_xy] == [(128, pytest.approx(p.best.seconds))]
+    assert {t.get_text() for t in seconds.texts} == {"32x1 fp32", "64x1 fp32", "256x1 fp32",
+                                                     "128x1 fp32"}  # fmt: skip
