@@ -16,13 +16,18 @@ How a run ends:
 - what a hook raised (Prune, KeyboardInterrupt): the ranks stop at their next step;
 - a rank that died (SIGKILL, a crash): the launcher sees it within its monitor interval,
   stops the others and this raises RankFailed with the rank, its exit code or error.
-Every rank dies with the launching process (PR_SET_PDEATHSIG): none is left behind.
+Every rank dies with the launching process: it asks the kernel for SIGKILL when its parent
+dies (PR_SET_PDEATHSIG), then checks that its parent is still the process that launched it,
+so that a launcher killed while the rank was still starting (importing torch, unpickling
+its job: seconds) is seen too, and the rank exits. None is left behind, nor is
+multiprocessing's resource tracker, which ends when the last process holding its pipe does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import math
 import os
 import queue
@@ -47,6 +52,20 @@ from train.memory import MemoryStats, OutOfMemory
 STOP_GRACE_S = 30.0  # after a stop is asked, how long the ranks have before they are killed
 
 
+class _ChildThreadWarning(logging.Filter):
+    """Drops torch's warning that the launcher, on a child thread, cannot register signal
+    handlers and "could lead to orphaned worker processes": it runs on one on purpose (this
+    process keeps its own handlers), and the ranks die with this process on their own
+    (`_die_with_parent`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "running on a child thread" not in str(record.msg)
+
+
+_ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+_CHILD_THREAD_WARNING = _ChildThreadWarning()
+
+
 class RankFailed(RuntimeError):
     """A rank of the run died or raised; the others were stopped."""
 
@@ -61,6 +80,7 @@ class _Job:
     hooks: tuple[str, ...]  # which of the caller's hooks exist: every rank calls the same
     requests: Any  # rank -> caller
     replies: Any  # caller -> rank 0
+    launcher: int  # the pid of the process that launches the ranks: their parent
 
 
 def launch(
@@ -73,6 +93,7 @@ def launch(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     hooks = hooks or Hooks()
+    logging.getLogger(_ELASTIC_LOGGER).addFilter(_CHILD_THREAD_WARNING)  # once: a set
     world = spec.trainer.devices
     context = mp.get_context("spawn")
     job = _Job(
@@ -82,6 +103,7 @@ def launch(
         tuple(name for name in vars(hooks) if getattr(hooks, name) is not None),
         context.Queue(),
         context.Queue(),
+        os.getpid(),
     )
     logs = tempfile.mkdtemp(prefix="batchfit-ranks-")
     config = LaunchConfig(
@@ -274,13 +296,17 @@ def _model_of(cfg: DictConfig, spec: Any, workload: Any, state: dict) -> torch.n
 # ----------------------------------------------------------------------------- each rank
 
 
-def _die_with_parent() -> None:
-    """This rank gets SIGKILL when the process that launched it dies (Linux)."""
+def _die_with_parent(launcher: int) -> None:
+    """This rank gets SIGKILL when the process that launched it dies (Linux); if that
+    process died already, while this one was starting, it exits now (the kernel's signal
+    is only for a death after the request)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    if os.getppid() != launcher:  # reparented: the launcher is gone
+        os._exit(1)
 
 
 def _rank_main(job: _Job) -> dict:
@@ -292,7 +318,7 @@ def _rank_main(job: _Job) -> dict:
 
 
 def _rank(job: _Job) -> dict:
-    _die_with_parent()
+    _die_with_parent(job.launcher)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     job.requests.put(("pid", rank, os.getpid()))
     cuda = job.spec.device.type == "cuda"

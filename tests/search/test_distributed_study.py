@@ -1,7 +1,7 @@
 """Studies of data-parallel trials, `python -m search` in a subprocess as a user runs it: a
 study that searches the strategy and the number of devices (one rank over its budget
-pruned as `oom`, the global figures in MLflow, the winner rerun from best.yaml), and one
-whose trial loses a rank to SIGKILL."""
+pruned as `oom`, the global figures in MLflow, the winner rerun from best.yaml), one
+whose trial loses a rank to SIGKILL, and workers killed as their ranks start."""
 
 from __future__ import annotations
 
@@ -221,6 +221,8 @@ def test_a_rank_killed_mid_trial_fails_the_trial_in_bounded_time_and_the_study_g
         if study.poll() is None:
             study.kill()
     assert study.returncode == 0, out
+    # the launcher runs on a thread of the worker on purpose: torch's warning is not said
+    assert "Failed to register signal handlers" not in out
     trials = _journal(tmp_path, "killed").get_trials()
     first = trials[0]
     assert first.state == TrialState.FAIL
@@ -231,3 +233,57 @@ def test_a_rank_killed_mid_trial_fails_the_trial_in_bounded_time_and_the_study_g
     assert trials[1].state == TrialState.COMPLETE  # the study went on
     # No rank outlives its study, the killed trial's included.
     assert not [p for p in (victim, survivor) if p.is_running() and p.status() != "zombie"]
+
+
+def _started_in(directory: Path) -> list[psutil.Process]:
+    """Every process whose working directory is `directory`: a study started there, the
+    ranks it spawned and multiprocessing's resource tracker, whoever their parent now is."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.pid != os.getpid() and Path(process.cwd()) == directory:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return [p for p in found if _alive(p)]
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("after_s", [0.0, 2.0])
+def test_a_worker_killed_as_its_ranks_start_leaves_no_process(
+    tmp_path: Path, after_s: float
+) -> None:
+    """SIGKILL of the study's worker while its data-parallel trial's ranks are still
+    starting (importing torch, unpickling their job: before a death signal could be asked
+    for): every rank, and the resource tracker, ends within seconds, none left with parent
+    1."""
+    args = [*DATA, "model=mlp", "trainer.strategy=ddp", "trainer.devices=2",
+            "trainer.batch_size=16", "search.study_name=orphans", "search.n_trials=1",
+            "search.objectives=[val/acc]"]  # fmt: skip
+    study = subprocess.Popen(
+        [sys.executable, "-m", "search", *args],
+        cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        parent = psutil.Process(study.pid)
+        deadline = time.monotonic() + 300
+        while not _ranks(parent) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _ranks(parent), "the trial's ranks never started"
+        time.sleep(after_s)
+        study.kill()
+        study.wait()
+        deadline = time.monotonic() + 60
+        while _started_in(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = [" ".join(p.cmdline())[:200] for p in _started_in(tmp_path)]
+    finally:
+        for process in _started_in(tmp_path):
+            process.kill()
+    assert not left, f"left behind after the worker was killed: {left}"
