@@ -11,7 +11,6 @@ from pathlib import Path
 import hydra
 import optuna
 from omegaconf import DictConfig, OmegaConf
-from optuna.trial import TrialState
 from rich.console import Console
 from rich.markup import escape
 
@@ -30,6 +29,7 @@ from search.objective import Objective
 from search.record import TrialRecord
 from search.results import Results, StudyRun
 from search.sampler import FeasibilityFilter
+from search.storage import JOURNAL_PREFIX
 from search.study import flatten, open_study
 from search.tracking_state import TrackingState
 from search.validate import Checked, validate
@@ -247,6 +247,45 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
+def located(uri: str) -> str:
+    """A store's URI as given, with its absolute path where the path is relative: a study
+    started in another directory is in that directory's store, not this one's."""
+    for prefix in (JOURNAL_PREFIX, "sqlite:///"):
+        if uri.startswith(prefix):
+            path = Path(uri[len(prefix) :])
+            if not path.is_absolute():
+                return f"{uri} ({path.resolve()})"
+    return uri
+
+
+def _say_where(console: Console, study: optuna.Study, checked: Checked, tracker: Tracker) -> None:
+    """Before the fit report and any trial: where the study and its MLflow runs are, and
+    whether it is new, resumed, or has nothing left to train."""
+    settings = checked.settings
+    records = study_records(study)
+    done = num_trained(records)
+    if done >= settings.n_trials:
+        state = (
+            f"{done} trials trained, search.n_trials={settings.n_trials}: nothing left to "
+            f"train (raise search.n_trials, e.g. search.n_trials={done + 10}, to extend it)"
+        )
+    elif any(t.state != "WAITING" for t in records):
+        # (the fit report's first trials wait in a new study: enqueued at its setup)
+        state = f"resumed: {done} of {settings.n_trials} trials trained"
+    else:
+        state = (
+            f"new, {settings.n_trials} trials to train (no study {settings.study_name} was in "
+            "this store; one started from another directory is in that directory's store: run "
+            "there, or give its search.storage and mlflow.tracking_uri)"
+        )
+    console.print(
+        f"Study [bold]{escape(settings.study_name)}[/bold] in "
+        f"{escape(redact(located(settings.storage)))}: {state}; "
+        f"MLflow: {escape(redact(located(tracker.tracking_uri)))}",
+        soft_wrap=True,
+    )
+
+
 class StudyDriver:
     def __init__(
         self,
@@ -346,6 +385,7 @@ class StudyDriver:
         storage_clock = CallClock()
         storage_clock.time_methods(checked.storage, storage_methods(checked.storage))
         study = _open(name, checked, fixed)
+        _say_where(console, study, checked, tracker)
         parent, created = tracker.study_run(name, study.user_attrs.get(PARENT_ATTR))
         if created:
             study.set_user_attr(PARENT_ATTR, parent.run_id)
@@ -370,21 +410,6 @@ class StudyDriver:
         settings = self.checked.settings
         storage_lap, tracking_lap = Lap(self.storage_clock), Lap(self.tracker.outbox.clock)
         done = num_trained(study_records(self.study))
-        if done >= settings.n_trials:
-            state = (
-                f"{done} trials trained, search.n_trials={settings.n_trials}: nothing left to "
-                f"train (raise search.n_trials, e.g. search.n_trials={done + 10}, to extend it)"
-            )
-        elif any(t.state != TrialState.WAITING for t in self.study.get_trials(deepcopy=False)):
-            # (the fit report's first trials wait in a new study: enqueued at its setup)
-            state = f"resumed: {done} of {settings.n_trials} trials trained"
-        else:
-            state = f"new, {settings.n_trials} trials to train"
-        self.console.print(
-            f"Study [bold]{settings.study_name}[/bold] in {redact(settings.storage)}: {state}; "
-            f"MLflow: {redact(self.tracker.tracking_uri)}",
-            soft_wrap=True,
-        )
         progress = report.StudyProgress(self.console, settings.n_trials, done, settings.metrics[0])
         objective = Objective(
             self.configure,

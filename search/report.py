@@ -91,7 +91,7 @@ def trial_line(trial: FrozenTrial) -> str:
     if t.seconds is not None:
         parts.append(f"{t.seconds:.1f} s")
     if (t.state != "COMPLETE" or t.is_repeat) and t.message is not None:
-        parts.append(f"[dim]{escape(t.message[:120])}[/dim]")
+        parts.append(f"[dim]{escape(t.message)}[/dim]")
     if t.is_unbilled:
         parts.append("[dim]not counted in search.n_trials[/dim]")
     return " | ".join(parts)
@@ -139,7 +139,9 @@ class StudyProgress:
         self._progress.__exit__(*exc)
 
     def print(self, text: str) -> None:
-        self._progress.console.print(text, soft_wrap=True)
+        """A line whole: wrapped to a terminal's width, on one line in a log (CI, SLURM),
+        where a line per trial is what grep finds."""
+        self._progress.console.print(text, soft_wrap=not self.live)
 
     def trial_finished(self, study: optuna.Study, trial: FrozenTrial) -> None:
         self.print(trial_line(trial))

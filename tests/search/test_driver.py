@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 from rich.console import Console
 
-from search.driver import PARENT_ATTR, StudyDriver
+from search.driver import PARENT_ATTR, StudyDriver, located
 from search.stopping import PROBE_MARGIN, Prune, TimeBudget
 from train.config import ConfigError
 
@@ -261,7 +261,9 @@ def test_resume_runs_to_n_trials_without_duplicates(hydra_conf, stores) -> None:
     first.run()
     # New, though the fit report's first trial waited in it before the first ran.
     assert "Study resume in sqlite:" in (said := first.console.export_text())
-    assert ": new, 2 trials to train; MLflow" in said
+    assert ": new, 2 trials to train (no study resume was in this store" in said
+    # said before the fit report (its title starts "Fit report for")
+    assert said.index("Study resume in") < said.index("Fit report for")
     second = _driver(hydra_conf, [*common, "search.n_trials=5"], name="resume")
     second.run()
     assert ": resumed: 2 of 5 trials trained; MLflow" in second.console.export_text()
@@ -358,3 +360,13 @@ def test_a_plan_for_a_gpu_this_machine_lacks_opens_no_store(hydra_conf, stores, 
     with pytest.raises(ConfigError, match=said):
         _driver(hydra_conf, overrides)
     assert not optuna_db.exists()
+
+
+def test_a_relative_store_is_said_with_its_absolute_path(tmp_path, monkeypatch) -> None:
+    """Run from another directory, `mlruns/` is another store: the start line says which."""
+    monkeypatch.chdir(tmp_path)
+    where = tmp_path / "mlruns" / "optuna.journal"
+    assert located("journal:mlruns/optuna.journal") == f"journal:mlruns/optuna.journal ({where})"
+    assert located("sqlite:///mlruns/mlflow.db").endswith(f"({tmp_path / 'mlruns' / 'mlflow.db'})")
+    assert located("sqlite:////abs/optuna.db") == "sqlite:////abs/optuna.db"  # as given
+    assert located("postgresql://u@h/db") == "postgresql://u@h/db"

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import io
+import re
+
 import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
+from rich.console import Console
 
-from search.report import rerun_overrides, trial_line
+from search.report import StudyProgress, rerun_overrides, trial_line
 
 
 def _trial(batch: int, precision: str, state: TrialState, **attrs) -> optuna.trial.FrozenTrial:
@@ -50,3 +54,26 @@ def test_trial_line_shows_state_reason_and_figures() -> None:
         _trial(512, "fp32", TrialState.PRUNED, reason="oom", peak_bytes=3 * 2**20, message="over")
     )
     assert "PRUNED (oom)" in line and "batch_size=512" in line and "peak 3.0 MiB" in line
+
+
+def test_a_trial_reason_is_printed_whole_wrapped_in_a_terminal() -> None:
+    """A slow trial's reason runs past 120 characters: whole on the console, wrapped to a
+    terminal's width, on one line in a log."""
+    reason = (
+        "a probe step projects 203 s of training for 1438 samples, over 1.5 x "
+        "search.trial_time_budget_s=60, and 141 ms per sample is 3.1x the fastest trial's "
+        "46 ms (the machine is not the cause)"
+    )
+    trial = _trial(64, "fp16", TrialState.PRUNED, reason="slow", message=reason)
+    for terminal in (True, False):
+        out = io.StringIO()
+        console = Console(file=out, width=80, force_terminal=terminal, color_system=None)
+        with StudyProgress(console, n_trials=4, done=0, metric="val/acc") as progress:
+            progress.print(trial_line(trial))
+        text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
+        lines = [line for line in re.split(r"[\r\n]", text) if line.strip()]
+        assert reason in " ".join(text.split())  # whole
+        if terminal:
+            assert max(map(len, lines)) <= 80  # wrapped to the terminal
+        else:
+            assert any(reason in line for line in lines)  # one line in a log
