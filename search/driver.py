@@ -274,7 +274,8 @@ def _say_where(console: Console, study: optuna.Study, checked: Checked, tracker:
         state = f"resumed: {done} of {settings.n_trials} trials trained"
     else:
         state = (
-            f"new, {settings.n_trials} trials to train (no study {settings.study_name} was in "
+            f"new, {settings.n_trials} trial{'s' * (settings.n_trials != 1)} to train (no study "
+            f"{settings.study_name} was in "
             "this store; one started from another directory is in that directory's store: run "
             "there, or give its search.storage and mlflow.tracking_uri)"
         )

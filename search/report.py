@@ -379,20 +379,29 @@ def none_completed(trials: Sequence[FrozenTrial]) -> str:
     return f"No trial completed. The trials ended as: {reasons}."
 
 
+def _load_words() -> str:
+    """'; this machine's load is 5.3 on the 2 cores this process may use', where known."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    if load is None:
+        return ""
+    return f"; this machine's load is {load:.1f} on the {usable_cores()} cores this process may use"
+
+
 def _all_slow(slow: Sequence[TrialRecord]) -> str:
     projected = sorted(t.projected_s for t in slow)
     budget = slow[-1].time_budget_s
     low, high = projected[0], projected[-1]
+    if len(slow) == 1:
+        return (
+            f"The only trial was pruned as slow: it projected {high:.0f} s "
+            f"({high / budget:.1f}x) against search.trial_time_budget_s={budget:g}"
+            f"{_load_words()}. Raise search.trial_time_budget_s to ~{_round_up(high)} or "
+            "free the machine."
+        )
     span = f"{low:.0f}-{high:.0f} s ({low / budget:.1f}-{high / budget:.1f}x)"
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    busy = (
-        f"; this machine's load is {load:.1f} on the {usable_cores()} cores this process may use"
-        if load is not None
-        else ""
-    )
     return (
         f"All {len(slow)} trials were pruned as slow: they projected {span} against "
-        f"search.trial_time_budget_s={budget:g}{busy}. The machine or the budget is the "
+        f"search.trial_time_budget_s={budget:g}{_load_words()}. The machine or the budget is the "
         f"problem, not the configurations: raise search.trial_time_budget_s to "
         f"~{_round_up(high)} or free the machine."
     )

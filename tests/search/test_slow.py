@@ -160,6 +160,16 @@ def test_when_every_trial_is_slow_the_summary_blames_the_machine_or_the_budget()
         text,
     )
     assert "see the reasons above" not in text
+    alone = optuna.create_study(study_name="alone", directions=["maximize"])
+    alone.add_trial(_slow(0, 318.0))
+    console = Console(record=True, width=400)
+    summary(console, alone, ["val/acc"], None)
+    assert re.search(
+        r"The only trial was pruned as slow: it projected 318 s \(5.3x\) against "
+        r"search.trial_time_budget_s=60; this machine's load is \d+\.\d on the \d+ cores? this "
+        r"process may use. Raise search.trial_time_budget_s to ~400 or free the machine.",
+        console.export_text(),
+    )
     # One trial pruned for another reason: the configurations may be the problem.
     study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"reason": "diverged"}))
     assert none_completed(study.get_trials()) == (
