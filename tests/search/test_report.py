@@ -10,7 +10,14 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 from rich.console import Console
 
-from search.report import StudyProgress, rerun_overrides, trial_line
+from search.report import (
+    StudyProgress,
+    counts_line,
+    rerun_overrides,
+    summary,
+    summary_markdown,
+    trial_line,
+)
 
 
 def _trial(batch: int, precision: str, state: TrialState, **attrs) -> optuna.trial.FrozenTrial:
@@ -77,3 +84,23 @@ def test_a_trial_reason_is_printed_whole_wrapped_in_a_terminal() -> None:
             assert max(map(len, lines)) <= 80  # wrapped to the terminal
         else:
             assert any(reason in line for line in lines)  # one line in a log
+
+
+def test_a_study_whose_only_repeat_is_of_a_pruned_oom_is_summarised() -> None:
+    """The only REPEAT answers an OOM (no completed trial behind it): the counts, the
+    summary and summary.md are made without dividing by the completed trials' repeats."""
+    study = optuna.create_study(directions=["maximize"])
+    oom = {"reason": "oom", "peak_bytes": 50 * 2**20, "budget_bytes": 40 * 2**20}
+    study.add_trial(_trial(64, "fp32", TrialState.PRUNED, **oom))
+    repeat = {**oom, "repeat_of": 0, "message": "the configuration of trial 0: answered"}
+    study.add_trial(_trial(64, "fp32", TrialState.PRUNED, **repeat))
+    study.add_trial(_trial(16, "fp32", TrialState.COMPLETE, val_acc=0.5))
+    trials = study.get_trials()
+    assert counts_line(trials) == (
+        "2 finished trials: 1 COMPLETE, 1 PRUNED (oom); not counted, answered without "
+        "training: 1 REPEAT"
+    )
+    console = Console(record=True, width=200)
+    summary(console, study, ["val/acc"], None)
+    assert "1 REPEAT" in console.export_text()
+    assert "1 REPEAT" in summary_markdown(study, ["val/acc"], None)
