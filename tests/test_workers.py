@@ -200,3 +200,27 @@ def test_tracking_server_outage_loses_nothing_and_no_password_shows(tmp_path: Pa
     assert "MLflow reachable again: the queued records are written" in out
     configs = [t for t in texts if "tracking_uri: http://batchfit:***@" in t]
     assert configs  # the trials' config.yaml artifacts and Hydra's saved config, masked
+
+
+def test_submitit_local_workers_say_where_their_output_and_the_answer_are(
+    tmp_path: Path,
+) -> None:
+    """The submitit workers print into files: the launching command says which, the
+    study's one answer and the best.yaml files, once they are done."""
+    args = [
+        "--multirun", "hydra/launcher=submitit_local", "search.workers=2", "search.n_trials=2",
+        "hydra.launcher.timeout_min=10", *STUDY,
+    ]  # fmt: skip
+    out, _ = finish(search_process(args, tmp_path))
+    logs = re.findall(r"^  (\S+/\.submitit/\S+_log\.out)$", out, re.MULTILINE)
+    assert len(logs) == 2, out
+    study = journal_study(tmp_path / "mlruns" / "optuna.journal", "w")
+    decided = study.user_attrs[DECISION_ATTR]
+    header = decided["best_yaml"].splitlines()[0].removeprefix("# ")
+    assert f"Study w, answered once by the worker on {decided['made_by']}: {header}" in out
+    for log in logs:  # each worker printed that same answer into its file
+        assert header.split(": ", 1)[1][:60] in (tmp_path / log).read_text()
+    written = re.findall(r"^  best.yaml: (\S+)$", out, re.MULTILINE)
+    assert len(written) == 2
+    assert {(tmp_path / w).read_text() for w in written} == {decided["best_yaml"]}
+    assert f"Train it again: python -m train +best={written[0]}" in out
