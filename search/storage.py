@@ -359,7 +359,10 @@ class SafeJournalFileBackend(JournalFileBackend):
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
         data = ("\n".join(json.dumps(log, separators=(",", ":")) for log in logs) + "\n").encode()
-        with get_lock_file(self.lock), open(self.path, "a+b") as f:
+        # Unbuffered: every byte the kernel took is one `_write` knows of, and none is left
+        # in a buffer for closing the file to flush after the cut below (the tail of a
+        # record, which a running worker then fails to parse).
+        with get_lock_file(self.lock), open(self.path, "a+b", buffering=0) as f:
             end = f.seek(0, os.SEEK_END)
             try:
                 if end and _byte_at(f, end - 1) != b"\n":
@@ -377,8 +380,11 @@ class SafeJournalFileBackend(JournalFileBackend):
 
     @staticmethod
     def _write(f: Any, data: bytes) -> None:
-        f.write(data)
-        f.flush()
+        """All of `data`, to the file's end (O_APPEND), through write(2) itself: a short
+        write is continued, and the first error raised with nothing of it buffered."""
+        view = memoryview(data)
+        while view:
+            view = view[os.write(f.fileno(), view) :]
         os.fsync(f.fileno())
 
     def _cut_torn_tail(self, f: Any, end: int) -> int:

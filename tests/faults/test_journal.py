@@ -7,7 +7,6 @@ A new fault goes into tests/faults/inject.py as a flag, and its test here or bes
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from search.storage import (
     SafeJournalFileBackend,
     open_storage,
 )
+from tests.faults.disk import fill, mount_tmpfs, unmount
 from tests.faults.study import (
     NAME,
     STUDY,
@@ -159,39 +159,19 @@ def test_a_dangling_lock_link_does_not_hang_the_study(tmp_path: Path) -> None:
     assert len([t for t in study.trials if t.state == TrialState.COMPLETE]) == 2
 
 
-def _tmpfs(path: Path, size: str) -> None:
-    path.mkdir()
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-            check=True, capture_output=True,
-        )  # fmt: skip
-    except (OSError, subprocess.CalledProcessError) as error:
-        pytest.skip(f"cannot mount a tmpfs here ({error})")
-
-
-def _fill(folder: Path, leave_bytes: int) -> Path:
-    """A file that leaves `leave_bytes` free on folder's filesystem (in whole blocks)."""
-    filler = folder / "filler"
-    stat = os.statvfs(folder)
-    free = stat.f_bavail * stat.f_frsize
-    filler.write_bytes(b"\0" * max(0, free - leave_bytes))
-    return filler
-
-
 @pytest.fixture
 def small_disk(tmp_path: Path):
     disk = tmp_path / "disk"
-    _tmpfs(disk, "1m")
+    mount_tmpfs(disk, "1m")
     yield disk
-    subprocess.run(["umount", str(disk)], check=False)
+    unmount(disk)
 
 
 def test_an_append_on_a_full_disk_leaves_the_journal_whole(small_disk: Path) -> None:
     journal = small_disk / "optuna.journal"
     _study_with_trials(f"journal:{journal}", 1)
     before = journal.read_bytes()
-    _fill(small_disk, 0)
+    fill(small_disk, 0)
     backend = SafeJournalFileBackend(journal)
     big = [{"op_code": 8, "worker_id": "w", "trial_id": 0, "user_attr": {"x": "y" * 20000}}]
     with pytest.raises(JournalWriteError, match="could not be written .*No space left"):
@@ -205,7 +185,7 @@ def test_a_disk_that_fills_mid_study_then_resumes(tmp_path: Path, small_disk: Pa
     """The journal's filesystem fills during the first trial: the study stops with a
     message, not a traceback; once space is freed, the same command completes it."""
     storage = [f"search.storage=journal:{small_disk}/optuna.journal"]
-    filler = _fill(small_disk, 4096)  # one page: the first trial's records do not fit
+    filler = fill(small_disk, 4096)  # one page: the first trial's records do not fit
     stopped = run_study(tmp_path, [*STUDY, *storage], returncode=1)
     assert "Storage error" in stopped.stderr and "No space left" in stopped.stderr
     assert "Traceback" not in stopped.stderr + stopped.stdout
@@ -222,3 +202,51 @@ def test_a_sigkill_at_every_kind_of_journal_append_then_resume_first_third(tmp_p
     """tests/faults/study.py kill_at_every_kind, the first third of the kinds (the rest
     is tests/faults/test_journal_kills.py, so that two workers run them side by side)."""
     kill_at_every_kind(tmp_path, 0)
+
+
+# A second worker on the same journal, open across another worker's failed append: it waits
+# for a line on stdin, then runs a trial and says how many the study holds.
+_WORKER = textwrap.dedent(
+    """
+    import sys
+    import optuna
+    from search.storage import open_storage
+    study = optuna.load_study(study_name="s", storage=open_storage("journal:" + sys.argv[1], None))
+    print(len(study.trials), flush=True)
+    sys.stdin.readline()
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=1)
+    print(len(study.trials), flush=True)
+    """
+)
+
+
+def test_a_failed_append_leaves_nothing_for_a_running_worker_to_trip_on(small_disk: Path) -> None:
+    """A record shorter than a write buffer, of which the disk takes only a part: the
+    journal ends at the record before it, byte for byte, and stays so (no buffer left to
+    flush after the cut), and a worker that had it open reads and appends after it."""
+    journal = small_disk / "optuna.journal"
+    _study_with_trials(f"journal:{journal}", 1)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _WORKER, str(journal)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    try:
+        assert worker.stdout.readline().strip() == "1"
+        before = journal.read_bytes()
+        assert len(before) < 4096  # the rest of its page takes part of the record below
+        filler = fill(small_disk, 0)
+        backend = SafeJournalFileBackend(journal)
+        record = [{"op_code": 8, "worker_id": "w", "trial_id": 0, "user_attr": {"x": "y" * 5000}}]
+        with pytest.raises(JournalWriteError, match="No space left"):
+            backend.append_logs(record)
+        assert journal.read_bytes() == before
+        filler.unlink()
+        assert journal.read_bytes() == before
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+        assert worker.stdout.readline().strip() == "2", worker.communicate()
+        assert worker.wait(timeout=60) == 0
+    finally:
+        worker.kill()
+        worker.wait()
+    assert [t.state for t in _load(f"journal:{journal}").trials] == [TrialState.COMPLETE] * 2
