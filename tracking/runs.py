@@ -18,6 +18,8 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
+import sqlite3
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -77,6 +79,12 @@ MIB = 2**20
 PARENT_WAIT_S = 60.0  # how long a worker waits for the parent run another worker creates
 FRESH_EXPERIMENT_S = 300.0  # an experiment younger than this may still be getting its parent
 START_RETRY_S = 30.0  # reaching the store at start (SQLite schema being created by a peer)
+# What MLflow's schema migrations meet in a SQLite store whose creation stopped part-way:
+# they are not transactional, and the next run trips on what the last one left.
+_HALF_MADE = re.compile(r"already exists|duplicate column|no such (table|column)", re.IGNORECASE)
+# Tables a new MLflow store fills itself: the schema's version and the default workspace
+# (and the Default experiment, id 0, which _empty_if_it_holds_nothing passes over).
+_SEEDED_TABLES = ("alembic_version", "workspaces")
 
 
 # The tracking stores MLflow 3 has (a bare path is a file store too), as URI schemes; a
@@ -339,6 +347,72 @@ def _sqlite_path(uri: str) -> Path | None:
     return Path(path) if path and path != ":memory:" else None
 
 
+def _open_client(uri: str) -> MlflowClient:
+    """A client whose store is open (MLflow creates or migrates a SQLite schema at its first
+    call). A SQLite store whose creation a full disk cut short fails every later run ("table
+    _alembic_tmp_runs already exists"): holding nothing, it is emptied and made anew; holding
+    something, it is left as it is and the error says what to do."""
+    try:
+        client = MlflowClient(uri)
+        client.search_experiments(max_results=1)
+        return client
+    except Exception as error:
+        path = _sqlite_path(uri)
+        if path is None or not _HALF_MADE.search(str(error)):
+            raise
+        reason = str(error).splitlines()[0]
+        try:
+            emptied = _empty_if_it_holds_nothing(path)
+        except sqlite3.Error as failure:
+            raise ConfigError([_half_made_advice(uri, path, reason, str(failure))]) from None
+        if not emptied:
+            raise ConfigError(
+                [_half_made_advice(uri, path, reason, "it holds experiments or runs")]
+            ) from None
+    _logger.warning(
+        "MLflow's store %s was half-made (its creation stopped part-way, as on a full disk: "
+        "%s) and held nothing: made anew",
+        path,
+        reason,
+    )
+    client = MlflowClient(uri)
+    client.search_experiments(max_results=1)
+    return client
+
+
+def _empty_if_it_holds_nothing(path: Path) -> bool:
+    """Drop every table of the SQLite store if it holds nothing but what MLflow puts in a new
+    one (whatever its schema's state; a table a migration was copying counts); True if it
+    did. In place, in one transaction: MLflow keeps one engine per URI, whose pooled
+    connections would still write to a file moved aside."""
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as db:
+        db.execute("BEGIN IMMEDIATE")  # no other writer between the check and the drop
+        objects = db.execute(
+            "SELECT type, name FROM sqlite_master "
+            "WHERE type IN ('table', 'view') AND name NOT LIKE 'sqlite_%'"
+        ).fetchall()
+        for kind, name in objects:
+            where = " WHERE experiment_id != 0" if name == "experiments" else ""
+            seeded = name in _SEEDED_TABLES or kind == "view"
+            if not seeded and db.execute(f'SELECT 1 FROM "{name}"{where} LIMIT 1').fetchone():
+                db.execute("ROLLBACK")
+                return False
+        for kind, name in objects:
+            db.execute(f'DROP {kind.upper()} IF EXISTS "{name}"')
+        db.execute("COMMIT")
+    return True
+
+
+def _half_made_advice(uri: str, path: Path, reason: str, kept_because: str) -> str:
+    return (
+        f"mlflow.tracking_uri={redact(uri)!r}: the store {path} was left half-made (MLflow's "
+        f"schema migration stopped part-way, as on a full disk: {redact(reason)}), and batchfit "
+        f"left it as it is ({kept_because}). MLflow cannot finish that migration: move it "
+        f"aside to start a new store there (mv {path} {path}.broken), or use another, e.g. "
+        f"mlflow.tracking_uri=sqlite:///{path.with_name('mlflow-new.db')}"
+    )
+
+
 @contextlib.contextmanager
 def _schema_lock(uri: str) -> Iterator[None]:
     """Workers opening one new SQLite store together would each run MLflow's schema
@@ -511,6 +585,8 @@ def _retry_at_start(call: Callable[[], Any], tracking_uri: str) -> Any:
         try:
             with interrupts.deferred():  # as the outbox's writes (tracking/interrupts.py)
                 return call()
+        except ConfigError:
+            raise  # already says what to do
         except Exception as error:
             retry = is_transient(error) or "already exists" in str(error)
             if not retry or time.monotonic() > deadline:
@@ -542,7 +618,7 @@ class Tracker:
         self.outbox = Outbox()
         self.created_experiment = False  # True in the one worker that created it
         with _schema_lock(tracking_uri):  # MlflowClient creates or migrates the schema
-            self.client = _retry_at_start(lambda: MlflowClient(tracking_uri), tracking_uri)
+            self.client = _retry_at_start(lambda: _open_client(tracking_uri), tracking_uri)
             self.experiment_id = _retry_at_start(
                 lambda: self._experiment(experiment_name, artifact_root), tracking_uri
             )
