@@ -129,20 +129,31 @@ class FeasibilityFilter(BaseSampler):
         self.base.reseed_rng()
 
 
+# Optuna's GridSampler lists every point of its grid in memory (10^8 points: a MemoryError),
+# and a study trains a few dozen of them: a grid larger than this is refused, with its size.
+MAX_GRID_POINTS = 1_000_000
+
+
+def _grid_count(dist: BaseDistribution) -> int | None:
+    """How many values of `dist` a grid enumerates; None: continuous, no finite grid."""
+    if isinstance(dist, CategoricalDistribution):
+        return len(dist.choices)
+    if isinstance(dist, IntDistribution) and not dist.log:
+        return (dist.high - dist.low) // dist.step + 1
+    if isinstance(dist, IntDistribution | FloatDistribution) and dist.step is not None:
+        return round((dist.high - dist.low) / dist.step) + 1
+    return None
+
+
 def grid_of(space: SearchSpace) -> dict[str, list[Any]]:
     """search.params as GridSampler's search space: every value of every key. A continuous
-    interval has no finite grid: refused, with points to use instead."""
-    grid: dict[str, list[Any]] = {}
+    interval has no finite grid, and a grid over MAX_GRID_POINTS cannot be listed: both
+    refused, with what to give instead. Counted before any value is listed."""
+    counts = {key: _grid_count(dist) for key, dist in space.distributions.items()}
     problems = []
-    for key, dist in space.distributions.items():
-        if isinstance(dist, CategoricalDistribution):
-            grid[key] = list(dist.choices)
-        elif isinstance(dist, IntDistribution) and not dist.log:
-            grid[key] = list(range(dist.low, dist.high + 1, dist.step))
-        elif isinstance(dist, IntDistribution | FloatDistribution) and dist.step is not None:
-            count = round((dist.high - dist.low) / dist.step) + 1
-            grid[key] = [dist.low + i * dist.step for i in range(count)]
-        else:
+    for key, count in counts.items():
+        if count is None:
+            dist = space.distributions[key]
             points = _points(dist.low, dist.high, dist.log)
             problems.append(
                 f"search.params.{key} is continuous ({'log ' if dist.log else ''}interval "
@@ -152,6 +163,26 @@ def grid_of(space: SearchSpace) -> dict[str, list[Any]]:
             )
     if problems:
         raise ConfigError(problems)
+    size = math.prod(counts.values())
+    if size > MAX_GRID_POINTS:
+        factors = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+        raise ConfigError(
+            [
+                f"search/sampler=grid: search.params make a grid of {size:,} points "
+                f"({' x '.join(f'{key} {count:,}' for key, count in factors)}), more than the "
+                f"{MAX_GRID_POINTS:,} Optuna's GridSampler can list; give the largest fewer "
+                "values (choice(16, 64, 256), or a range with a step: range(1, 100, 10)), "
+                "or search them with search/sampler=tpe"
+            ]
+        )
+    grid: dict[str, list[Any]] = {}
+    for key, dist in space.distributions.items():
+        if isinstance(dist, CategoricalDistribution):
+            grid[key] = list(dist.choices)
+        elif isinstance(dist, IntDistribution) and not dist.log:
+            grid[key] = list(range(dist.low, dist.high + 1, dist.step))
+        else:
+            grid[key] = [dist.low + i * dist.step for i in range(counts[key])]
     return grid
 
 
