@@ -32,6 +32,7 @@ from tracking.console import config_error, crashed, stopped
 from tracking.redact import redact_logging
 from tracking.runs import http_defaults, quiet_logging
 from train.config import ConfigError
+from train.overrides import composed, run_checked, unknown_top_level
 from train.threads import plan_threads
 
 
@@ -97,6 +98,7 @@ def select_gpu(job_num: int) -> None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    composed()
     redact_logging()
     http_defaults()
     quiet_logging()
@@ -111,6 +113,10 @@ def main(cfg: DictConfig) -> float | None:
     if multirun:
         select_gpu(hydra_cfg.job.num)
     try:
+        overrides = task_overrides(hydra_cfg)
+        problems = unknown_top_level(cfg, overrides)
+        if problems:
+            raise ConfigError(problems)
         # First, before any torch work: each worker's share of the cores (train/threads.py).
         # Local launchers (joblib, submitit_local) run search.workers processes at once on
         # these cores; Hydra's basic launcher runs them one after another, and a SLURM job
@@ -123,7 +129,7 @@ def main(cfg: DictConfig) -> float | None:
         console.print(threads.describe(), soft_wrap=True)
         driver = StudyDriver.prepare(
             cfg,
-            task_overrides(hydra_cfg),
+            overrides,
             dict(hydra_cfg.runtime.choices),
             console,
             multirun=multirun,
@@ -165,4 +171,7 @@ if __name__ == "__main__":
     # full collection (and the interpreter's at exit) skips its ~560k objects (exit
     # 3 s -> 0.4 s on 2 busy cores). Nothing is trained yet, so no cycle is kept.
     gc.freeze()
-    main()
+    try:
+        run_checked(main)
+    except ConfigError as error:  # an override of a key the config does not have
+        config_error(Console(stderr=True), error)

@@ -48,6 +48,7 @@ from tracking.redact import redact_logging
 from train.config import ConfigError, TrainerConfig
 from train.device import DeviceSpec
 from train.memory import format_bytes
+from train.overrides import composed, run_checked, unknown_top_level
 from train.params import (
     ACCUM_KEY,
     BATCH_KEY,
@@ -757,6 +758,7 @@ UNSUPPORTED_STATUS = 3  # the model does not run on fake tensors: nothing to rep
 def main(cfg: DictConfig) -> None:
     from search.validate import validate  # the study's own checks, storage left alone
 
+    composed()
     redact_logging()
     console, errors = Console(), Console(stderr=True)
     if not console.is_terminal:
@@ -766,6 +768,9 @@ def main(cfg: DictConfig) -> None:
     given = task_overrides(hydra_cfg)  # the command line, which the advice's commands extend
     workloads = Workloads()  # one data set and predictor for the checks and the report
     try:
+        problems = unknown_top_level(cfg, given)
+        if problems:
+            raise ConfigError(problems)
         base = with_gpu_budget(cfg, given)  # search.gpu=CARD: the card's budget
 
         def compose(trial_overrides: list[str]) -> DictConfig:
@@ -814,4 +819,7 @@ NOTHING_FITS = "Nothing fits: batch 1 is predicted with each lever batchfit has,
 if __name__ == "__main__":
     # The imports' objects out of the collector's reach, as in search/__main__.py.
     gc.freeze()
-    main()
+    try:
+        run_checked(main)
+    except ConfigError as error:  # an override of a key the config does not have
+        config_error(Console(stderr=True), error)

@@ -53,7 +53,15 @@ from train.flops import MFU_NOTE_TAG
 from train.loop import Diverged, Hooks, RunResult
 from train.memory import OutOfMemory, format_bytes
 from train.noise import NOISE_TAG
-from train.overrides import BEST_KEY, load_overrides, merge_overrides, override_key
+from train.overrides import (
+    BEST_KEY,
+    composed,
+    load_overrides,
+    merge_overrides,
+    override_key,
+    run_checked,
+    unknown_top_level,
+)
 from train.predict import Prediction, PredictionUnsupported
 from train.preflight import PreflightConfig, misfit
 from train.run import (
@@ -103,6 +111,7 @@ class Prepared:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    composed()
     redact_logging()
     http_defaults()
     quiet_logging()
@@ -139,6 +148,9 @@ def _prepare(cfg: DictConfig, console: Console) -> Prepared:
     # What composed cfg, for the saved model: the task's overrides, after the search path's
     # (a user's config groups; hydra.* overrides are kept apart from the task's).
     overrides = [o for o in given.hydra if override_key(o) == SEARCHPATH_KEY] + list(given.task)
+    problems = unknown_top_level(cfg, overrides, own=(BEST_KEY, SAVE_KEY))
+    if problems:
+        raise ConfigError(problems)
     if BEST_KEY in cfg:
         cfg, overrides, retrain = _recommended(cfg, console)
     overrides = with_gpu_budget(cfg, overrides)  # search.gpu=CARD: the card's budget
@@ -389,4 +401,7 @@ def _save(ready: Prepared, log: RunLog, model: torch.nn.Module) -> str:
 if __name__ == "__main__":
     # The imports' objects out of the collector's reach, as in search/__main__.py.
     gc.freeze()
-    main()
+    try:
+        run_checked(main)
+    except ConfigError as error:  # an override of a key the config does not have
+        config_error(Console(stderr=True), error)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from train.precision import PRECISIONS
 
@@ -69,6 +72,24 @@ def unknown_keys(
         hint = f"; did you mean {section}.{close[0]}?" if close else ""
         problems.append(f"{section}.{key} is not {owner}; known: {', '.join(known)}{hint}")
     return problems
+
+
+def not_yaml(path: str | Path, text: str, error: yaml.YAMLError) -> str:
+    """Where and why `text`, read from `path`, is not YAML: `PATH:LINE:COLUMN is not valid
+    YAML (what)`, 1-based like an editor's, so that the message alone finds the mistake."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    if mark is not None:
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}"
+    elif isinstance(error, yaml.reader.ReaderError):  # a character YAML refuses: NUL, ...
+        line = text.count("\n", 0, error.position) + 1
+        column = error.position - (text.rfind("\n", 0, error.position) + 1) + 1
+        where = f"{path}:{line}:{column}"
+    else:
+        where = str(path)
+    what = getattr(error, "problem", None) or getattr(error, "reason", None) or str(error)
+    if isinstance(error, yaml.reader.ReaderError) and isinstance(error.character, int):
+        what = f"character U+{error.character:04X}: {what}"
+    return f"{where} is not valid YAML ({str(what).splitlines()[0]})"
 
 
 def section_from_mapping(

@@ -22,6 +22,7 @@ values, so a 70B checkpoint is predicted without reading it.
 
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 import warnings
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -38,6 +40,8 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from train.config import not_yaml
 
 ARCHITECTURES = Path(__file__).resolve().parent.parent / "conf" / "architecture"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -65,17 +69,43 @@ def _read_config(config: str | Mapping[str, Any]) -> dict[str, Any]:
             f"model.config={config!r} is neither an architecture of conf/architecture/ "
             f"({', '.join(architectures())}) nor a YAML/JSON file or checkpoint directory"
         )
+    where = f"model.config={config!r}: {path}"
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{where} is not a text file ({error.reason} at byte {error.start}); give a YAML "
+            "or JSON architecture"
+        ) from None
     if path.suffix == ".json":
-        return json.loads(path.read_text())
-    from omegaconf import OmegaConf
+        try:
+            settings = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"{where}:{error.lineno}:{error.colno} is not valid JSON ({error.msg}); "
+                "fix the file"
+            ) from None
+    else:
+        from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        try:  # OmegaConf's YAML: 1e-5 is a number, as in conf/
+            settings = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+        except yaml.YAMLError as error:
+            raise ValueError(
+                f"model.config={config!r}: {not_yaml(path, text, error)}; fix the file"
+            ) from None
+    if not isinstance(settings, dict):
+        raise ValueError(
+            f"{where} holds no mapping of settings (model_type: llama, hidden_size: ...); "
+            "give an architecture like conf/architecture/llama3_tiny.yaml"
+        )
+    return settings
 
 
 def architecture(config: str | Mapping[str, Any], vocab_size: int | None = None):  # noqa: ANN201
     """A transformers PretrainedConfig for `model.config`; a vocab_size of null takes the
     data's (`vocab_size`)."""
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     settings = _read_config(config)
     model_type = settings.pop("model_type", None)
@@ -89,6 +119,13 @@ def architecture(config: str | Mapping[str, Any], vocab_size: int | None = None)
             )
         settings["vocab_size"] = vocab_size
     settings.pop("architectures", None)
+    if model_type not in CONFIG_MAPPING:  # its own error lists every type, ~800, on one line
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else "e.g. llama, mistral, qwen2"
+        raise ValueError(
+            f"model.config={config!r}: model_type {model_type!r} is not a model type of "
+            f"transformers; {hint}"
+        )
     try:
         return AutoConfig.for_model(model_type, **settings)
     except (KeyError, ValueError) as error:
@@ -218,6 +255,7 @@ def causal_lm(
     from peft import get_peft_model
 
     settings = lora_config(lora)
+    _check_targets(model, settings.target_modules)
     # peft moves each new adapter to its base layer's device with Module.to, which cannot
     # swap a fake tensor's parameters; the adapters are built real (they are small) and the
     # predictor makes them fake with the rest.
@@ -225,6 +263,32 @@ def causal_lm(
         # peft reads transformers' deprecated is_gradient_checkpointing (transformers 5)
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
         return get_peft_model(model, settings)
+
+
+def _check_targets(model: nn.Module, targets: Any) -> None:
+    """Every name of model.lora.target_modules names a layer of the model, as peft matches
+    them (the name, or its last dotted parts). peft refuses a list that matches nothing, but
+    a typo beside a valid name (`[q_proj, nosuch_proj]`) would train without the adapters
+    it meant, silently. A string (a regex, `all-linear`) is peft's to match."""
+    if targets is None or isinstance(targets, str):  # peft's default for the model, a regex
+        return
+    layers = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear | nn.Embedding)
+    ]
+    missing = sorted(t for t in targets if not any(n == t or n.endswith(f".{t}") for n in layers))
+    if not missing:
+        return
+    known = sorted({name.rsplit(".", 1)[-1] for name in layers})
+    problems = []
+    for target in missing:
+        close = difflib.get_close_matches(target, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        problems.append(f"{target} is not a module of the model{hint}")
+    raise ValueError(
+        f"model.lora.target_modules: {'; '.join(problems)}; its modules: {', '.join(known)}"
+    )
 
 
 def _check_data(arch: Any, vocab_size: int | None, block_size: int | None) -> None:

@@ -1,17 +1,27 @@
 """Hydra overrides as data: the key an override sets, an ordered merge where a later key
-wins, and the overrides of a best.yaml (`python -m train +best=PATH`, written by a study's
-search/recommend.py).
+wins, the overrides of a best.yaml (`python -m train +best=PATH`, written by a study's
+search/recommend.py), and the command line's keys checked against the config, so that a
+typo gets "did you mean ...?" instead of Hydra's advice or a run that ignores it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import difflib
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
+import hydra
 import yaml
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException, HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from train.config import ConfigError
+from train.config import ConfigError, not_yaml
 
+CONF = Path(__file__).resolve().parent.parent / "conf"  # the entry points' config_path
 BEST_FILE = "best.yaml"
 BEST_KEY = "best"  # python -m train +best=PATH
 
@@ -27,7 +37,14 @@ def load_overrides(path: str | Path) -> list[str]:
     fix = f"give the path of a {BEST_FILE} a study wrote, e.g. +{BEST_KEY}=mlruns/.../{BEST_FILE}"
     if not file.is_file():
         raise ConfigError([f"{BEST_KEY}={str(path)!r}: no such file; {fix}"])
-    loaded = yaml.safe_load(file.read_text())  # as written: ${...} stays an interpolation
+    text = file.read_text(errors="replace")  # a NUL or binary byte: said by YAML, with its line
+    try:
+        loaded = yaml.safe_load(text)  # as written: ${...} stays an interpolation
+    except yaml.YAMLError as error:
+        problem = not_yaml(file, text, error)
+        raise ConfigError(
+            [f"{BEST_KEY}={str(path)!r}: {problem}; fix the file, or {fix}"]
+        ) from None
     overrides = loaded.get("overrides") if isinstance(loaded, Mapping) else None
     if (
         not isinstance(overrides, list)
@@ -42,3 +59,153 @@ def merge_overrides(first: Sequence[str], then: Sequence[str]) -> list[str]:
     """`first`, less the keys `then` sets, followed by `then`: the later one wins."""
     later = {override_key(o) for o in then}
     return [o for o in first if override_key(o) not in later] + list(then)
+
+
+def _top_level_problem(head: str, override: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(head, known, n=1)
+    fix = (
+        f"did you mean {close[0]}? ({close[0]}{override.split(head, 1)[1]})"
+        if close
+        else f"remove {override}"
+    )
+    return f"{head} is not a top-level key of the config; known: {', '.join(known)}; {fix}"
+
+
+def unknown_top_level(
+    cfg: DictConfig, overrides: Sequence[str], own: Iterable[str] = ()
+) -> list[str]:
+    """One problem per top-level key that a `+` override added and nothing reads (`+sed=5`
+    for seed): Hydra adds any key it is given with `+`, and the run would train with the
+    config's seed while its rerun command carried the typo. `own`: the entry point's own
+    top-level keys (`best`, `save` of python -m train). A config group (`+experiment=resnet`,
+    a user's own on the search path) is not a key; nor is Hydra's `hydra`. Called within
+    the entry point's @hydra.main, whose config it composes again without the added keys."""
+    own = set(own)
+    loader = GlobalHydra.instance().config_loader()
+    added: dict[str, str] = {}  # top-level key -> the first override that adds it
+    for override in overrides:
+        key = override_key(override)
+        head = key.split(".", 1)[0]
+        if not override.startswith("+") or head in own or head == "hydra" or "@" in key:
+            continue
+        if "/" in key or loader.get_group_options(head):
+            continue
+        added.setdefault(head, override)
+    if not added:
+        return []
+    rest = [o for o in overrides if override_key(o).split(".", 1)[0] not in added]
+    try:  # the config without them: which of them it has already (`+loader.x=1`, `++seed=1`)
+        base = hydra.compose(config_name="config", overrides=rest)
+    except HydraException:
+        return []  # nothing to compare with: the config's own checks see what they add
+    known = sorted(set(base) | own)
+    return [
+        _top_level_problem(head, override, known)
+        for head, override in sorted(added.items())
+        if head not in base
+    ]
+
+
+# Hydra prints a failed composition itself and exits 1, unless this is "1" (or a debugger
+# runs): then it raises the error for the entry point to report. _OURS marks it as set by
+# run_checked, in the processes a launcher starts too, so that `composed()` unsets it.
+_FULL_ERROR = "HYDRA_FULL_ERROR"
+_OURS = "BATCHFIT_HYDRA_FULL_ERROR"
+
+
+def run_checked(main: Callable[[], object]) -> None:
+    """Run the @hydra.main `main`; an override of a key the config does not have
+    (`search.memory_budgt=100MiB`) raises a ConfigError with the closest key instead of
+    Hydra's "To append to your config use +search.memory_budgt=100MiB", which only leads
+    to the same typo, added. Hydra's other errors are reported as Hydra reports them.
+    `main` calls `composed()` first, which hands its own errors back to Hydra."""
+    user_set = os.environ.get(_FULL_ERROR) == "1"
+    if not user_set:
+        os.environ.update({_FULL_ERROR: "1", _OURS: "1"})
+    try:
+        main()
+    except HydraException as error:
+        problem = _missing_key(error)
+        if problem is not None:
+            raise ConfigError([problem]) from None
+        if user_set:
+            raise
+        _hydra_report(error)
+    finally:
+        composed()
+
+
+def composed() -> None:
+    """The config is composed: Hydra reports the entry point's errors again (run_checked)."""
+    if os.environ.pop(_OURS, None) is not None:
+        os.environ.pop(_FULL_ERROR, None)
+
+
+def _hydra_report(error: HydraException) -> None:
+    """What Hydra prints for a failed composition, and its exit status."""
+    sys.stderr.write(f"{error}\n")
+    if isinstance(error.__cause__, Exception):
+        sys.stderr.write(f"{error.__cause__}\n")
+    sys.exit(1)
+
+
+# Hydra's flags that take a value as the next argument (`-cd DIR`): not overrides.
+_VALUED_FLAGS = {
+    "-cd", "--config-dir", "-cn", "--config-name", "-cp", "--config-path", "-c", "--cfg",
+    "-p", "--package", "-i", "--info", "--experimental-rerun",
+}  # fmt: skip
+
+
+def _command_line() -> list[str]:
+    """The overrides of sys.argv (Hydra's flags and their values left out)."""
+    overrides, flag_value = [], False
+    for arg in sys.argv[1:]:
+        if flag_value:
+            flag_value = False
+        elif arg.startswith("-"):
+            flag_value = arg in _VALUED_FLAGS
+        else:
+            overrides.append(arg)
+    return overrides
+
+
+def _missing_key(error: HydraException) -> str | None:
+    """batchfit's message for Hydra's "Could not override 'KEY'" of a key the config does
+    not have, with the closest key of the config composed without it; None for any other
+    failure, or when the config does not compose without it either."""
+    if not (
+        isinstance(error, ConfigCompositionException)
+        and isinstance(error.__cause__, ConfigAttributeError | ConfigKeyError)
+    ):
+        return None
+    overrides = _command_line()
+    failed = [
+        o
+        for o in overrides
+        if not o.startswith(("+", "~")) and f"'{override_key(o)}'" in str(error)
+    ]
+    if not failed:
+        return None
+    override = failed[0]
+    key, value = override_key(override), override.split("=", 1)[1]
+    try:  # Hydra has let go of its config search path: the entry points' conf/ again
+        with hydra.initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = hydra.compose("config", overrides=[o for o in overrides if o != override])
+    except HydraException:
+        return None
+    close = difflib.get_close_matches(key, _all_keys(cfg), n=1)
+    if close:
+        fix = f"did you mean {close[0]}? ({close[0]}={value})"
+    else:
+        fix = "check its spelling (`--cfg job` prints the config)"
+    return f"{override}: {key} is not a key of the config; {fix}"
+
+
+def _all_keys(cfg: Mapping, prefix: str = "") -> list[str]:
+    """Every key of `cfg`, dotted: `search.memory_budget`."""
+    keys = []
+    for name, value in cfg.items():
+        keys.append(f"{prefix}{name}")
+        if isinstance(value, Mapping):
+            keys += _all_keys(value, f"{prefix}{name}.")
+    return keys

@@ -113,6 +113,46 @@ class PackedSequences(Dataset):
         return {"input_ids": window, "labels": window}
 
 
+def _jsonl_texts(path: Path, text_key: str) -> Iterator[str]:
+    """The `text_key` field of each line of a JSONL file; a line that is not a JSON object
+    with that field is a ValueError naming `path:line`. Lines are split at newlines only:
+    str.splitlines() also splits at U+2028 and other separators that JSON strings may hold
+    raw, and cut such a record in two and numbered every line after it wrongly."""
+    try:
+        content = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"data.paths: {path} is not UTF-8 text ({error.reason} at byte {error.start})"
+        ) from None
+    example = f'{{"{text_key}": "..."}}'
+    for number, line in enumerate(content.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"data.paths: {path}:{number}:{error.colno} is not valid JSON ({error.msg}); "
+                f"a JSONL file holds one JSON object a line, e.g. {example}"
+            ) from None
+        if not isinstance(record, dict):
+            raise ValueError(
+                f"data.paths: {path}:{number} holds a JSON {_json_type(record)}, not an "
+                f"object; a JSONL file holds one JSON object a line, e.g. {example}"
+            )
+        if text_key not in record:
+            raise ValueError(
+                f"{path}:{number} has no {text_key!r} field (it has "
+                f"{sorted(record)}); set data.text_key"
+            )
+        yield str(record[text_key])
+
+
+def _json_type(value: object) -> str:
+    names = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return names.get(type(value), "null")
+
+
 def _documents(paths: Sequence[str], text_key: str, max_bytes: int | None) -> Iterator[str]:
     """The documents of `paths` (files or glob patterns, in the order given, each pattern's
     matches sorted): a JSONL file's lines (their `text_key` field), any other file whole."""
@@ -125,18 +165,7 @@ def _documents(paths: Sequence[str], text_key: str, max_bytes: int | None) -> It
     read = 0
     for path in files:
         if path.suffix == ".jsonl":
-            lines = path.read_text(encoding="utf-8").splitlines()
-            texts = []
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                if text_key not in record:
-                    raise ValueError(
-                        f"{path}:{number} has no {text_key!r} field (it has "
-                        f"{sorted(record)}); set data.text_key"
-                    )
-                texts.append(str(record[text_key]))
+            texts = list(_jsonl_texts(path, text_key))
         else:
             texts = [path.read_text(encoding="utf-8", errors="replace")]
         for text in texts:

@@ -1,0 +1,171 @@
+"""Bad input on the command line of `python -m search`, `python -m search.fit` and
+`python -m train`, as a user types it: one message naming the key and the fix, exit status 2,
+no traceback, before anything trains or is recorded."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.sweeps import run_module
+from train.config import ConfigError
+from train.hf import architecture
+from train.run import check_builds, plan
+from train.text import text_corpus
+
+FAST = ["model=small_cnn", "model.width=4", "data=digits", "trainer.max_epochs=1"]
+ENTRY_POINTS = ["search", "search.fit", "train"]
+
+
+def refused(module: str, args: list[str], cwd: Path) -> str:
+    """The one message of a refused command (rich wraps it at the terminal's width: joined
+    here); nothing was trained or recorded."""
+    done: subprocess.CompletedProcess = run_module(module, args, cwd, returncode=2)
+    output = done.stdout + done.stderr
+    assert "Traceback" not in output and "Error executing job" not in output, output
+    assert not (cwd / "mlruns" / "mlflow.db").exists()
+    return " ".join(done.stderr.split())
+
+
+# ---- 7. a top-level key added with `+` that nothing reads
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_mistyped_top_level_key_is_refused(tmp_path: Path, module: str) -> None:
+    """`+sed=5` (for seed) used to be accepted: the run trained with seed 0 and the rerun
+    command carried the typo."""
+    message = refused(module, [*FAST, "search.n_trials=1", "+sed=5"], tmp_path)
+    assert "sed is not a top-level key of the config" in message
+    assert "did you mean seed? (seed=5)" in message
+
+
+def test_unknown_top_level_key_lists_the_known_ones(tmp_path: Path) -> None:
+    message = refused("train", [*FAST, "+bogus_top=1"], tmp_path)
+    assert "bogus_top is not a top-level key of the config; known: " in message
+    assert "mlflow, model, optimizer" in message and "best, " in message  # train's +best
+    assert "remove +bogus_top=1" in message
+
+
+# ---- 8. a mistyped key without `+`: Hydra's advice is to append it
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_mistyped_key_without_plus_gets_the_close_match(tmp_path: Path, module: str) -> None:
+    """Hydra said "To append to your config use +search.memory_budgt=100MiB", and only the
+    second try, with the `+`, got batchfit's suggestion."""
+    message = refused(module, [*FAST, "search.memory_budgt=100MiB"], tmp_path)
+    assert "search.memory_budgt is not a key of the config" in message
+    assert "did you mean search.memory_budget? (search.memory_budget=100MiB)" in message
+    assert "To append to your config" not in message
+
+
+# ---- 9. tracebacks instead of one line
+
+LLM = ["+experiment=llm_lora", "data.max_bytes=20000", "data.seq_len=32", "trainer.device=cpu"]
+
+
+def test_yaml_error_in_an_architecture_file_names_the_file_and_line(tmp_path: Path) -> None:
+    """A model.config YAML that does not parse used to end in 100+ lines of traceback and
+    'InstantiationException while preparing it'."""
+    architecture = tmp_path / "arch.yaml"
+    architecture.write_text("model_type: llama\nhidden_size: [64\nnum_hidden_layers: 2\n")
+    message = refused("train", [*LLM, f"model.config={architecture}"], tmp_path)
+    assert f"model.config='{architecture}': {architecture}:3:" in message
+    assert "is not valid YAML" in message and "fix the file" in message
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "match"),
+    [
+        (
+            "nul.yaml",
+            b"model_type: llama\n\0hidden_size: 64\n",
+            r"nul.yaml:2:1 is not valid YAML \(character U\+0000: special characters",
+        ),
+        (
+            "cut.json",
+            b'{"model_type": "llama",\n "hidden_size": 6',
+            r"cut.json:2:18 is not valid JSON \(Expecting",
+        ),
+        ("binary.yaml", b"\xff\xfe\x00model", r"binary.yaml is not a text file"),
+        ("list.yaml", b"- llama\n", r"list.yaml holds no mapping of settings"),
+    ],
+)
+def test_an_unreadable_architecture_file_is_named_with_its_line(
+    tmp_path: Path, name: str, content: bytes, match: str
+) -> None:
+    """A NUL byte or a truncated JSON used to escape as yaml's ReaderError or a JSON error
+    naming no file; each is now a ValueError naming model.config, the file and the line,
+    which the pre-study build check reports as a ConfigError (the test above)."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"model.config='{path}': {tmp_path}/{match}"):
+        architecture(str(path), vocab_size=256)
+
+
+def test_yaml_error_in_best_yaml_names_the_file_and_line(tmp_path: Path) -> None:
+    best = tmp_path / "best.yaml"
+    best.write_text("study: s\ntrial: 1\noverrides: [model=mlp,\n  data=digits\n")
+    message = refused("train", [f"+best={best}"], tmp_path)
+    assert f"best='{best}': {best}:5:" in message and "is not valid YAML" in message
+
+
+@pytest.mark.slow
+def test_a_grid_too_large_to_enumerate_is_refused_with_its_size(tmp_path: Path) -> None:
+    """10^8 points: Optuna's GridSampler listed them all and ran out of memory."""
+    space = (
+        "+search.params={trainer.batch_size:'range(1,100)',trainer.max_steps:'range(1,100)',"
+        "trainer.log_every_steps:'range(1,100)',trainer.warmup_steps:'range(0,99)'}"
+    )
+    args = [*FAST, "search/sampler=grid", space]
+    message = refused("search", args, tmp_path)
+    assert "search/sampler=grid: search.params make a grid of 100,000,000 points" in message
+    assert "trainer.batch_size 100 x trainer.log_every_steps 100" in message
+    assert "search/sampler=tpe" in message
+
+
+# ---- 10. errors that say where
+
+
+@pytest.mark.parametrize(
+    ("lines", "match"),
+    [
+        # A raw U+2028 is valid inside a JSON string; str.splitlines() cut the line there,
+        # and every line after it was counted one too far.
+        (
+            ['{"text": "a\u2028b"}', '{"text": "ok"}', '{"text": "cut'],
+            r"x.jsonl:3:10 is not valid JSON \(Unterminated string",
+        ),
+        (['{"text": "ok"}', '["text"]'], r"x.jsonl:2 holds a JSON list, not an object"),
+    ],
+)
+def test_malformed_jsonl_names_the_file_and_its_line(
+    tmp_path: Path, lines: list[str], match: str
+) -> None:
+    path = tmp_path / "x.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"data.paths: {tmp_path}/{match}"):
+        text_corpus(str(path), seq_len=4)
+
+
+def test_a_mistyped_lora_target_module_is_refused_naming_the_modules(hydra_conf) -> None:
+    """[q_proj, nosuch_proj] used to train with q_proj's adapters alone, silently: peft
+    refuses only a list that matches nothing."""
+    cfg = hydra_conf([*LLM, "model.lora.target_modules=[q_proj,nosuch_proj]"])
+    expected = (
+        r"model.lora.target_modules: nosuch_proj is not a module of the model \(did you mean "
+        r"o_proj\?\); its modules: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj"
+    )
+    with pytest.raises(ConfigError, match=expected):
+        check_builds(cfg, plan(cfg, None))
+
+
+def test_an_unknown_model_type_suggests_the_closest_few(tmp_path: Path) -> None:
+    """The list of transformers' ~800 model types, on one line, was the whole help."""
+    with pytest.raises(ValueError) as raised:
+        architecture({"model_type": "lama", "hidden_size": 64}, vocab_size=256)
+    message = str(raised.value)
+    assert "model_type 'lama' is not a model type of transformers; did you mean llama" in message
+    assert len(message) < 400, message
