@@ -95,8 +95,13 @@ TABLE: dict[str, Check] = {
     ),
     "python -m search +experiment=resnet data=digits": Check("test_quick_start_digits"),
     "python -m search +experiment=gpt": Check("test_quick_start_gpt"),
-    "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu": Check(
-        "", "needs download.pytorch.org; no test or CI step installs the CPU build"
+    'pip install "torch>=2.14" "torchvision>=0.29" --index-url '
+    "https://download.pytorch.org/whl/cpu": Check(
+        ".ci/run",
+        "needs download.pytorch.org; CI checks that its CPU index lists a torch within "
+        "pyproject's bound, where it can reach the index",
+        'if versions=$(timeout 60 pip index versions torch --index-url "$cpu_index" '
+        "2>/dev/null); then",
     ),
     "mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db": Check("test_mlflow_ui"),
     "python -m search.fit +experiment=resnet data=digits": Check("test_fit_report"),
