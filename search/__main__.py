@@ -9,6 +9,7 @@ Several workers on one study: `python -m search --multirun search.workers=4 ...`
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import signal
 import sys
@@ -40,25 +41,34 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (SLURM preemption, scancel, a time limit, `kill`): stopped like Ctrl-C."""
 
 
+class HungUp(Terminated):
+    """SIGHUP (the terminal closed, an ssh connection dropped): stopped like SIGTERM."""
+
+
+STOPS = {signal.SIGINT: KeyboardInterrupt, signal.SIGTERM: Terminated, signal.SIGHUP: HungUp}
+EXIT_STATUS = {KeyboardInterrupt: 130, Terminated: 143, HungUp: 129}  # 128 + the signal
+
+
 def stop_on_signals(errors: Console) -> None:
-    """SIGINT and SIGTERM stop the study the same way: the running trial ends, its MLflow
-    run is KILLED and its parameters are queued to run again. The first signal interrupts;
-    any later one is said and ignored, so that the records being closed are closed (within
-    a few seconds) instead of a second traceback."""
+    """SIGINT, SIGTERM and SIGHUP stop the study the same way: the running trial ends, its
+    MLflow run is KILLED and its parameters are queued to run again. The first signal
+    interrupts; any later one is said and ignored, so that the records being closed are
+    closed (within a few seconds) instead of a second traceback."""
 
     def first(signum: int, frame: object) -> None:
-        for each in (signal.SIGINT, signal.SIGTERM):
+        for each in STOPS:
             signal.signal(each, later)
-        kind = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+        kind = STOPS[signal.Signals(signum)]
         interrupts.request(kind)  # raised again at the next step if this one is swallowed
         if not interrupts.deferring():  # else raised when the write in progress has ended
             raise kind()
 
     def later(signum: int, frame: object) -> None:
-        errors.print(
-            f"[yellow]{signal.Signals(signum).name}: already stopping; the records are being "
-            "closed[/yellow]"
-        )
+        with contextlib.suppress(OSError):  # a terminal that hung up takes no more output
+            errors.print(
+                f"[yellow]{signal.Signals(signum).name}: already stopping; the records are "
+                "being closed[/yellow]"
+            )
 
     default_hook = sys.unraisablehook
 
@@ -70,7 +80,7 @@ def stop_on_signals(errors: Console) -> None:
         default_hook(event)
 
     try:
-        for each in (signal.SIGINT, signal.SIGTERM):
+        for each in STOPS:
             signal.signal(each, first)
         sys.unraisablehook = unraisable
     except ValueError:  # not the main thread (a launcher's worker thread): leave them be
@@ -137,9 +147,12 @@ def main(cfg: DictConfig) -> float | None:
         )
     except ConfigError as error:
         config_error(errors, error)
-    except KeyboardInterrupt:
-        errors.print("[yellow]Interrupted before the study started[/yellow]; nothing was trained")
-        sys.exit(130)
+    except KeyboardInterrupt as interrupt:
+        with contextlib.suppress(OSError):
+            errors.print(
+                "[yellow]Interrupted before the study started[/yellow]; nothing was trained"
+            )
+        sys.exit(EXIT_STATUS.get(type(interrupt), 130))
     except JournalWriteError as error:
         stopped(errors, "Storage error", str(error))
     except Exception as error:  # escaping, Hydra would print the overrides, passwords and all
@@ -156,8 +169,10 @@ def main(cfg: DictConfig) -> float | None:
         stopped(errors, "MLflow records incomplete", str(error))
     except KeyboardInterrupt as interrupt:
         interrupts.delivered()
-        driver.interrupted(type(interrupt).__name__)
-        sys.exit(143 if isinstance(interrupt, Terminated) else 130)
+        # (after SIGHUP the terminal may take no more output: the records are closed first)
+        with contextlib.suppress(OSError):
+            driver.interrupted(type(interrupt).__name__)
+        sys.exit(EXIT_STATUS.get(type(interrupt), 130))
     except Exception as error:  # a bug or a store gone for good: its traceback may hold a password
         journal = journal_failure(error)
         if journal is not None:  # a full disk: the journal is intact, the study resumes later

@@ -504,7 +504,7 @@ class StudyDriver:
             )
 
     def interrupted(self, kind: str = "KeyboardInterrupt") -> None:
-        """Ctrl-C or SIGTERM: the running trial's parameters are queued to run again (as a
+        """Ctrl-C, SIGTERM or SIGHUP: the running trial's parameters are queued to run again (as a
         dead worker's are), the parent run ends KILLED, queued MLflow writes get a few
         seconds."""
         self.loop.queue_again_interrupted()
@@ -516,7 +516,10 @@ class StudyDriver:
                 f"[yellow]{len(self.tracker.outbox)} MLflow records were not written "
                 f"({self.tracker.outbox.last_error})[/yellow]"
             )
-        stopped = "Terminated (SIGTERM)" if kind == "Terminated" else "Interrupted"
+        stopped = {
+            "Terminated": "Terminated (SIGTERM)",
+            "HungUp": "Hung up (SIGHUP: the terminal closed or the connection dropped)",
+        }.get(kind, "Interrupted")
         self.console.print(
             f"[yellow]{stopped}.[/yellow] Finished trials are saved and the interrupted one "
             "is queued to run again; run the same command to resume the study."

@@ -1,4 +1,4 @@
-"""SIGTERM (SLURM preemption, scancel, a time limit) and Ctrl-C on a real study: the trial
+"""SIGTERM (SLURM preemption, scancel, a time limit), SIGHUP and Ctrl-C on a real study: the trial
 ends, the runs are closed as KILLED, the interrupted trial's parameters are queued, and the
 same command resumes the study to exactly n_trials."""
 
@@ -68,6 +68,25 @@ def test_sigterm_ends_the_trial_queues_it_again_and_the_study_resumes(tmp_path: 
     assert len(finished) == 2
     assert not [t for t in study.trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
     assert all(r.info.status != "RUNNING" for r in _runs(tmp_path).values())
+
+
+def test_sighup_stops_the_study_like_sigterm(tmp_path: Path) -> None:
+    """A closed terminal or a dropped ssh connection: the study is not killed silently
+    with its runs left RUNNING; it stops as SIGTERM stops it."""
+    process = start_study(tmp_path, LONGER)
+    running = _in_training(tmp_path, process)
+    process.send_signal(signal.SIGHUP)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 129, out[-2000:] + err[-2000:]
+    assert "Hung up (SIGHUP" in out and "queued to run again" in out
+    assert "Traceback" not in out + err
+    study = journal_of(tmp_path)
+    killed, queued = study.trials[running.number], study.trials[-1]
+    assert killed.state == TrialState.FAIL and "error" not in killed.user_attrs
+    assert queued.state == TrialState.WAITING and queued.params == killed.params
+    runs = _runs(tmp_path)
+    assert runs[str(running.number)].info.status == "KILLED"
+    assert runs["parent"].info.status == "KILLED"
 
 
 def test_two_ctrl_c_stop_the_study_once_without_a_traceback(tmp_path: Path) -> None:
