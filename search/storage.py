@@ -56,6 +56,7 @@ from optuna.storages.journal._file import BaseJournalFileLock, get_lock_file
 from optuna.trial import FrozenTrial, TrialState
 
 from search.budget import interrupted_numbers
+from tracking.outputs import store_examples
 from tracking.redact import redact
 from train.config import ConfigError
 
@@ -637,7 +638,7 @@ def open_storage(url: str, heartbeat_interval_s: int | None) -> BaseStorage:
         raise ConfigError(
             [
                 f"search.storage={redact(url)!r} cannot be opened ({type(error).__name__}: "
-                f"{redact(reason)}); use a reachable database URL or a journal file, e.g. "
-                "search.storage=journal:mlruns/optuna.journal"
+                f"{redact(reason)}); use a reachable database URL or a journal file in a "
+                f"folder that can be written, e.g. {store_examples()[0]}"
             ]
         ) from None

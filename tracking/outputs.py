@@ -32,13 +32,37 @@ def cannot_create(path: Path) -> str | None:
     return None
 
 
+def writable_folder() -> Path:
+    """A folder to suggest when a store or the outputs cannot be written where they are:
+    batchfit/ in the home directory, else in the system's temporary directory (per user),
+    the first that can be created now (tried for real, nothing left behind); a placeholder
+    if neither can. Never the path that failed: that one cannot be created."""
+    candidates = (
+        Path.home() / "batchfit",
+        Path(tempfile.gettempdir()) / f"batchfit-{os.getuid()}",
+    )
+    for folder in candidates:
+        if cannot_create(folder) is None:
+            return folder
+    return Path("/writable")
+
+
+def store_examples() -> tuple[str, str]:
+    """The overrides that put both stores in a folder that can be written."""
+    folder = writable_folder()
+    return (
+        f"search.storage=journal:{folder}/optuna.journal",
+        f"mlflow.tracking_uri=sqlite:///{folder}/mlflow.db",
+    )
+
+
 def unwritable_message(path: Path, key: str, reason: str) -> str:
+    storage, tracking = store_examples()
     return (
         f"batchfit cannot write its outputs: {key}={path} cannot be created ({reason}).\n"
-        f"Run from a writable directory, or point the outputs to one: {key}=/writable/outputs, "
-        "and the stores, which default under ./mlruns too: "
-        "search.storage=journal:/writable/optuna.journal "
-        "mlflow.tracking_uri=sqlite:////writable/mlflow.db"
+        f"Run from a writable directory, or point the outputs to one: "
+        f"{key}={writable_folder()}/outputs, and the stores, which default under ./mlruns "
+        f"too: {storage} {tracking}"
     )
 
 

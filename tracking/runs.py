@@ -29,12 +29,14 @@ from typing import Any
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
+import sqlalchemy
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from tracking import interrupts
 from tracking.outbox import RETRY_MIN_S, Outbox, is_transient
+from tracking.outputs import store_examples
 from tracking.redact import redact
 from train.config import ConfigError, section_from_mapping
 
@@ -85,6 +87,14 @@ _HALF_MADE = re.compile(r"already exists|duplicate column|no such (table|column)
 # Tables a new MLflow store fills itself: the schema's version and the default workspace
 # (and the Default experiment, id 0, which _empty_if_it_holds_nothing passes over).
 _SEEDED_TABLES = ("alembic_version", "workspaces")
+# A database server's answers that no wait changes: the URL names a database or user that is
+# not there, or a password that is wrong.
+_PERMANENT = re.compile(
+    r'database "[^"]*" does not exist|role "[^"]*" does not exist|password authentication '
+    r"failed|no pg_hba\.conf entry|Unknown database|Access denied for user",
+    re.IGNORECASE,
+)
+CONNECT_TIMEOUT_S = 10  # the check of a database server's answer: no longer than this
 
 
 # The tracking stores MLflow 3 has (a bare path is a file store too), as URI schemes; a
@@ -347,6 +357,45 @@ def _sqlite_path(uri: str) -> Path | None:
     return Path(path) if path and path != ":memory:" else None
 
 
+def _cannot_use(uri: str, error: BaseException, fix: str | None = None) -> ConfigError:
+    reason = redact(str(error).splitlines()[0]) if str(error) else ""
+    return ConfigError(
+        [
+            f"mlflow.tracking_uri={redact(uri)!r} cannot be used ({type(error).__name__}: "
+            f"{reason}); "
+            + (
+                fix
+                or f"start the tracking server, or use a local store, e.g. {store_examples()[1]}"
+            )
+        ]
+    )
+
+
+def _check_database(uri: str) -> None:
+    """Ask a database server once whether the URL's database can be used. MLflow retries
+    reaching it for two minutes whatever the server said, as for a server still starting;
+    one that answers that the database does not exist (or refuses the user) answers so
+    every time. Any other failure is left to MLflow's retries."""
+    if not uri.startswith(("postgresql", "mysql")):
+        return
+    url = sqlalchemy.engine.make_url(uri)
+    timeout = {} if "connect_timeout" in url.query else {"connect_timeout": CONNECT_TIMEOUT_S}
+    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool, connect_args=timeout)
+    try:
+        with engine.connect():
+            pass
+    except Exception as error:
+        if _PERMANENT.search(str(error)):
+            raise _cannot_use(
+                uri,
+                error,
+                "the server answered, so waiting will not help: create the database, or fix "
+                "the URL's database name, user or password",
+            ) from None
+    finally:
+        engine.dispose()
+
+
 def _open_client(uri: str) -> MlflowClient:
     """A client whose store is open (MLflow creates or migrates a SQLite schema at its first
     call). A SQLite store whose creation a full disk cut short fails every later run ("table
@@ -421,8 +470,12 @@ def _schema_lock(uri: str) -> Iterator[None]:
     if path is None:
         yield
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "w")  # noqa: SIM115 - closed below
+    except OSError as error:
+        raise _cannot_use(uri, error) from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -590,14 +643,7 @@ def _retry_at_start(call: Callable[[], Any], tracking_uri: str) -> Any:
         except Exception as error:
             retry = is_transient(error) or "already exists" in str(error)
             if not retry or time.monotonic() > deadline:
-                raise ConfigError(
-                    [
-                        f"mlflow.tracking_uri={redact(tracking_uri)!r} cannot be used "
-                        f"({type(error).__name__}: {redact(str(error).splitlines()[0])}); "
-                        "start the tracking server, or use a local store, e.g. "
-                        "mlflow.tracking_uri=sqlite:///mlruns/mlflow.db"
-                    ]
-                ) from None
+                raise _cannot_use(tracking_uri, error) from None
             time.sleep(delay)
             delay = min(2 * delay, 2.0)
 
@@ -617,6 +663,7 @@ class Tracker:
         self.system_metrics_interval_s = system_metrics_interval_s
         self.outbox = Outbox()
         self.created_experiment = False  # True in the one worker that created it
+        _check_database(tracking_uri)
         with _schema_lock(tracking_uri):  # MlflowClient creates or migrates the schema
             self.client = _retry_at_start(lambda: _open_client(tracking_uri), tracking_uri)
             self.experiment_id = _retry_at_start(
