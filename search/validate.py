@@ -11,6 +11,7 @@ import copy
 import difflib
 import importlib
 import inspect
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -160,7 +161,7 @@ def validate(
             "for one process, leave search.workers out"
         )
     space = _collect(problems, lambda: parse_space(cfg.search.params or {}))
-    spec = _collect(problems, lambda: plan(cfg, cfg.search.memory_budget))
+    spec = _collect(problems, lambda: _plan_with_space(cfg, compose, space))
     derived = settings is not None and settings.accumulation == "derived"
     if space is not None:
         device = spec.target if spec else resolve_device("auto")
@@ -203,6 +204,45 @@ def validate(
     if problems:
         raise ConfigError(problems)
     return Checked(settings, space, spec, storage, notes, sampler, pruner)
+
+
+# Keys TrainerConfig checks together (trainer.devices needs a strategy; fsdp refuses fp16)
+JOINT_KEYS = (STRATEGY_KEY, DEVICES_KEY, PRECISION_KEY)
+
+
+def _plan_with_space(
+    cfg: DictConfig, compose: Callable[[list[str]], DictConfig], space: SearchSpace | None
+) -> RunSpec:
+    """The run planned as the command line gives it; where that fails but the space
+    searches a key checked together with a fixed one (trainer.devices=2 fixed,
+    trainer.strategy searched), the run as each trial composes it: every combination of
+    the searched values of JOINT_KEYS must plan, and the first trial's plan stands for the
+    study's. A combination that cannot is named with its values."""
+    try:
+        return plan(cfg, cfg.search.memory_budget)
+    except ConfigError as error:
+        joint = [k for k in JOINT_KEYS if space is not None and k in space.distributions]
+        if not joint:
+            raise
+        assert space is not None
+        first = {key: _corner_values(dist)[0] for key, dist in space.distributions.items()}
+        combinations = itertools.product(*(_corner_values(space.distributions[k]) for k in joint))
+        planned, problems = None, []
+        for values in combinations:
+            chosen = dict(zip(joint, values, strict=True))
+            try:
+                trial = compose(space.overrides({**first, **chosen}))
+                spec = plan(trial, trial.search.memory_budget)
+            except ConfigError as failed:
+                where = ", ".join(f"{k}={v}" for k, v in chosen.items())
+                problems += [f"with {where} from search.params: {p}" for p in failed.problems]
+            else:
+                planned = planned or spec
+        if planned is None:
+            raise error from None  # no trial plans either: the command line's problem
+        if problems and len(joint) > 1:  # one key's values: each is checked on its own below
+            raise ConfigError(problems) from None
+        return planned
 
 
 def _container(node: DictConfig | None) -> dict:

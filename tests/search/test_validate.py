@@ -168,6 +168,14 @@ CASES = {
         r"mlflow.tracking_uri=sqlite:///mlruns/mlflow.db \(a local file\) or "
         r"mlflow.tracking_uri=http://HOST:5000 \(a tracking server\)$",
     ),
+    "a searched combination that cannot train": (
+        [
+            "trainer.devices=2",
+            "+search.params={trainer.strategy:'choice(ddp,fsdp)',trainer.precision:'choice(fp32,fp16)'}",
+        ],
+        r"with trainer.strategy=fsdp, trainer.precision=fp16 from search.params: "
+        r"trainer.precision=fp16 with trainer.strategy=fsdp needs a sharded gradient scaler",
+    ),
     "absurd budget": (
         ["search.memory_budget=1e30"],
         r"search.memory_budget=1e\+30 \(\d+\.\d PiB\) is more than the \d+\.\d [GT]iB that "
@@ -186,6 +194,22 @@ def test_bad_input_message(hydra_conf, stores, case: str) -> None:
     overrides, message = CASES[case]
     with pytest.raises(ConfigError, match=message):
         _prepare(hydra_conf, [*stores["overrides"], *overrides])
+
+
+def test_a_fixed_key_is_checked_with_the_searched_ones(hydra_conf, stores) -> None:
+    """trainer.devices=2 fixed needs a data-parallel strategy, which the space searches:
+    every trial has one, so the study starts (it was refused: the command line alone has
+    trainer.strategy=none); a space that offers none with it is refused, naming the value."""
+    space = "+search.params={trainer.strategy:'choice(ddp,fsdp)'}"
+    driver = _prepare(hydra_conf, [*stores["overrides"], "trainer.devices=2", space])
+    assert driver.checked.spec.trainer.strategy == "ddp"  # the first trial's plan
+    assert driver.checked.spec.trainer.devices == 2
+    with pytest.raises(ConfigError, match=r"value none is invalid: trainer.devices=2 needs"):
+        _prepare(
+            hydra_conf,
+            [*stores["overrides"], "trainer.devices=2",
+             "+search.params={trainer.strategy:'choice(none,ddp)'}", "search.study_name=v2"],
+        )  # fmt: skip
 
 
 def test_every_problem_is_reported_at_once(hydra_conf, stores) -> None:
