@@ -52,18 +52,26 @@ from train.memory import MemoryStats, OutOfMemory
 STOP_GRACE_S = 30.0  # after a stop is asked, how long the ranks have before they are killed
 
 
-class _ChildThreadWarning(logging.Filter):
-    """Drops torch's warning that the launcher, on a child thread, cannot register signal
-    handlers and "could lead to orphaned worker processes": it runs on one on purpose (this
-    process keeps its own handlers), and the ranks die with this process on their own
-    (`_die_with_parent`)."""
+class _LauncherNoise(logging.Filter):
+    """Drops two of the launcher's log records, which this module says better itself:
+    - the warning that the launcher, on a child thread, cannot register signal handlers and
+      "could lead to orphaned worker processes": it runs on one on purpose (this process
+      keeps its own handlers), and the ranks die with this process on their own
+      (`_die_with_parent`);
+    - a failed rank's traceback of the launcher's own wait ("failed (exitcode: -9) ...
+      process 0 terminated with signal SIGKILL"): the run raises RankFailed naming the rank
+      and how it ended, or, where this process stopped the ranks (a pruned trial), what
+      stopped them; a rank's own traceback reaches the console from its stderr."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "running on a child thread" not in str(record.msg)
+        message = str(record.msg)
+        return "running on a child thread" not in message and not message.startswith(
+            "failed (exitcode"
+        )
 
 
 _ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"
-_CHILD_THREAD_WARNING = _ChildThreadWarning()
+_LAUNCHER_NOISE = _LauncherNoise()
 
 
 class RankFailed(RuntimeError):
@@ -93,7 +101,7 @@ def launch(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     hooks = hooks or Hooks()
-    logging.getLogger(_ELASTIC_LOGGER).addFilter(_CHILD_THREAD_WARNING)  # once: a set
+    logging.getLogger(_ELASTIC_LOGGER).addFilter(_LAUNCHER_NOISE)  # once: a set
     world = spec.trainer.devices
     context = mp.get_context("spawn")
     job = _Job(
