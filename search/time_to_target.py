@@ -10,7 +10,8 @@ S_min (1 + B_crit / B) for the global batch B. Its constants come from the study
   the validations around the first crossing; at each batch size the fewest steps count
   (its best learning rate);
 - with 3 or more batch sizes, S_min and B_crit are fitted, and trusted when the fit is
-  within FIT_TOLERANCE of every point; with 2, the line through them is trusted when the
+  within FIT_TOLERANCE of every point (with 4 or more, of every point but one outlier,
+  said); with 2, the line through them is trusted when the
   trials' median gradient noise scale B_simple (train/noise.py; the paper's estimate of
   B_crit) is within NOISE_SPREAD of its B_crit; with 1, B_crit is B_simple itself, trusted
   when the trials' estimates agree within NOISE_SPREAD, and S_min follows from the steps.
@@ -360,6 +361,31 @@ def _below_critical(
     )
 
 
+def _without_one(best_steps: dict[int, float]) -> tuple[StepsModel, str] | None:
+    """With 4 or more batch sizes, one may be an outlier (its only trial's learning rate
+    far from its best, a loss spike): the fit over the others, trusted when it holds
+    within FIT_TOLERANCE at each of them, the best such; the one left out is said with how
+    far it is from the fit. None where no one batch size explains the miss."""
+    found = []
+    for out in best_steps:
+        rest = {b: s for b, s in best_steps.items() if b != out}
+        try:
+            fitted = fit_steps(sorted(rest), [rest[b] for b in sorted(rest)])
+        except NoFit:
+            continue
+        if fitted.worst_error() <= FIT_TOLERANCE:
+            found.append((fitted.worst_error(), out, fitted))
+    if not found:
+        return None
+    _, out, fitted = min(found)
+    off = best_steps[out] / fitted.steps(out)
+    return fitted, (
+        f"fitted over {len(best_steps) - 1} of {len(best_steps)} batch sizes, within "
+        f"{fitted.worst_error():.0%}; {out} left out as an outlier (its fewest steps "
+        f"{off:.2g}x the fit's)"
+    )
+
+
 def _model(
     best_steps: dict[int, float], noises: list[float], noise: float | None
 ) -> tuple[StepsModel, str]:
@@ -376,6 +402,9 @@ def _model(
         if len(batches) >= 3:
             if fitted.worst_error() <= FIT_TOLERANCE:
                 return fitted, f"fitted over {len(batches)} batch sizes"
+            robust = _without_one(best_steps) if len(batches) >= 4 else None
+            if robust is not None:
+                return robust
             raise Untrusted(
                 f"the fit over {len(batches)} batch sizes misses one by "
                 f"{fitted.worst_error():.0%} (more than {FIT_TOLERANCE:.0%})"

@@ -289,3 +289,20 @@ def test_the_plot_shows_the_model_the_trials_and_the_cells():
     assert [tuple(xy) for xy in cell_xy] == [(128, pytest.approx(p.best.seconds))]
     assert {t.get_text() for t in seconds.texts} == {"32x1 fp32", "64x1 fp32", "256x1 fp32",
                                                      "128x1 fp32"}  # fmt: skip
+
+
+def test_with_four_batch_sizes_one_outlier_is_left_out_and_said():
+    """A batch size whose only trial took twice the model's steps (its learning rate far
+    from its best) is left out of a fit over 4, which the other 3 then hold; two such
+    batch sizes are no fit."""
+    steps = {b: _on_model(b) for b in (16, 32, 64, 128)}
+    steps[16] *= 2
+    trials = _study([_trial(b, s, 50.0) for b, s in steps.items()])
+    p = plan(trials, target=1.0)
+    assert p.model.b_crit == pytest.approx(B_CRIT, rel=0.02)
+    assert "fitted over 3 of 4 batch sizes" in p.source
+    assert "16 left out as an outlier (its fewest steps 2x the fit's)" in p.source
+    steps[128] *= 0.5
+    with pytest.raises(Untrusted, match="misses one by|no fit"):
+        plan(_study([_trial(b, s, 50.0) for b, s in steps.items()]), target=1.0)
+    assert "3 of 3" not in plan(_study([_trial(b, _on_model(b), 50.0) for b in steps])).source
