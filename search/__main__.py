@@ -26,7 +26,7 @@ from rich.console import Console
 
 from search.compose import task_overrides
 from search.driver import StudyDriver
-from search.storage import JournalWriteError
+from search.storage import storage_failure
 from search.tracking_state import TrackingIncomplete
 from tracking import interrupts
 from tracking.console import config_error, crashed, stopped
@@ -87,18 +87,6 @@ def stop_on_signals(errors: Console) -> None:
         pass
 
 
-def journal_failure(error: BaseException | None) -> JournalWriteError | None:
-    """The journal write that failed under `error`, if one did: Optuna, failing to record a
-    trial's end, raises its own error from the failed write."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, JournalWriteError):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
-
-
 def select_gpu(job_num: int) -> None:
     """One worker per GPU: job i of a multirun takes visible device i (modulo their number).
     Under SLURM or submitit_local each job sees only its own GPU, which is then device 0."""
@@ -153,9 +141,10 @@ def main(cfg: DictConfig) -> float | None:
                 "[yellow]Interrupted before the study started[/yellow]; nothing was trained"
             )
         sys.exit(EXIT_STATUS.get(type(interrupt), 130))
-    except JournalWriteError as error:
-        stopped(errors, "Storage error", str(error))
     except Exception as error:  # escaping, Hydra would print the overrides, passwords and all
+        failure = storage_failure(error, cfg.search.storage)
+        if failure is not None:  # a full disk, a database gone: nothing was trained
+            stopped(errors, "Storage error", failure)
         what = f"{type(error).__name__} while preparing it (above); nothing was trained"
         crashed(errors, "The study did not start", what)
     try:
@@ -174,10 +163,10 @@ def main(cfg: DictConfig) -> float | None:
             driver.interrupted(type(interrupt).__name__)
         sys.exit(EXIT_STATUS.get(type(interrupt), 130))
     except Exception as error:  # a bug or a store gone for good: its traceback may hold a password
-        journal = journal_failure(error)
-        if journal is not None:  # a full disk: the journal is intact, the study resumes later
+        failure = storage_failure(error, cfg.search.storage)
+        if failure is not None:  # a full disk, a database gone: the study resumes later
             driver.storage_failed()
-            stopped(errors, "Storage error", str(journal))
+            stopped(errors, "Storage error", failure)
         crashed(errors, "The study stopped", f"{type(error).__name__} while running it (above)")
 
 

@@ -38,6 +38,7 @@ import random
 import re
 import socket
 import time
+import traceback
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -174,9 +175,9 @@ class _Owners:
     _owned: set[int]
 
     def _record_owner(self, trial_id: int) -> None:
-        if trial_id not in self._owned:
-            self._owned.add(trial_id)
+        if trial_id not in self._owned:  # (once recorded: a failed write is tried again)
             self.set_trial_system_attr(trial_id, OWNER_ATTR, this_owner())  # type: ignore[attr-defined]
+            self._owned.add(trial_id)
 
     def _last_sign_of_life(self, trial: FrozenTrial) -> float | None:
         """Unix time of the trial's last beat that this mixin must judge (None: not ours)."""
@@ -204,8 +205,22 @@ class HeartbeatRDBStorage(_Owners, optuna.storages.RDBStorage):
         self._owned = set()
 
     def record_heartbeat(self, trial_id: int) -> None:
-        self._record_owner(trial_id)
-        super().record_heartbeat(trial_id)
+        """A beat the database cannot take is said, not raised: raised, it would end Optuna's
+        heartbeat thread with a traceback, and no beat would follow once the server is back.
+        The trial's own next record, failing too, stops the study (search/__main__.py)."""
+        try:
+            self._record_owner(trial_id)
+            super().record_heartbeat(trial_id)
+        except Exception as error:
+            lost = _lost_connection(error)
+            if lost is None:
+                raise
+            _log.warning(
+                "the heartbeat of the running trial (id %d in the database) was not "
+                "recorded: the study's database did not answer (%s); the trial goes on, and "
+                "its next record stops the study if the database is still gone",
+                trial_id, _reason(lost),
+            )  # fmt: skip
 
     def _last_sign_of_life(self, trial: FrozenTrial) -> float | None:
         # Optuna's heartbeat table judges a trial that has beaten (its owner is recorded at
@@ -265,6 +280,59 @@ class HeartbeatJournalStorage(_Owners, optuna.storages.JournalStorage, BaseHeart
 class JournalWriteError(OSError):
     """The journal could not be written (a full disk, a read-only or vanished filesystem).
     Nothing of the failed append is left in it: the study resumes once the cause is gone."""
+
+
+def storage_failure(error: BaseException | None, url: str) -> str | None:
+    """What to tell the user when `error` is the study's storage failing, not a bug: a
+    journal that could not be written, or a database that stopped answering (its server
+    stopped, restarted, crashed or out of reach: SQLAlchemy's OperationalError raised in the
+    study's storage, not in MLflow's). None for anything else. The causes are searched:
+    Optuna, failing to record the trial's end on the same storage, raises its own error from
+    the failure (StorageInternalError, or an UnboundLocalError from its failed-transaction
+    handling in Optuna 5)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, JournalWriteError):
+            return str(error)
+        if _database_gone(error):
+            return redact(
+                f"the study's database (search.storage={url}) stopped answering "
+                f"({_reason(error)}); nothing recorded was lost (a trial that was running is "
+                "trained again by the next run). Once the database answers, run the same "
+                "command again: the study resumes"
+            )
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _database_gone(error: BaseException) -> bool:
+    """A connection to the study's database that failed or was lost, raised through Optuna's
+    storage or this module (MLflow's SQL store raises the same errors)."""
+    if not isinstance(error, sqlalchemy.exc.OperationalError | sqlalchemy.exc.InterfaceError):
+        return False
+    modules = (
+        frame.f_globals.get("__name__", "") for frame, _ in traceback.walk_tb(error.__traceback__)
+    )
+    return any(name.startswith(("optuna.storages.", __name__)) for name in modules)
+
+
+def _lost_connection(error: BaseException | None) -> BaseException | None:
+    """The database error under `error` (Optuna wraps it in StorageInternalError), if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if _database_gone(error):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _reason(error: BaseException) -> str:
+    """`Type: first line` of the driver's own error (psycopg's says what the server did)."""
+    cause = getattr(error, "orig", None) or error
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
 
 
 class FlockJournalLock(BaseJournalFileLock):

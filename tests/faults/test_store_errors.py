@@ -4,17 +4,16 @@
 from __future__ import annotations
 
 import re
-import shutil
-import socket
 import subprocess
-import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from search.storage import open_storage
 from tests.faults.disk import mount_tmpfs, unmount
+from tests.faults.postgres import own_server
 from tracking.outputs import cannot_create
 from tracking.runs import Tracker
 from train.config import ConfigError
@@ -62,42 +61,11 @@ def test_a_read_only_mlflow_store_is_not_suggested_again(
     assert suggested.is_relative_to(tmp_path / "home")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def postgres_server():
-    """A PostgreSQL server of its own (trust authentication on 127.0.0.1), run by the
-    `postgres` user (the server refuses root) in a folder it can reach: its URL, without a
-    database."""
-    initdb, pg_ctl, runuser = (shutil.which(name) for name in ("initdb", "pg_ctl", "runuser"))
-    if not (initdb and pg_ctl and runuser):
-        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl) here")
-    data = Path(tempfile.mkdtemp(prefix="batchfit-pg-"))
-    shutil.chown(data, "postgres")
-    as_postgres = [runuser, "-u", "postgres", "--"]
-    try:
-        subprocess.run(
-            [*as_postgres, initdb, "-D", str(data), "--auth=trust"],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        port = _free_port()
-        options = f"-p {port} -k {data} -c listen_addresses=127.0.0.1"
-        subprocess.run(
-            [*as_postgres, pg_ctl, "-D", str(data), "-o", options, "-w", "-l", f"{data}/log",
-             "start"],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}"
-        subprocess.run(
-            [*as_postgres, pg_ctl, "-D", str(data), "-m", "immediate", "stop"],
-            check=False, capture_output=True,
-        )  # fmt: skip
-    finally:
-        shutil.rmtree(data, ignore_errors=True)
+def postgres_server() -> Iterator[str]:
+    """A PostgreSQL server of its own: its URL, without a database."""
+    with own_server() as server:
+        yield server.url
 
 
 def test_a_database_that_does_not_exist_is_said_at_once(postgres_server: str) -> None:
