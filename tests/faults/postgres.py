@@ -56,6 +56,21 @@ class PostgresServer:
         assert done.returncode == 0, done.stdout + done.stderr
 
 
+def _server_binary(name: str) -> str | None:
+    """`name` on PATH, else in the newest of Debian's /usr/lib/postgresql/<version>/bin
+    (the `postgresql` package, as tests/cluster/services.sh installs it, puts the server's
+    programs there, off PATH)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    versions = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin"),
+        key=lambda p: [int(x) if x.isdigit() else x for x in p.parent.name.split(".")],
+    )
+    candidates = [v / name for v in versions if (v / name).is_file()]
+    return str(candidates[-1]) if candidates else None
+
+
 def _unavailable(why: str) -> None:
     if REQUIRED:
         pytest.fail(f"{why}, but BATCHFIT_REQUIRE_CLUSTER=1; install PostgreSQL's server")
@@ -65,7 +80,8 @@ def _unavailable(why: str) -> None:
 @contextlib.contextmanager
 def own_server() -> Iterator[PostgresServer]:
     """A running server of its own, stopped and removed afterwards (a test's fixture)."""
-    initdb, pg_ctl, runuser = (shutil.which(name) for name in ("initdb", "pg_ctl", "runuser"))
+    initdb, pg_ctl = (_server_binary(name) for name in ("initdb", "pg_ctl"))
+    runuser = shutil.which("runuser")
     if not (initdb and pg_ctl and runuser):
         _unavailable("no PostgreSQL server binaries (initdb, pg_ctl, runuser) here")
     data = Path(tempfile.mkdtemp(prefix="batchfit-pg-"))
