@@ -156,10 +156,30 @@ def test_a_mistyped_lora_target_module_is_refused_naming_the_modules(hydra_conf)
     cfg = hydra_conf([*LLM, "model.lora.target_modules=[q_proj,nosuch_proj]"])
     expected = (
         r"model.lora.target_modules: nosuch_proj is not a module of the model \(did you mean "
-        r"o_proj\?\); its modules: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj"
+        r"o_proj\?\); its modules: down_proj, embed_tokens, gate_proj, input_layernorm, k_proj, "
+        r"lm_head, norm, o_proj"
     )
     with pytest.raises(ConfigError, match=expected):
         check_builds(cfg, plan(cfg, None))
+
+
+def test_lora_targets_match_any_module_and_the_bundled_list_is_not_checked() -> None:
+    """GPT-2's attention is transformers' Conv1D, which peft adapts: its names are modules.
+    The bundled default list names Llama's layers: a model with only some of them (or
+    none: peft says so) is not refused for the others; a list the user wrote is."""
+    import yaml
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from train.hf import DEFAULT_TARGETS, _check_targets
+    from train.overrides import CONF
+
+    bundled = yaml.safe_load((CONF / "model" / "hf_causal_lm.yaml").read_text())
+    assert bundled["lora"]["target_modules"] == DEFAULT_TARGETS
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2))
+    _check_targets(gpt2, ["c_attn", "c_proj"])
+    _check_targets(gpt2, DEFAULT_TARGETS)
+    with pytest.raises(ValueError, match=r"c_atn is not a module of the model \(did you mean "):
+        _check_targets(gpt2, ["c_attn", "c_atn"])
 
 
 def test_an_unknown_model_type_suggests_the_closest_few(tmp_path: Path) -> None:

@@ -378,9 +378,14 @@ def _check_database(uri: str) -> None:
     every time. Any other failure is left to MLflow's retries."""
     if not uri.startswith(("postgresql", "mysql")):
         return
-    url = sqlalchemy.engine.make_url(uri)
-    timeout = {} if "connect_timeout" in url.query else {"connect_timeout": CONNECT_TIMEOUT_S}
-    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool, connect_args=timeout)
+    try:  # a URL it cannot parse, a driver not installed: MLflow's own attempt says which
+        url = sqlalchemy.engine.make_url(uri)
+        timeout = {} if "connect_timeout" in url.query else {"connect_timeout": CONNECT_TIMEOUT_S}
+        engine = sqlalchemy.create_engine(
+            url, poolclass=sqlalchemy.pool.NullPool, connect_args=timeout
+        )
+    except Exception:  # noqa: BLE001 - reported by the store's own opening
+        return
     try:
         with engine.connect():
             pass

@@ -265,22 +265,35 @@ def causal_lm(
         return get_peft_model(model, settings)
 
 
+# conf/model/hf_causal_lm.yaml's model.lora.target_modules: Llama-like names, of which a
+# model of another family may have some or none; not a list the user wrote.
+DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 def _check_targets(model: nn.Module, targets: Any) -> None:
-    """Every name of model.lora.target_modules names a layer of the model, as peft matches
-    them (the name, or its last dotted parts). peft refuses a list that matches nothing, but
-    a typo beside a valid name (`[q_proj, nosuch_proj]`) would train without the adapters
-    it meant, silently. A string (a regex, `all-linear`) is peft's to match."""
+    """Every name of a model.lora.target_modules the user gave names a module of the model,
+    as peft matches them (the name, or its last dotted parts). peft refuses a list that
+    matches nothing, but a typo beside a valid name (`[q_proj, nosuch_proj]`) would train
+    without the adapters it meant, silently. A string (a regex, `all-linear`) is peft's to
+    match; the bundled default list is peft's to apply where it can."""
     if targets is None or isinstance(targets, str):  # peft's default for the model, a regex
         return
-    layers = [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear | nn.Embedding)
-    ]
+    if list(targets) == DEFAULT_TARGETS:
+        return  # the bundled list, for Llama-like names: peft takes those the model has
+    # any module, whatever its type (GPT-2's transformers Conv1D is one peft adapts)
+    layers = [name for name, _ in model.named_modules() if name]
     missing = sorted(t for t in targets if not any(n == t or n.endswith(f".{t}") for n in layers))
     if not missing:
         return
-    known = sorted({name.rsplit(".", 1)[-1] for name in layers})
+    known = sorted(  # the layers with weights of their own, by their last name
+        {
+            name.rsplit(".", 1)[-1]
+            for name, module in model.named_modules()
+            if name
+            and next(module.children(), None) is None
+            and next(module.parameters(recurse=False), None) is not None
+        }
+    )
     problems = []
     for target in missing:
         close = difflib.get_close_matches(target, known, n=1)

@@ -74,3 +74,13 @@ def test_a_database_that_does_not_exist_is_said_at_once(postgres_server: str) ->
     with pytest.raises(ConfigError, match='database "no_such_db" does not exist'):
         Tracker(f"{postgres_server}/no_such_db", "study", "mlruns/artifacts")
     assert time.monotonic() - started < 15
+
+
+def test_a_database_driver_not_installed_is_one_line() -> None:
+    """psycopg2 is not batchfit's driver (psycopg 3 is): the asking-first check leaves the
+    URL to MLflow's own opening, which says what is missing in one line, at once."""
+    from tracking.runs import Tracker
+    from train.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"cannot be used \(ModuleNotFoundError: No module"):
+        Tracker("postgresql+psycopg2://u@127.0.0.1:1/x", "x", None, None)
