@@ -4,6 +4,7 @@ no traceback, before anything trains or is recorded."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -189,3 +190,27 @@ def test_an_unknown_model_type_suggests_the_closest_few(tmp_path: Path) -> None:
     message = str(raised.value)
     assert "model_type 'lama' is not a model type of transformers; did you mean llama" in message
     assert len(message) < 400, message
+
+
+@pytest.mark.parametrize("users", [None, "0", "1"])
+def test_hydra_full_error_is_given_back_as_the_user_had_it(monkeypatch, users) -> None:
+    """run_checked sets HYDRA_FULL_ERROR=1 while Hydra composes (its errors then reach
+    batchfit's message); the task, or a multirun before it launches any job, finds the
+    user's own value again (none, 0, or 1), so that no job or launcher inherits ours."""
+    from train.overrides import Composed, run_checked
+
+    if users is None:
+        monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    else:
+        monkeypatch.setenv("HYDRA_FULL_ERROR", users)
+    seen = []
+
+    def main() -> None:
+        seen.append(os.environ.get("HYDRA_FULL_ERROR"))
+        Composed().on_multirun_start(None)  # the sweep's parent, before its jobs
+        seen.append(os.environ.get("HYDRA_FULL_ERROR"))
+
+    run_checked(main)
+    assert seen == ["1", users]
+    assert os.environ.get("HYDRA_FULL_ERROR") == users
+    assert "BATCHFIT_HYDRA_FULL_ERROR" not in os.environ

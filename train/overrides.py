@@ -11,11 +11,13 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import hydra
 import yaml
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, HydraException
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
@@ -119,9 +121,10 @@ def run_checked(main: Callable[[], object]) -> None:
     Hydra's "To append to your config use +search.memory_budgt=100MiB", which only leads
     to the same typo, added. Hydra's other errors are reported as Hydra reports them.
     `main` calls `composed()` first, which hands its own errors back to Hydra."""
-    user_set = os.environ.get(_FULL_ERROR) == "1"
-    if not user_set:
-        os.environ.update({_FULL_ERROR: "1", _OURS: "1"})
+    previous = os.environ.get(_FULL_ERROR)
+    user_set = previous == "1" and _OURS not in os.environ
+    if not user_set:  # _OURS keeps the user's own value (or none: "") to give back
+        os.environ.update({_FULL_ERROR: "1", _OURS: previous or ""})
     try:
         main()
     except HydraException as error:
@@ -136,9 +139,27 @@ def run_checked(main: Callable[[], object]) -> None:
 
 
 def composed() -> None:
-    """The config is composed: Hydra reports the entry point's errors again (run_checked)."""
-    if os.environ.pop(_OURS, None) is not None:
+    """The config is composed: Hydra reports the entry point's errors again (run_checked),
+    and HYDRA_FULL_ERROR is as the user had it. Called by the task, and before a multirun
+    launches its jobs (`Composed`), so that neither the jobs nor a launcher's own errors
+    see it."""
+    previous = os.environ.pop(_OURS, None)
+    if previous is None:
+        return
+    if previous:
+        os.environ[_FULL_ERROR] = previous
+    else:
         os.environ.pop(_FULL_ERROR, None)
+
+
+class Composed(Callback):
+    """Hydra callback: the config is composed once a run or a multirun starts (`composed`)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        composed()
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        composed()
 
 
 def _hydra_report(error: HydraException) -> None:
