@@ -49,6 +49,14 @@ def test_unknown_top_level_key_lists_the_known_ones(tmp_path: Path) -> None:
     assert "remove +bogus_top=1" in message
 
 
+def test_a_top_level_key_a_value_reads_is_not_refused(tmp_path: Path) -> None:
+    """`+base_lr=0.01 optimizer.lr=${base_lr}`: a key of one's own that an interpolation
+    reads is Hydra's idiom, not a typo."""
+    done = run_module("search.fit", [*FAST, "+base_lr=0.01", "optimizer.lr=${base_lr}"], tmp_path)
+    assert "not a top-level key" not in done.stdout + done.stderr
+    assert "Fit report for" in done.stdout
+
+
 # ---- 8. a mistyped key without `+`: Hydra's advice is to append it
 
 

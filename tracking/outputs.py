@@ -37,10 +37,11 @@ def writable_folder() -> Path:
     batchfit/ in the home directory, else in the system's temporary directory (per user),
     the first that can be created now (tried for real, nothing left behind); a placeholder
     if neither can. Never the path that failed: that one cannot be created."""
-    candidates = (
-        Path.home() / "batchfit",
-        Path(tempfile.gettempdir()) / f"batchfit-{os.getuid()}",
-    )
+    try:
+        home = [Path.home() / "batchfit"]
+    except RuntimeError:  # no HOME and a uid without a passwd entry (some containers)
+        home = []
+    candidates = (*home, Path(tempfile.gettempdir()) / f"batchfit-{os.getuid()}")
     for folder in candidates:
         if cannot_create(folder) is None:
             return folder

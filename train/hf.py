@@ -71,7 +71,7 @@ def _read_config(config: str | Mapping[str, Any]) -> dict[str, Any]:
         )
     where = f"model.config={config!r}: {path}"
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         raise ValueError(
             f"{where} is not a text file ({error.reason} at byte {error.start}); give a YAML "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -18,7 +19,7 @@ import yaml
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, HydraException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from train.config import ConfigError, not_yaml
@@ -93,6 +94,9 @@ def unknown_top_level(
         if "/" in key or loader.get_group_options(head):
             continue
         added.setdefault(head, override)
+    # a key some value reads (`+base_lr=1e-3 optimizer.lr='${base_lr}'`) is not a typo
+    written = " ".join(overrides) + OmegaConf.to_yaml(cfg)
+    added = {h: o for h, o in added.items() if not re.search(rf"\$\{{\s*{re.escape(h)}\b", written)}
     if not added:
         return []
     rest = [o for o in overrides if override_key(o).split(".", 1)[0] not in added]

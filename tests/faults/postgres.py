@@ -84,19 +84,23 @@ def own_server() -> Iterator[PostgresServer]:
     runuser = shutil.which("runuser")
     if not (initdb and pg_ctl and runuser):
         _unavailable("no PostgreSQL server binaries (initdb, pg_ctl, runuser) here")
-    data = Path(tempfile.mkdtemp(prefix="batchfit-pg-"))
+    # /tmp itself: the postgres user must reach it (a TMPDIR under /root is 0700), and the
+    # server's socket path in it must stay under 107 bytes
+    data = Path(tempfile.mkdtemp(prefix="batchfit-pg-", dir="/tmp"))
     try:
         shutil.chown(data, "postgres")
     except (LookupError, PermissionError) as error:
         shutil.rmtree(data, ignore_errors=True)
         _unavailable(f"no `postgres` user to run the server as ({error})")
+    server = None
     try:
         server = PostgresServer(data, initdb, pg_ctl, runuser)
         server.start()
         yield server
-        subprocess.run(
-            [*server.as_postgres, pg_ctl, "-D", str(data), "-m", "immediate", "stop"],
-            check=False, capture_output=True,
-        )  # fmt: skip
     finally:
+        if server is not None:  # stopped whatever the test did, before its data goes
+            subprocess.run(
+                [*server.as_postgres, pg_ctl, "-D", str(data), "-m", "immediate", "stop"],
+                check=False, capture_output=True,
+            )  # fmt: skip
         shutil.rmtree(data, ignore_errors=True)
