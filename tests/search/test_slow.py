@@ -21,6 +21,7 @@ from search.stopping import (
     TimeBudget,
     Yardstick,
 )
+from search.storage import RetryStaleTrial
 from tests.conftest import FAST
 
 # ResNet-18/digits on a 2-core AVX2 CPU, 2876 samples (2 epochs), a 60 s budget. fp32 trials
@@ -205,3 +206,31 @@ def test_a_study_of_slow_trials_records_their_projection_and_says_so(prepare_stu
     text = driver.console.export_text()
     assert f"All {len(trials)} trials were pruned as slow: they projected" in text
     assert "against search.trial_time_budget_s=0.0001" in text
+
+
+@pytest.mark.study
+def test_a_trial_queued_again_after_a_stop_goes_through_the_probe(prepare_study, stores):
+    """A trial interrupted (Ctrl-C, SIGTERM, a dead worker) is queued again with its
+    parameters; run again, it is probed like a new one: pruned `slow` by the probe, before
+    its first step, not after training for a while."""
+    overrides = [
+        *FAST, "search.trial_time_budget_s=0.0001", "search.objectives=[val/acc]",
+        "search.n_trials=1", "search.study_name=requeued",
+        "+search.params={trainer.batch_size:'choice(16,64)'}", *stores["overrides"],
+    ]  # fmt: skip
+    driver = prepare_study(overrides, width=400)
+    study = driver.study
+    for waiting in study.get_trials(states=(TrialState.WAITING,)):  # the fit report's first
+        study._storage.set_trial_state_values(waiting._trial_id, state=TrialState.FAIL)
+    dist = {"trainer.batch_size": CategoricalDistribution([16, 64])}
+    study.add_trial(
+        create_trial(state=TrialState.FAIL, params={"trainer.batch_size": 16}, distributions=dist)
+    )  # interrupted: no error of its own
+    interrupted = study.get_trials()[-1]
+    RetryStaleTrial()(study, interrupted)
+    driver.run()
+    (rerun,) = [t for t in study.get_trials() if t.system_attrs.get("failed_trial") is not None]
+    assert rerun.system_attrs["failed_trial"] == interrupted.number
+    assert rerun.state == TrialState.PRUNED and rerun.user_attrs["reason"] == "slow"
+    assert rerun.user_attrs["message"].startswith("a probe step projects")
+    assert "peak_bytes" not in rerun.user_attrs  # stopped before its first step
