@@ -24,11 +24,10 @@ predicted too: their steps from the same model, their seconds per step from the 
 of their family (the cells alike but for batch size and accumulation: one precision,
 checkpointing, sequence length, data-parallel layout). A step of micro-batch m with
 accumulation a takes a t(m): t is each measured micro-batch size's median seconds per micro-
-step (step_ms / a), linear between two measured sizes ("interpolated"); beyond them, the line
-of the two nearest where it has a fixed cost per micro-step (intercept >= 0), else the
-nearest size's seconds per sample ("extrapolated"). A cell some trial trained that did not
-complete (diverged, too slow, out of memory on the device) is not predicted: the trials
-showed it does not finish.
+step (step_ms / a), linear between two measured sizes ("interpolated"). A cell outside the
+measured sizes is not predicted (a step's fixed cost, or a device filling up, bends the
+line beyond them), nor is one some trial tried that did not complete (diverged, too slow,
+out of memory on the device): the trials showed it does not finish.
 """
 
 from __future__ import annotations
@@ -78,7 +77,7 @@ class Predicted:
     steps: float
     step_s: float
     trials: tuple[int, ...]  # the trials that trained this geometry; () for a fit report cell
-    step_basis: str = MEASURED  # or 'interpolated (64, 128)', 'extrapolated (64)'
+    step_basis: str = MEASURED  # or 'interpolated (64, 128)', 'measured (64, other accumulation)'
     # A fit report cell no trial trained: the overrides that set it (key, value), in order.
     sets: tuple[tuple[str, Any], ...] = ()
 
@@ -293,8 +292,11 @@ def _cells(
         kin = [g for g in timed if g.family == family]
         if not cell["fits"] or (family, micro, accum) in tried or not kin:
             continue
+        step = _micro_step_s(kin, micro)
+        if step is None:
+            continue
+        micro_s, basis = step
         ranks = round(statistics.median(g.batch / (g.micro * g.accum) for g in kin))
-        micro_s, basis = _micro_step_s(kin, micro)
         like = kin[0].geometry
         swapped = {BATCH_KEY: micro, ACCUM_KEY: accum}
         label = speed.label(tuple((k, swapped.get(k, v)) for k, v in like))
@@ -304,29 +306,23 @@ def _cells(
     return out
 
 
-def _micro_step_s(kin: Sequence[_Trained], micro: int) -> tuple[float, str]:
+def _micro_step_s(kin: Sequence[_Trained], micro: int) -> tuple[float, str] | None:
     """Seconds per micro-step of `micro` samples, from the timed geometries of its family,
-    and how it was found ('interpolated (32, 64)': the measured sizes it rests on)."""
+    and what it rests on ('interpolated (32, 64)': the measured sizes around it); None
+    outside the measured sizes: how a step's time grows beyond them (a fixed cost a step
+    dominating small batches, the device filling up for large ones) the trials do not say."""
     per_size: dict[int, list[float]] = {}
     for g in kin:
         per_size.setdefault(g.micro, []).extend(s / g.accum for s in g.step_s)
-    sizes = sorted(per_size)
-    t = {m: statistics.median(per_size[m]) for m in sizes}
+    t = {m: statistics.median(times) for m, times in per_size.items()}
     if micro in t:
         return t[micro], f"{MEASURED} ({micro}, other accumulation)"
-    below = [m for m in sizes if m < micro]
-    above = [m for m in sizes if m > micro]
-    if below and above:
-        lo, hi = below[-1], above[0]
-        return t[lo] + (t[hi] - t[lo]) * (micro - lo) / (hi - lo), f"interpolated ({lo}, {hi})"
-    ends = sizes[-2:] if below else sizes[:2]
-    if len(ends) == 2:
-        (m0, m1) = ends
-        slope = (t[m1] - t[m0]) / (m1 - m0)
-        if slope > 0 and t[m0] - slope * m0 >= 0:  # a fixed cost per micro-step, then per sample
-            return t[m0] + slope * (micro - m0), f"extrapolated ({m0}, {m1})"
-    nearest = sizes[-1] if below else sizes[0]
-    return t[nearest] * micro / nearest, f"extrapolated ({nearest}, its s/sample)"
+    below = [m for m in t if m < micro]
+    above = [m for m in t if m > micro]
+    if not below or not above:
+        return None
+    lo, hi = max(below), min(above)
+    return t[lo] + (t[hi] - t[lo]) * (micro - lo) / (hi - lo), f"interpolated ({lo}, {hi})"
 
 
 def _below_critical(

@@ -24,7 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Bring your own training"
 BLOCK = re.compile(r"```(\w+)\n(.*?)```", re.S)
 RERUN = "Train it again: "
-RECOMMENDED = re.compile(r"Recommended: trial (\d+),")
+# "Recommended: trial 3, ..." or, for a fit report cell no trial trained, "Recommended:
+# 64x2 fp32, ... its learning rate is trial 3's ...": the trial is the (last) group
+RECOMMENDED = re.compile(r"Recommended: (?:trial |\S+ .*?its learning rate is trial )(\d+)")
 
 
 def guide_blocks() -> list[tuple[str, str]]:
