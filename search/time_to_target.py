@@ -213,7 +213,8 @@ def plan(
     noises = [v for _, r in done if (v := r.figure(NOISE_METRIC)) is not None and v > 0]
     noise = statistics.median(noises) if noises else None
     model, source = _model(best_steps, noises, noise)
-    trained = _trained(trials, cells)
+    keys = _family_keys(cells)
+    trained = _trained(trials, keys)
     predicted = [
         Predicted(
             g.label, g.batch, model.steps(g.batch), statistics.median(g.step_s), tuple(g.trials)
@@ -221,7 +222,7 @@ def plan(
         for g in trained.values()
         if g.complete
     ]
-    predicted += _cells(model, cells, trained)
+    predicted += _cells(model, cells, keys, trained)
     if model.unbounded:  # how far above the batches B_crit lies, they cannot say
         predicted = [p for p in predicted if p.batch <= max(best_steps)]
     predicted.sort(key=lambda p: p.seconds)
@@ -244,17 +245,15 @@ class _Trained:
 
 
 def _family_keys(cells: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The cells' coordinates but batch size and accumulation: what a family shares."""
     keys = {k for cell in cells for k in cell} - {BATCH_KEY, ACCUM_KEY, *CELL_COLUMNS}
     return sorted(keys)
 
 
-def _trained(
-    trials: Sequence[FrozenTrial], cells: Sequence[Mapping[str, Any]]
-) -> dict[str, _Trained]:
+def _trained(trials: Sequence[FrozenTrial], keys: Sequence[str]) -> dict[str, _Trained]:
     """The geometries the finished trials tried, by label: their measured seconds per step
     and whether one completed (one that did not: diverged, too slow, out of memory)."""
-    keys = _family_keys(cells)
-    found: dict[tuple, _Trained] = {}
+    found: dict[str, _Trained] = {}
     for t in trials:
         record = TrialRecord.of(t)
         values = {**record.params, **record.run}
@@ -265,10 +264,8 @@ def _trained(
         micro, accum = int(values[BATCH_KEY]), int(values.get(ACCUM_KEY) or 1)
         family = tuple(str(values.get(k)) for k in keys)
         geometry = speed.geometry(t)
-        g = found.setdefault(
-            speed.label(geometry),
-            _Trained(speed.label(geometry), family, micro, accum, batch, geometry, [], []),
-        )
+        label = speed.label(geometry)
+        g = found.setdefault(label, _Trained(label, family, micro, accum, batch, geometry, [], []))
         if t.state == TrialState.COMPLETE:
             g.trials.append(t.number)  # those that support it: complete
         if record.step_ms:
@@ -278,11 +275,14 @@ def _trained(
 
 
 def _cells(
-    model: StepsModel, cells: Sequence[Mapping[str, Any]], trained: Mapping[str, _Trained]
+    model: StepsModel,
+    cells: Sequence[Mapping[str, Any]],
+    keys: Sequence[str],
+    trained: Mapping[str, _Trained],
 ) -> list[Predicted]:
     """The fitting cells no trial trained, with their seconds per step from their family's
-    trials (`t`, the module's docstring); a family no trial timed is left out."""
-    keys = _family_keys(cells)
+    trials (`t`, the module's docstring); a family no trial timed is left out. `keys`: a
+    family's coordinates (`_family_keys`)."""
     timed = [g for g in trained.values() if g.step_s]
     tried = {(g.family, g.micro, g.accum) for g in trained.values()}
     out = []
