@@ -3,14 +3,20 @@ can be mounted) and a file that fills it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 
-def mount_tmpfs(path: Path, size: str) -> None:
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `path` (created) while the block runs; the test is
+    skipped where none can be mounted. Unmounted lazily after: detached at once, gone once
+    no file on it is open (a cached SQLite connection may be)."""
     path.mkdir()
     try:
         subprocess.run(
@@ -19,11 +25,10 @@ def mount_tmpfs(path: Path, size: str) -> None:
         )  # fmt: skip
     except (OSError, subprocess.CalledProcessError) as error:
         pytest.skip(f"cannot mount a tmpfs here ({error})")
-
-
-def unmount(path: Path) -> None:
-    """Detached now, gone once no file on it is open (a cached SQLite connection may be)."""
-    subprocess.run(["umount", "--lazy", str(path)], check=False)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=False)
 
 
 def fill(folder: Path, leave_bytes: int) -> Path:

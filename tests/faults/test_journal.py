@@ -26,7 +26,7 @@ from search.storage import (
     SafeJournalFileBackend,
     open_storage,
 )
-from tests.faults.disk import fill, mount_tmpfs, unmount
+from tests.faults.disk import fill, tmpfs
 from tests.faults.study import (
     NAME,
     STUDY,
@@ -162,9 +162,8 @@ def test_a_dangling_lock_link_does_not_hang_the_study(tmp_path: Path) -> None:
 @pytest.fixture
 def small_disk(tmp_path: Path):
     disk = tmp_path / "disk"
-    mount_tmpfs(disk, "1m")
-    yield disk
-    unmount(disk)
+    with tmpfs(disk, "1m"):
+        yield disk
 
 
 def test_an_append_on_a_full_disk_leaves_the_journal_whole(small_disk: Path) -> None:

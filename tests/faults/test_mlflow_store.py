@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.faults.disk import fill, mount_tmpfs, unmount
+from tests.faults.disk import fill, tmpfs
 from tracking.runs import Tracker
 from train.config import ConfigError
 
@@ -17,9 +17,8 @@ from train.config import ConfigError
 @pytest.fixture
 def disk(tmp_path: Path):
     folder = tmp_path / "disk"
-    mount_tmpfs(folder, "2m")
-    yield folder
-    unmount(folder)
+    with tmpfs(folder, "2m"):
+        yield folder
 
 
 def _half_made(disk: Path, leave_bytes: int) -> Path:

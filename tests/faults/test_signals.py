@@ -43,13 +43,24 @@ def _runs(cwd: Path) -> dict:
     }
 
 
-def test_sigterm_ends_the_trial_queues_it_again_and_the_study_resumes(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("stop", "status", "said"),
+    [
+        (signal.SIGTERM, 143, "Terminated (SIGTERM)"),
+        # a closed terminal or a dropped ssh connection: not killed silently, runs RUNNING
+        (signal.SIGHUP, 129, "Hung up (SIGHUP"),
+    ],
+    ids=["sigterm", "sighup"],
+)
+def test_a_stop_signal_ends_the_trial_queues_it_again_and_the_study_resumes(
+    tmp_path: Path, stop: signal.Signals, status: int, said: str
+) -> None:
     process = start_study(tmp_path, LONGER)
     running = _in_training(tmp_path, process)
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(stop)
     out, err = process.communicate(timeout=120)
-    assert process.returncode == 143, out[-2000:] + err[-2000:]
-    assert "Terminated (SIGTERM)" in out and "queued to run again" in out
+    assert process.returncode == status, out[-2000:] + err[-2000:]
+    assert said in out and "queued to run again" in out
     assert "Traceback" not in out + err
 
     study = journal_of(tmp_path)
@@ -68,25 +79,6 @@ def test_sigterm_ends_the_trial_queues_it_again_and_the_study_resumes(tmp_path: 
     assert len(finished) == 2
     assert not [t for t in study.trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
     assert all(r.info.status != "RUNNING" for r in _runs(tmp_path).values())
-
-
-def test_sighup_stops_the_study_like_sigterm(tmp_path: Path) -> None:
-    """A closed terminal or a dropped ssh connection: the study is not killed silently
-    with its runs left RUNNING; it stops as SIGTERM stops it."""
-    process = start_study(tmp_path, LONGER)
-    running = _in_training(tmp_path, process)
-    process.send_signal(signal.SIGHUP)
-    out, err = process.communicate(timeout=120)
-    assert process.returncode == 129, out[-2000:] + err[-2000:]
-    assert "Hung up (SIGHUP" in out and "queued to run again" in out
-    assert "Traceback" not in out + err
-    study = journal_of(tmp_path)
-    killed, queued = study.trials[running.number], study.trials[-1]
-    assert killed.state == TrialState.FAIL and "error" not in killed.user_attrs
-    assert queued.state == TrialState.WAITING and queued.params == killed.params
-    runs = _runs(tmp_path)
-    assert runs[str(running.number)].info.status == "KILLED"
-    assert runs["parent"].info.status == "KILLED"
 
 
 def test_two_ctrl_c_stop_the_study_once_without_a_traceback(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from search.storage import open_storage
-from tests.faults.disk import mount_tmpfs, unmount
+from tests.faults.disk import tmpfs
 from tests.faults.postgres import own_server
 from tracking.outputs import cannot_create
 from tracking.runs import Tracker
@@ -23,14 +23,12 @@ from train.config import ConfigError
 def read_only_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """The working directory on a read-only filesystem (root writes anywhere else), and
     a home directory that can be written."""
-    disk = tmp_path / "disk"
-    mount_tmpfs(disk, "1m")
-    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
-    monkeypatch.chdir(disk)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    yield disk
-    monkeypatch.chdir(tmp_path)
-    unmount(disk)
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        monkeypatch.chdir(disk)
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        yield disk
+        monkeypatch.chdir(tmp_path)
 
 
 def _suggested(message: str, key: str) -> Path:
