@@ -27,7 +27,7 @@ batch is the one with the fewest steps at seed 0; with --seeds N > 1 it is run a
 seeds 1..N-1 and the batch's steps are the mean over the N seeds (less of the lucky minimum
 over rates in them).
 
-B_simple is each run's `RunResult.noise.noise_scale`, the estimate of train/noise.py that
+B_simple is each run's `RunResult.noise.noise_scale`, the estimate of train/measure/noise.py that
 a trial logs as stats/grad_noise_scale: smoothed over its last ~10 steps, so measured at
 the target loss, which is where B_crit is defined. The task's B_simple is the median over
 the runs at the best rates (every batch, every seed; NaN readings left out): each run

@@ -1,7 +1,7 @@
 """The real OOM boundary on a GPU against the prediction: for a few configurations, the smallest
 per-process memory limit a training step really runs in, bisected with
 `torch.cuda.set_per_process_memory_fraction`, beside the limit the prediction gives
-(train/predict.py: the caching-allocator model's smallest limit). Needs CUDA.
+(train/memory/predict.py: the caching-allocator model's smallest limit). Needs CUDA.
 
     python bench/oom_limit.py                 # the bundled configurations
     python bench/oom_limit.py --resolution-mib 4
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from train.memory import OutOfMemory, format_bytes, release_memory  # noqa: E402
+from train.memory.budget import OutOfMemory, format_bytes, release_memory  # noqa: E402
 from train.run import plan, run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
 

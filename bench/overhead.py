@@ -129,7 +129,7 @@ def plain_run(cfg: DictConfig, workload: Workload) -> Measured:
         torch.backends.cudnn.allow_tf32 = t.precision == "tf32"
     ebs = t.batch_size * t.accum_steps
     first_timed = first_timed_step(num_steps, t.warmup_steps, device)
-    # batchfit runs its noise-scale window of split steps (train/noise.py) off the clock too
+    # batchfit runs its noise-scale window of split steps (train/measure/noise.py) off the clock too
     first_timed = split_window(t, num_steps, first_timed).stop or first_timed
 
     def evaluate() -> float:

@@ -1,4 +1,4 @@
-"""Accuracy and cost of the peak-memory prediction (train/predict.py) against real runs.
+"""Accuracy and cost of the peak-memory prediction (train/memory/predict.py) against real runs.
 
 For each model x precision x batch size, a prediction (a step on fake tensors) and a real
 run of 3 optimizer steps through `train.run.run`, the code path of a trial:
@@ -22,7 +22,7 @@ Also printed: seconds per prediction against seconds per real optimizer step.
     python bench/prediction.py --no-grid --fit-reports   # the three 8B fit reports
 
 `--traces DIR` replays real GPU memory snapshots (torch.cuda.memory._dump_snapshot files)
-through the allocator model (train/cuda_trace.py): per trace and device, the share of
+through the allocator model (bench/cuda_trace.py): per trace and device, the share of
 events whose reserved bytes and segment count equal the real ones, the smallest
 per-process limit the model runs it in against the same figure from the real events, the
 peak reserved and whether a real OOM is predicted. Targets: 100% of events, every real OOM
@@ -38,7 +38,7 @@ tokens) in fresh processes, and reads their peak host memory. Target for 1B and 
 8 GPUs), each `python -m search.fit` in a fresh process, with its peak host memory and the
 tables it printed; then, for cells of each (the shortest data.seq_len, without and with
 checkpointing, batch 1 and 2, accumulation 1 and 2, each precision), the fast path (the
-step built from 2-4 layer copies, train/stack.py) against the full fake step of all 32
+step built from 2-4 layer copies, train/memory/stack.py) against the full fake step of all 32
 layers: smallest limit, live tensor peak and reserve under the budget. Verdict: every
 report under 60 s and every compared cell equal to the byte.
 
@@ -67,7 +67,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from train.memory import format_bytes  # noqa: E402
+from train.memory.budget import format_bytes  # noqa: E402
 from train.run import plan, run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
 
@@ -93,7 +93,7 @@ def _config(model: str, device: str, image_size: int, num_samples: int):  # noqa
     )
 
 
-# Decoders of the GPT of train/text.py over bytes (vocab 256): (layers, width, heads).
+# Decoders of the GPT of train/language/text.py over bytes (vocab 256): (layers, width, heads).
 DECODERS = {"125M": (18, 768, 12), "1B": (20, 2048, 16), "8B": (40, 4096, 32)}
 DECODER_LIMIT_S, DECODER_LIMIT_BYTES = 60.0, 2 * 2**30
 DECODER_SPACE = (
@@ -104,7 +104,7 @@ DECODER_SPACE = (
 
 def traces(console: Console, folder: str) -> bool:
     """The allocator model against real traces; True when every target holds."""
-    from train.cuda_trace import reports, table
+    from bench.cuda_trace import reports, table
 
     rows = reports(folder)
     console.print(table(rows))

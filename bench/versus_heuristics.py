@@ -50,7 +50,7 @@ from bench.search_efficiency import BASE, SPACE, TARGET  # noqa: E402
 from search.budget import num_trained  # noqa: E402
 from search.driver import StudyDriver  # noqa: E402
 from search.record import PREDICTED_OOM, TrialRecord, records  # noqa: E402
-from train.memory import OutOfMemory, release_memory  # noqa: E402
+from train.memory.budget import OutOfMemory, release_memory  # noqa: E402
 from train.run import plan, run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
 

@@ -34,7 +34,7 @@ from tracking.redact import redact_logging
 from tracking.runs import http_defaults, quiet_logging
 from train.config import ConfigError
 from train.overrides import composed, run_checked, unknown_top_level
-from train.threads import plan_threads
+from train.parallel.threads import plan_threads
 
 
 class Terminated(KeyboardInterrupt):
@@ -115,7 +115,8 @@ def main(cfg: DictConfig) -> float | None:
         problems = unknown_top_level(cfg, overrides)
         if problems:
             raise ConfigError(problems)
-        # First, before any torch work: each worker's share of the cores (train/threads.py).
+        # First, before any torch work: each worker's share of the cores
+        # (train/parallel/threads.py).
         # Local launchers (joblib, submitit_local) run search.workers processes at once on
         # these cores; Hydra's basic launcher runs them one after another, and a SLURM job
         # has cores of its own.

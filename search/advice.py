@@ -14,7 +14,7 @@ that applies to the config:
 2. the same card with two or three of them (those that did not fit alone);
 3. more cards of the same kind: FSDP over 2, 4, 8 devices (`trainer.strategy=fsdp
    trainer.devices=N`; each rank's step is predicted), alone, then with the levers of 1;
-4. one larger card of train/gpus.py (`search.gpu=...`), the smallest that fits, when the
+4. one larger card of train/memory/gpus.py (`search.gpu=...`), the smallest that fits, when the
    plan is for a named card and the budget follows the card (a share of it, or all of it).
 
 That order is what "cheapest" means here: what changes only the run before what changes
@@ -40,12 +40,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from search.space import SearchSpace, parse_space
 from train.config import ConfigError
-from train.gpus import GPUS, Gpu
-from train.memory import format_bytes, parse_budget
+from train.memory.budget import format_bytes, parse_budget
+from train.memory.gpus import GPUS, Gpu
+from train.memory.predict import PredictionUnsupported, fits_budget
 from train.overrides import merge_overrides
 from train.params import CHECKPOINTING_KEY, DEVICES_KEY, PRECISION_KEY, STRATEGY_KEY
 from train.precision import unsupported_reason
-from train.predict import PredictionUnsupported, fits_budget
 from train.run import GPU_KEY, RunSpec, budget_source, plan, with_gpu_budget
 from train.workload import Workloads
 
@@ -347,7 +347,7 @@ def _fsdp(devices: int) -> tuple[str, ...]:
 
 
 def _larger_cards(cfg: DictConfig, spec: RunSpec, state_bytes: int | None) -> list[Gpu]:
-    """The cards of train/gpus.py with more memory than the planned one, smallest first
+    """The cards of train/memory/gpus.py with more memory than the planned one, smallest first
     (one of each size and compute capability), whose budget can hold `state_bytes`; none
     unless the plan is for a named card whose budget follows it (a share, or all of it)."""
     budget = cfg.search.memory_budget

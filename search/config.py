@@ -18,7 +18,7 @@ RUN_METRICS = {
     "throughput/samples_per_sec": "maximize",
     "memory/peak_bytes": "minimize",
     "time/data_wait_share": "minimize",
-    "perf/mfu": "maximize",  # model FLOPs utilisation (train/flops.py)
+    "perf/mfu": "maximize",  # model FLOPs utilisation (train/measure/flops.py)
     "perf/achieved_flops": "maximize",
 }
 
@@ -177,7 +177,7 @@ class SearchConfig:
     accumulation: str = "searched"  # or "derived": see conf/search/default.yaml
     workers: int = 1  # worker processes sharing the study (a --multirun over them)
     # torch intra-op threads per worker (None: automatic), applied by the entry point first,
-    # before this config is built (train/threads.py)
+    # before this config is built (train/parallel/threads.py)
     threads: int | None = None
     # Seconds after which a worker starts no new trial, once one has completed (None: no
     # limit): the study then recommends from what it trained, and the same command resumes.
@@ -197,7 +197,7 @@ class SearchConfig:
     # Metric name -> direction of what the trials report (known_metrics of the task).
     known_metrics: Mapping[str, str] = field(default_factory=lambda: dict(OBJECTIVE_METRICS))
     target: Target | None = None  # search.target
-    # A GPU to plan for by name (train/gpus.py), e.g. A100-40GB; None: the device trained on
+    # A GPU to plan for by name (train/memory/gpus.py), e.g. A100-40GB; None: the device trained on
     gpu: str | None = None
     # The budget's share of the card when search.gpu is given on the command line without
     # search.memory_budget (train/run.py with_gpu_budget)

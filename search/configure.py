@@ -19,9 +19,14 @@ from omegaconf import DictConfig
 from search.config import SearchConfig
 from search.space import SearchSpace
 from train.config import ConfigError
-from train.memory import format_bytes
+from train.memory.budget import format_bytes
+from train.memory.predict import (
+    Prediction,
+    PredictionUnsupported,
+    fits_budget,
+    largest_fitting_batch,
+)
 from train.params import ACCUM_KEY, BATCH_KEY
-from train.predict import Prediction, PredictionUnsupported, fits_budget, largest_fitting_batch
 from train.run import RunSpec, plan
 from train.workload import Workloads
 

@@ -7,7 +7,7 @@ Training to a fixed loss at batch size B takes
 
 with E_min = S_min B_crit: below the critical batch B_crit more samples per step save
 steps almost one for one; above it, they mostly buy nothing. The paper's B_crit is
-predicted by the gradient noise scale B_simple (train/noise.py) up to a factor of a few.
+predicted by the gradient noise scale B_simple (train/measure/noise.py) up to a factor of a few.
 
 S is linear in 1/B (S = S_min + S_min B_crit / B), so measured (B, S) pairs give both
 constants by a least-squares line; `fit_steps` says when they do not. When every batch

@@ -38,8 +38,8 @@ from tracking.overhead import CallClock, Lap, storage_methods
 from tracking.redact import redact
 from tracking.runs import RunLog, Tracker, ui_link
 from train.config import ConfigError
+from train.memory.predict import PredictionUnsupported
 from train.overrides import override_key
-from train.predict import PredictionUnsupported
 from train.run import (
     OverBudget,
     RunSpec,

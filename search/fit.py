@@ -5,7 +5,7 @@ without training.
 
 For every precision, batch size and accumulation of the search space, with the base config's
 model and optimizer (other searched keys at their configured values), the predicted peak
-memory of a training step (train/predict.py: the step computed on fake tensors) and the
+memory of a training step (train/memory/predict.py: the step computed on fake tensors) and the
 largest batch size that fits the budget with search.preflight_margin to spare. Accumulation
 matters: the second micro-batch of a step runs over the gradients the first one left, so it
 can peak higher. Accumulations whose peaks are the same at every batch size and precision
@@ -46,8 +46,15 @@ from search.space import SearchSpace, parse_space
 from tracking.console import config_error, crashed, stopped
 from tracking.redact import redact_logging
 from train.config import ConfigError, TrainerConfig
-from train.device import DeviceSpec
-from train.memory import format_bytes
+from train.memory.budget import format_bytes
+from train.memory.device import DeviceSpec
+from train.memory.predict import (
+    MemoryPredictor,
+    PredictionUnsupported,
+    fits_budget,
+    largest_fitting_batch,
+    replays_beside,
+)
 from train.overrides import composed, run_checked, unknown_top_level
 from train.params import (
     ACCUM_KEY,
@@ -59,13 +66,6 @@ from train.params import (
     STRATEGY_KEY,
 )
 from train.precision import unsupported_reason
-from train.predict import (
-    MemoryPredictor,
-    PredictionUnsupported,
-    fits_budget,
-    largest_fitting_batch,
-    replays_beside,
-)
 from train.run import OverBudget, RunSpec, budget_source, with_gpu_budget
 from train.workload import Workloads
 
@@ -310,7 +310,7 @@ class _Tabulation:
             if key not in geometry_keys and OmegaConf.select(cfg, key) is not None
         }
         # The most micro-batches first: the predictor derives the step of one micro-batch
-        # from a step of several (train/predict.py _first_micro_batch).
+        # from a step of several (train/memory/predict.py _first_micro_batch).
         self.order = [
             (precision, row, accum)
             for precision in precisions

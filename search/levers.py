@@ -21,9 +21,9 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from train.config import ConfigError
-from train.device import DeviceSpec
+from train.memory.device import DeviceSpec
+from train.memory.predict import PredictionUnsupported, fits_budget
 from train.precision import unsupported_reason
-from train.predict import PredictionUnsupported, fits_budget
 from train.run import plan
 from train.workload import Workloads
 

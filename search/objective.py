@@ -52,10 +52,10 @@ from tracking import interrupts
 from tracking.runs import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG, RunLog, Tracker
 from train.batches import steps_plan
 from train.config import ConfigError
-from train.flops import MFU_NOTE_TAG
 from train.loop import Diverged, Hooks, RunResult
-from train.memory import MemoryStats, OutOfMemory, release_memory
-from train.noise import NOISE_TAG
+from train.measure.flops import MFU_NOTE_TAG
+from train.measure.noise import NOISE_TAG
+from train.memory.budget import MemoryStats, OutOfMemory, release_memory
 from train.run import RunSpec, perf_figures, run
 
 
@@ -265,7 +265,7 @@ class Objective:
         self, cfg: DictConfig, spec: RunSpec, result: RunResult, log: RunLog
     ) -> tuple[dict[str, float], str | None]:
         """perf/* of a completed run: FLOPs per sample counted on the predictor's fake model,
-        and MFU against the device's peak (train/flops.py); none for a model that does not
+        and MFU against the device's peak (train/measure/flops.py); none for a model that does not
         run on fake tensors. An MFU above 1 comes with a note of why (tag, record, and said
         once)."""
         figures, note = perf_figures(self.configure.workloads.of(cfg), cfg, spec, result)

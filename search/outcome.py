@@ -23,8 +23,8 @@ from search.record import (
 )
 from tracking.runs import PRUNE_REASON_TAG, STATE_TAG, RunLog
 from train.loop import RunResult
-from train.memory import MemoryStats
-from train.predict import Prediction
+from train.memory.budget import MemoryStats
+from train.memory.predict import Prediction
 from train.run import RunSpec, memory_figures
 
 MLFLOW_MESSAGE_CHARS = 5000

@@ -27,8 +27,8 @@ from search import speed, time_to_target
 from search.config import RecommendRule
 from search.record import TrialRecord
 from search.space import override_value
+from train.measure.speed import Speed
 from train.overrides import BEST_KEY, override_key
-from train.speed import Speed
 
 
 def metric_value(trial: FrozenTrial, name: str) -> float | None:

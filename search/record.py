@@ -92,7 +92,7 @@ class TrialRecord:
     val_curve: list | None = _attr("val_curve")
     timed_steps: int | None = _attr("timed_steps")
     timed_samples: int | None = _attr("timed_samples")
-    mfu_note: str | None = _attr("mfu_note")  # why its perf/mfu is above 1 (train/flops.py)
+    mfu_note: str | None = _attr("mfu_note")  # why its perf/mfu is above 1 (train/measure/flops.py)
     # Time: the slow-trial probe's seconds per sample (the yardstick of later trials); a
     # `slow` trial's projected training and the search.trial_time_budget_s it was held to.
     probe_s_per_sample: float | None = _attr("probe_s_per_sample")

@@ -33,8 +33,9 @@ from search.record import PRUNER, TrialRecord, mib, records
 from search.space import override_value
 from tracking.redact import redact
 from train.lr import scaled_lr
-from train.memory import format_bytes
+from train.memory.budget import format_bytes
 from train.overrides import BEST_KEY, override_key
+from train.parallel.threads import usable_cores
 from train.params import (
     ACCUM_KEY,
     BATCH_KEY,
@@ -43,7 +44,6 @@ from train.params import (
     LR_REF_PARAM,
     LR_RULE_PARAM,
 )
-from train.threads import usable_cores
 
 
 def _short(key: str) -> str:

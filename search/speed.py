@@ -9,7 +9,7 @@ accumulation, precision, sequence length, checkpointing: every searched key but 
 optimizer's and the schedule's numbers), not to its learning rate. So at the end of the
 search the geometries of the candidates (the completed trials within the recommendation's
 tolerance, the fastest MAX_GEOMETRIES of them) are timed in turn, round after round
-(train/speed.py), and the recommendation prefers a faster geometry only when it is faster
+(train/measure/speed.py), and the recommendation prefers a faster geometry only when it is faster
 in every round than the other in its best one (search/recommend.py).
 
 The result is kept in the study (user attr `speed_check`), so a resumed study or another
@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from optuna.trial import FrozenTrial
 
 from search.record import TrialRecord
+from train.measure.speed import ROUNDS, Speed, measure
 from train.params import (
     ACCUM_KEY,
     BATCH_KEY,
@@ -36,7 +37,6 @@ from train.params import (
     STRATEGY_KEY,
 )
 from train.run import RunSpec
-from train.speed import ROUNDS, Speed, measure
 from train.workload import Workloads
 
 SPEED_ATTR = "speed_check"

@@ -12,7 +12,7 @@ S_min (1 + B_crit / B) for the global batch B. Its constants come from the study
 - with 3 or more batch sizes, S_min and B_crit are fitted, and trusted when the fit is
   within FIT_TOLERANCE of every point (with 4 or more, of every point but one outlier,
   said); with 2, the line through them is trusted when the
-  trials' median gradient noise scale B_simple (train/noise.py; the paper's estimate of
+  trials' median gradient noise scale B_simple (train/measure/noise.py; the paper's estimate of
   B_crit) is within NOISE_SPREAD of its B_crit; with 1, B_crit is B_simple itself, trusted
   when the trials' estimates agree within NOISE_SPREAD, and S_min follows from the steps.
 Where neither holds, `plan` raises Untrusted saying why, and the study recommends by its

@@ -29,12 +29,12 @@ FAST = [
 # `pytest` runs the suite on pytest-xdist workers (pyproject's addopts: -n auto, one file
 # per worker at a time): most of a test's time is a subprocess's imports, SQLite and MLflow
 # calls, waits on servers and SLURM, which leave a core idle. A worker's own torch takes its
-# share of the cores (subprocesses plan theirs: train/threads.py), not every core each.
+# share of the cores (subprocesses plan theirs: train/parallel/threads.py), not every core each.
 MAX_WORKERS = 4  # each holds a torch, MLflow and Optuna process, ~1.5 GB
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    from train.threads import usable_cores
+    from train.parallel.threads import usable_cores
 
     return max(1, min(usable_cores(), MAX_WORKERS))
 
@@ -42,7 +42,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 def pytest_configure(config: pytest.Config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if "PYTEST_XDIST_WORKER" in os.environ and workers > 1:
-        from train.threads import usable_cores
+        from train.parallel.threads import usable_cores
 
         torch.set_num_threads(max(1, usable_cores() // workers))
 

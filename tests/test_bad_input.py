@@ -12,9 +12,9 @@ import pytest
 
 from tests.sweeps import run_module
 from train.config import ConfigError
-from train.hf import architecture
+from train.language.hf import architecture
+from train.language.text import text_corpus
 from train.run import check_builds, plan
-from train.text import text_corpus
 
 FAST = ["model=small_cnn", "model.width=4", "data=digits", "trainer.max_epochs=1"]
 ENTRY_POINTS = ["search", "search.fit", "train"]
@@ -179,7 +179,7 @@ def test_lora_targets_match_any_module_and_the_bundled_list_is_not_checked() -> 
     import yaml
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from train.hf import DEFAULT_TARGETS, _check_targets
+    from train.language.hf import DEFAULT_TARGETS, _check_targets
     from train.overrides import CONF
 
     bundled = yaml.safe_load((CONF / "model" / "hf_causal_lm.yaml").read_text())

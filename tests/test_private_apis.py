@@ -8,24 +8,27 @@ Each of these has no public equivalent in the versions pinned (Optuna 5.0, torch
 - JournalStorage._backend (search/driver.py, tests/faults/test_journal.py)
 - Study._storage, Trial._trial_id, FrozenTrial._trial_id (search/storage.py, search/worker.py)
 - BaseDistribution._contains (search/budget.py `_within`)
-- torch.amp.GradScaler._maybe_opt_step (train/predict.py `_FakeGradScaler`)
-- torch.amp.GradScaler._get_scale_async (train/noise.py: fp16's loss scale, no host sync)
-- torch._foreach_norm with a dtype (train/noise.py: the gradients' norms, as clip_grad_norm_)
-- torch._subclasses.fake_tensor.FakeTensorMode (train/predict.py)
-- torch.utils._python_dispatch.TorchDispatchMode (train/memory.py)
+- torch.amp.GradScaler._maybe_opt_step (train/memory/predict.py `_FakeGradScaler`)
+- torch.amp.GradScaler._get_scale_async (train/measure/noise.py: fp16's loss scale, no host sync)
+- torch._foreach_norm with a dtype (train/measure/noise.py: the gradients' norms, as
+clip_grad_norm_)
+- torch._subclasses.fake_tensor.FakeTensorMode (train/memory/predict.py)
+- torch.utils._python_dispatch.TorchDispatchMode (train/memory/budget.py)
 - torch.utils._pytree tree_map, tree_leaves, tree_iter (train/batches.py, train/loop.py,
-  train/tasks.py, train/memory.py, train/predict.py)
-- nn.Module._parameters, nn.Module._buffers (train/predict.py `_fake_module`)
+  train/tasks.py, train/memory/budget.py, train/memory/predict.py)
+- nn.Module._parameters, nn.Module._buffers (train/memory/predict.py `_fake_module`)
 - torch._subclasses.fake_tensor.unset_fake_temporarily, DataDependentOutputException and
-  torch.utils._python_dispatch._get_current_dispatch_mode_stack (train/hf.py)
+  torch.utils._python_dispatch._get_current_dispatch_mode_stack (train/language/hf.py)
 - transformers.utils.import_utils.is_fake_tensor (via is_tracing) and
-  transformers.masking_utils.find_packed_sequence_indices (train/hf.py `eager_on_fakes`)
+  transformers.masking_utils.find_packed_sequence_indices (train/language/hf.py `eager_on_fakes`)
 - torch.testing._internal.distributed.fake_pg.FakeStore and the `fake` backend
-  (train/parallel.py `fake_world`); DTensor._local_tensor (train/memory.py, train/predict.py);
+  (train/parallel/sharding.py `fake_world`); DTensor._local_tensor (train/memory/budget.py,
+  train/memory/predict.py);
   FSDP2 calling torch.distributed.all_gather_single / reduce_scatter_single and resizing
-  storages in alloc_storage / free_storage (train/parallel.py `settled_collectives`,
-  train/memory.py `_resized`); torch._C._storage_Use_Count (train/parallel.py `_uses`);
-  DistributedDataParallel._get_ddp_logging_data's bucket sizes (train/ranks.py)
+  storages in alloc_storage / free_storage (train/parallel/sharding.py `settled_collectives`,
+  train/memory/budget.py `_resized`); torch._C._storage_Use_Count (train/parallel/sharding.py
+  `_uses`);
+  DistributedDataParallel._get_ddp_logging_data's bucket sizes (train/parallel/ranks.py)
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from search.storage import (
     HeartbeatRDBStorage,
     SafeJournalFileBackend,
 )
-from train.predict import _FakeGradScaler
+from train.memory.predict import _FakeGradScaler
 
 # ---- Optuna: heartbeats (search/storage.py HeartbeatJournalStorage, HeartbeatRDBStorage)
 
@@ -225,7 +228,7 @@ def test_a_value_not_among_the_choices_has_no_internal_repr() -> None:
         CategoricalDistribution([16, 32]).to_internal_repr(64)
 
 
-# ---- torch: GradScaler's step (train/predict.py `_FakeGradScaler`)
+# ---- torch: GradScaler's step (train/memory/predict.py `_FakeGradScaler`)
 
 
 def _inf_gradients(scaler: torch.amp.GradScaler) -> tuple[nn.Linear, torch.optim.SGD]:
@@ -279,7 +282,7 @@ def test_the_fake_scaler_steps_where_the_real_one_skips() -> None:
         assert torch.equal(model.weight, before) is not steps, type(scaler).__name__
 
 
-# ---- torch: fake tensors and dispatch modes (train/predict.py, train/memory.py)
+# ---- torch: fake tensors and dispatch modes (train/memory/predict.py, train/memory/budget.py)
 
 
 class _Ops(TorchDispatchMode):
@@ -310,7 +313,7 @@ def test_a_dispatch_mode_inside_fake_tensor_mode_sees_fake_ops() -> None:
     assert all(isinstance(t, FakeTensor) for t in ops.outputs)
 
 
-# ---- torch: pytrees (train/batches.py, train/loop.py, train/tasks.py, train/memory.py)
+# ---- torch: pytrees (train/batches.py, train/loop.py, train/tasks.py, train/memory/budget.py)
 
 
 def test_pytree_walks_tuples_lists_and_dicts_in_order() -> None:
@@ -323,7 +326,7 @@ def test_pytree_walks_tuples_lists_and_dicts_in_order() -> None:
     assert torch.equal(doubled["x"][1][0], 2 * b)
 
 
-# ---- torch: a module's own tensors (train/predict.py `_fake_module`)
+# ---- torch: a module's own tensors (train/memory/predict.py `_fake_module`)
 
 
 def test_a_modules_parameter_and_buffer_dicts_are_what_it_uses() -> None:
@@ -337,13 +340,14 @@ def test_a_modules_parameter_and_buffer_dicts_are_what_it_uses() -> None:
     assert "running_mean" in model.state_dict()  # still a (persistent) buffer
 
 
-# ---------------------------------------------------------------- transformers (train/hf.py)
+# ---------------------------------------------------------------- transformers
+# (train/language/hf.py)
 
 
 def test_transformers_takes_fakes_for_tracing_through_is_fake_tensor() -> None:
     from transformers.utils import import_utils
 
-    from train.hf import eager_on_fakes
+    from train.language.hf import eager_on_fakes
 
     with FakeTensorMode():
         fake = torch.empty(2)
@@ -358,7 +362,7 @@ def test_packed_sequence_detection_reads_the_position_ids_values() -> None:
     from transformers import masking_utils
     from transformers.utils import import_utils
 
-    from train.hf import eager_on_fakes
+    from train.language.hf import eager_on_fakes
 
     find = masking_utils.find_packed_sequence_indices
     assert find(torch.arange(8).unsqueeze(0)) is None  # eager: one sequence per row
@@ -391,15 +395,15 @@ def test_fake_mode_can_be_left_for_a_block() -> None:
 def test_fsdp2_on_a_fake_process_group_shards_into_local_tensors() -> None:
     """fake_world's FakeStore and `fake` backend, a CPU mesh built outside the fake mode,
     DTensor._local_tensor holding the rank's shard, and FSDP2's storage resizes seen by
-    the tracker (train/parallel.py, train/memory.py)."""
+    the tracker (train/parallel/sharding.py, train/memory/budget.py)."""
     import inspect
 
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param
 
     from train.config import FSDPConfig
-    from train.memory import TensorMemoryTracker
-    from train.parallel import fake_world, shard
+    from train.memory.budget import TensorMemoryTracker
+    from train.parallel.sharding import fake_world, shard
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_world(4) as mesh, mode:

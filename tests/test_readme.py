@@ -400,7 +400,7 @@ def test_quick_start_digits(
     best = re.search(r"^or: (python -m train \+best=(\S+))$", ran.out, re.M)
     assert best and (workdir / best.group(2)).is_file(), ran.out
     # On as many intra-op threads as the study took: each entry point picks them by how busy
-    # the cores are when it starts (train/threads.py), and another thread count sums floats
+    # the cores are when it starts (train/parallel/threads.py), and another thread count sums floats
     # in another order (under the full suite: 0.9666 against 0.9721).
     threads = re.search(r"^torch: (\d+) intra-op threads? per worker", ran.out, re.M)
     assert threads, ran.out

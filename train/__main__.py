@@ -49,10 +49,12 @@ from tracking.runs import (
 )
 from train import model_file
 from train.config import ConfigError
-from train.flops import MFU_NOTE_TAG
 from train.loop import Diverged, Hooks, RunResult
-from train.memory import OutOfMemory, format_bytes
-from train.noise import NOISE_TAG
+from train.measure.flops import MFU_NOTE_TAG
+from train.measure.noise import NOISE_TAG
+from train.memory.budget import OutOfMemory, format_bytes
+from train.memory.predict import Prediction, PredictionUnsupported
+from train.memory.preflight import PreflightConfig, misfit
 from train.overrides import (
     BEST_KEY,
     composed,
@@ -62,8 +64,7 @@ from train.overrides import (
     run_checked,
     unknown_top_level,
 )
-from train.predict import Prediction, PredictionUnsupported
-from train.preflight import PreflightConfig, misfit
+from train.parallel.threads import plan_threads
 from train.run import (
     RunSpec,
     check_builds,
@@ -74,7 +75,6 @@ from train.run import (
     run,
     with_gpu_budget,
 )
-from train.threads import plan_threads
 from train.workload import Workload, Workloads
 
 # The entry point is the composition root: it wires MLflow (tracking.runs) to the training
@@ -194,7 +194,7 @@ def _fitting_prediction(
     workloads: Workloads,
 ) -> Prediction | None:
     """The run's predicted peak, once data and model build; a ConfigError, with what fits
-    instead, when it is over the budget by a trial's rule (train/preflight.py, as
+    instead, when it is over the budget by a trial's rule (train/memory/preflight.py, as
     search/configure.py applies it), unless search.preflight=false. None: the model cannot
     be predicted, its memory is measured."""
     note = check_builds(cfg, spec, workloads)

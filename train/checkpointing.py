@@ -39,7 +39,7 @@ class Checkpointed(nn.Module):
 def _known_blocks() -> tuple[type[nn.Module], ...]:
     from torchvision.models.resnet import BasicBlock, Bottleneck
 
-    from train.text import Block
+    from train.language.text import Block
 
     return (BasicBlock, Bottleneck, Block)
 
@@ -85,7 +85,8 @@ def _hugging_face_layers(model: nn.Module) -> int:
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The model's blocks, as `apply` finds them (a checkpointed one with its wrapper): a
     transformers model's decoder layers, else modules of the model's `checkpoint_blocks`
-    types or of the blocks batchfit knows. What FSDP shards as units (train/parallel.py)."""
+    types or of the blocks batchfit knows. What FSDP shards as units
+    (train/parallel/sharding.py)."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # transformers is optional (the `llm` extra)

@@ -19,7 +19,7 @@ from train.precision import PRECISIONS
 LR_SCALING_RULES = ("auto", "none", "linear", "sqrt")  # auto: by the optimizer (train/lr.py)
 CHECKPOINTING_MODES = ("none", "blocks")  # train/checkpointing.py
 DEVICES = ("auto", "cpu", "cuda")
-STRATEGIES = ("none", "ddp", "fsdp")  # train/distributed.py
+STRATEGIES = ("none", "ddp", "fsdp")  # train/parallel/distributed.py
 FSDP_SHARDING = ("blocks", "model")  # blocks: each block and the rest; model: one unit
 FSDP_PARAM_DTYPES = ("float32", "bfloat16")
 
@@ -126,7 +126,8 @@ class TrainerConfig:
     # as given), except in a study, which fixes it at the command line's (search/driver.py).
     lr_ref_batch_size: int | None = None
     # Steps of the gradient noise scale's split estimator where a step has one micro-batch
-    # (train/noise.py): that many steps run as two halves, off the throughput clock. 0: none.
+    # (train/measure/noise.py): that many steps run as two halves, off the throughput clock. 0:
+    # none.
     noise_scale_window: int = 8
     device: str = "auto"
     seed: int = 0
@@ -134,13 +135,13 @@ class TrainerConfig:
     # must equal that product (search.accumulation=derived sets the two from it).
     effective_batch_size: int | None = None
     # The device's peak FLOP/s for perf/mfu. None: the table of known GPUs, or on CPU a GEMM
-    # probe measured once per machine (train/flops.py).
+    # probe measured once per machine (train/measure/flops.py).
     peak_flops: float | None = None
     # none | blocks: recompute each block's activations in the backward pass (less memory,
     # about one more forward of compute; train/checkpointing.py).
     activation_checkpointing: str = "none"
     # none: one process on one device. ddp | fsdp: one process per device, `devices` of
-    # them on one node (train/distributed.py); batch_size and accum_steps are per device.
+    # them on one node (train/parallel/distributed.py); batch_size and accum_steps are per device.
     strategy: str = "none"
     devices: int = 1
     fsdp: FSDPConfig | dict | None = None  # FSDP2's settings (trainer.strategy=fsdp)

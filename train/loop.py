@@ -1,5 +1,5 @@
 """The training loop: accumulation, mixed precision, memory measurement, hooks; timed by
-train/throughput.py's clock.
+train/measure/throughput.py's clock.
 
 One optimizer step = up to `accum_steps` micro-batches of `batch_size` samples. The task's
 loss is summed over its units (samples, or tokens for a language model) and divided by the
@@ -25,7 +25,9 @@ from torch import nn
 from train.batches import Padding, Pipeline, steps_plan, to_device
 from train.config import TrainerConfig
 from train.data import Datasets, Splits
-from train.memory import (
+from train.measure.noise import NoiseReading, NoiseScale
+from train.measure.throughput import Stopwatch, ThroughputClock
+from train.memory.budget import (
     MemoryMeter,
     MemoryStats,
     OutOfMemory,
@@ -33,11 +35,9 @@ from train.memory import (
     is_oom_error,
     release_memory,
 )
-from train.noise import NoiseReading, NoiseScale
+from train.parallel.ranks import CONTINUE, END, Ranks, Stopped
 from train.precision import Precision
-from train.ranks import CONTINUE, END, Ranks, Stopped
 from train.tasks import Classification, Task, batch_size_of, split_in_two
-from train.throughput import Stopwatch, ThroughputClock
 
 Metrics = dict[str, float]
 __all__ = ["steps_plan"]  # re-exported: planning belongs with the batches it plans
@@ -94,7 +94,7 @@ class RunResult:
     interval_rates: list[float] = field(default_factory=list)
     # A data-parallel run's: each rank's peak (peak_bytes is the largest)
     rank_peak_bytes: list[int] = field(default_factory=list)
-    # The gradient noise scale's last reading (train/noise.py) and how it was measured;
+    # The gradient noise scale's last reading (train/measure/noise.py) and how it was measured;
     # None, and why not, where the run had no step to measure it on
     noise: NoiseReading | None = None
     noise_estimator: str = ""
@@ -164,7 +164,7 @@ def optimizer_step(
     (`ranks`, with the step's `num_micro_batches`) `num_units` is the whole step's units
     over the ranks' number: the gradients are averaged over the ranks. A `Padding`
     micro-batch runs with weight 0. `noise`, when it measures this step, reads the
-    gradients after the first micro-batch and before the update (train/noise.py).
+    gradients after the first micro-batch and before the update (train/measure/noise.py).
     """
     task = task or Classification()
     if num_units is None:
@@ -277,7 +277,7 @@ def step_micro_batch_sizes(num_train: int, cfg: TrainerConfig, step: int) -> lis
 def memory_steps(num_train: int, cfg: TrainerConfig, num_steps: int) -> list[int]:
     """The steps whose memory the CPU tracker measures: step 0 (it may already exceed the
     budget: stop early) and the first full-size step with optimizer state in place, the
-    steady-state peak that train/predict.py predicts. That is step 1, or step 2 when step 1
+    steady-state peak that train/memory/predict.py predicts. That is step 1, or step 2 when step 1
     is the short last step of a two-step epoch; with DDP, a step after the one where it
     rebuilds its gradient buckets (the second forward: the probe's backward may be the
     first). They stay out of the throughput timing."""
@@ -349,7 +349,7 @@ def fit(
     ranks: Ranks | None = None,
 ) -> RunResult:
     """Train under the memory budget. Raises OutOfMemory, Diverged, or what a hook raises;
-    on several ranks (train/ranks.py) Stopped when rank 0's hooks asked to stop.
+    on several ranks (train/parallel/ranks.py) Stopped when rank 0's hooks asked to stop.
 
     A device OOM is turned into OutOfMemory only after its exception (whose traceback pins
     the failed step's activations) has been dropped and memory released.
@@ -378,7 +378,7 @@ def fit(
 
 def split_window(cfg: TrainerConfig, num_steps: int, first_timed_step: int) -> range:
     """The steps where the noise scale's split estimator runs a one-micro-batch step as two
-    halves (train/noise.py), off the throughput clock: up to trainer.noise_scale_window
+    halves (train/measure/noise.py), off the throughput clock: up to trainer.noise_scale_window
     from the first step the clock would time, at most a third of the steps left, and at
     least 2; empty where the run has several micro-batches a step, or too few steps."""
     if cfg.accum_steps > 1 or cfg.batch_size < 2:
@@ -428,7 +428,7 @@ class _Run:
         self._plan_noise_scale()
 
     def _plan_noise_scale(self) -> None:
-        """Which estimator of train/noise.py this run uses, on which steps. With several
+        """Which estimator of train/measure/noise.py this run uses, on which steps. With several
         micro-batches a step, every step past the memory-measured ones; with one, a window
         of split steps, taken off the throughput clock, of at most a third of the steps
         left to time."""

@@ -21,17 +21,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from train.batches import Pipeline
 from train.build import COMPONENTS, build_model, build_optimizer, build_scheduler, unknown_settings
 from train.config import ConfigError, TrainerConfig
-from train.device import DeviceSpec, device_spec
-from train.flops import perf_metrics
 from train.loop import Hooks, RunResult, fit, steps_plan
 from train.lr import rule_for, scaled_lr
-from train.memory import (
+from train.measure.flops import perf_metrics
+from train.memory.budget import (
     MAX_BUDGET_BYTES,
     MemoryMeter,
     MemoryStats,
     format_bytes,
     parse_budget,
 )
+from train.memory.device import DeviceSpec, device_spec
+from train.memory.predict import MemoryPredictor, Prediction, PredictionUnsupported, fake_first
 from train.models import param_bytes
 from train.overrides import override_key
 from train.params import (
@@ -48,7 +49,6 @@ from train.params import (
     STRATEGY_KEY,
 )
 from train.precision import unsupported_reason
-from train.predict import MemoryPredictor, Prediction, PredictionUnsupported, fake_first
 from train.tasks import Task
 from train.workload import Workload, Workloads, workload_key
 
@@ -421,8 +421,8 @@ def run(
     (cfg's, from a study's Workloads: trials share its data) and train."""
     workload = workload or Workloads().of(cfg)
     assert workload.key == workload_key(cfg), "the workload of another model, data or loader"
-    if spec.trainer.distributed:  # one process per device (train/distributed.py)
-        from train.distributed import launch
+    if spec.trainer.distributed:  # one process per device (train/parallel/distributed.py)
+        from train.parallel.distributed import launch
 
         return launch(cfg, spec, hooks, workload)
     torch.manual_seed(spec.trainer.seed)
@@ -444,7 +444,7 @@ def memory_figures(
     spec: RunSpec, prediction: Prediction | None, measured: MemoryStats | RunResult | None
 ) -> dict[str, float]:
     """memory/budget_bytes, memory/predicted_bytes (and on CUDA the reserve predicted under
-    the run's limit) and memory/prediction_error (train/predict.py `Prediction.error`),
+    the run's limit) and memory/prediction_error (train/memory/predict.py `Prediction.error`),
     those known."""
     figures: dict[str, float] = {}
     if spec.budget_bytes is not None:
@@ -462,7 +462,7 @@ def perf_figures(
     workload: Workload, cfg: DictConfig, spec: RunSpec, result: RunResult
 ) -> tuple[dict[str, float], str | None]:
     """perf/* of a completed run: FLOPs per sample counted on the predictor's fake model,
-    and MFU against the device's peak (train/flops.py), with a note when the MFU is above 1;
+    and MFU against the device's peak (train/measure/flops.py), with a note when the MFU is above 1;
     none for a model that does not run on fake tensors."""
     try:
         predictor = workload.predictor(spec, cfg.optimizer)

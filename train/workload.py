@@ -2,7 +2,7 @@
 
 A `Workload` is a config's model, data, task and loader: the data (built on first use), the
 task, the loader settings, the number of training samples, what the data says of itself
-(`data_params`), a pipeline for a device, and the memory predictors (train/predict.py), one
+(`data_params`), a pipeline for a device, and the memory predictors (train/memory/predict.py), one
 per optimizer (its rate aside), device and activation checkpointing. A model that cannot
 run on fake tensors is remembered as such: asking again raises the same
 PredictionUnsupported without building anything.
@@ -44,7 +44,7 @@ from train.build import (
 )
 from train.config import LoaderConfig
 from train.data import Datasets, Splits
-from train.predict import MemoryPredictor, Prediction, PredictionUnsupported
+from train.memory.predict import MemoryPredictor, Prediction, PredictionUnsupported
 from train.tasks import Task
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ class Workload:
         self.cfg = OmegaConf.create(sections)
         self.key = key
         self._data_key = config_key(sections["data"])
-        # What a model's step structure follows, the data's sizes aside (train/stack.py)
+        # What a model's step structure follows, the data's sizes aside (train/memory/stack.py)
         self._model_key = config_key([sections.get("model"), sections.get("task")])
         self._owner = owner
 
@@ -154,7 +154,7 @@ class Workload:
         section; its lr changes no memory) on spec's device and activation checkpointing,
         built on first use (MAX_PREDICTORS held); PredictionUnsupported when the model
         cannot run on fake tensors. `whole`: every step computed whole, never built from
-        the model's shallow copies (train/stack.py; what the fast one is checked with)."""
+        the model's shallow copies (train/memory/stack.py; what the fast one is checked with)."""
         settings = OmegaConf.to_container(optimizer, resolve=True)
         settings.pop("lr", None)
         mode = spec.trainer.activation_checkpointing

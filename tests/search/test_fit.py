@@ -28,10 +28,10 @@ from search.fit import (
     show_fit_reports,
 )
 from search.validate import validate
-from train.allocator import predict_reserved
 from train.config import ConfigError
-from train.gpus import gpu
-from train.memory import format_bytes
+from train.memory.allocator import predict_reserved
+from train.memory.budget import format_bytes
+from train.memory.gpus import gpu
 from train.precision import unsupported_reason
 from train.run import plan, with_gpu_budget
 from train.workload import Workloads
@@ -236,7 +236,7 @@ def test_each_cell_of_a_cuda_report_is_replayed_once_under_the_runs_limit(
         calls.append(limit_bytes)
         return predict_reserved(events, settings, workspaces, limit_bytes)
 
-    monkeypatch.setattr("train.predict.predict_reserved", counted)
+    monkeypatch.setattr("train.memory.predict.predict_reserved", counted)
     report = _report(hydra_conf, ["+experiment=resnet", *SMALL, "search.gpu=A100-40GB"])
     steps = {(p, b, min(a, 2)) for p, b, a in report.cells if p not in report.unsupported}
     assert set(report.accum_steps) > {1, 2}  # the premise: some cells share a step

@@ -22,8 +22,8 @@ from search.fit import fit_report
 from search.sampler import FeasibilityFilter
 from search.validate import validate
 from train.config import ConfigError
-from train.memory import format_bytes
-from train.predict import PredictionUnsupported, largest_fitting_batch
+from train.memory.budget import format_bytes
+from train.memory.predict import PredictionUnsupported, largest_fitting_batch
 from train.run import plan
 from train.workload import Workloads
 
@@ -289,7 +289,7 @@ def test_derived_accumulation_splits_the_effective_batch_to_fit(hydra_conf, stor
         assert _trained(t)
         assert t.user_attrs["peak_bytes"] <= MiB
         assert abs(t.user_attrs["prediction_error"]) < 0.01
-        # The largest divisor predicted to fit, as train.predict finds it.
+        # The largest divisor predicted to fit, as train.memory.predict finds it.
         cfg = hydra_conf(
             [*FAST, *overrides, f"trainer.batch_size={effective}", "trainer.accum_steps=1"]
         )

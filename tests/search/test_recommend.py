@@ -17,8 +17,8 @@ from search.config import RecommendRule
 from search.recommend import best_document, metric_value, recommend
 from search.validate import recommend_rule, search_config
 from train.config import ConfigError
+from train.measure.speed import Speed
 from train.overrides import load_overrides, merge_overrides
-from train.speed import Speed
 
 ACC, LOSS, SPEED, PEAK = "val/acc", "val/loss", "throughput/samples_per_sec", "memory/peak_bytes"
 BATCHES = CategoricalDistribution([16, 32, 64, 128, 256, 512])

@@ -15,7 +15,7 @@ from search.config import SearchConfig
 from search.outcome import Outcome, trial_record, write
 from search.record import TrialRecord
 from train.config import TrainerConfig
-from train.device import DeviceSpec
+from train.memory.device import DeviceSpec
 from train.params import ACCUM_KEY, BATCH_KEY, PRECISION_KEY
 from train.run import RunSpec
 

@@ -15,7 +15,7 @@ from train.config import ConfigError, TrainerConfig
 from train.data import Splits
 from train.loop import Hooks, fit
 from train.lr import constant
-from train.memory import MemoryMeter
+from train.memory.budget import MemoryMeter
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""The CUDA caching allocator model (train/allocator.py): c10's block rounding, best fit,
+"""The CUDA caching allocator model (train/memory/allocator.py): c10's block rounding, best fit,
 splitting and merging, segments, expandable segments, release-and-retry under a limit, the
 smallest limit, the PYTORCH_CUDA_ALLOC_CONF settings and the cuBLAS workspaces. The oracles
 are derived by hand from CUDACachingAllocator.cpp; tests/train/test_cuda_trace.py checks the
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from train.allocator import (
+from train.memory.allocator import (
     AllocatorOutOfMemory,
     AllocatorSettings,
     CachingAllocatorModel,

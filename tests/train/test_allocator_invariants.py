@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from train.allocator import (
+from bench.cuda_trace import device_traces, load_snapshot, replay_device
+from train.memory.allocator import (
     AllocatorOutOfMemory,
     AllocatorSettings,
     CachingAllocatorModel,
@@ -23,7 +24,6 @@ from train.allocator import (
     _Runs,
     live_peak_bytes,
 )
-from train.cuda_trace import device_traces, load_snapshot, replay_device
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "cuda-traces"
 

@@ -25,9 +25,9 @@ from train.config import ConfigError, LoaderConfig, TrainerConfig
 from train.data import Datasets, Splits, synthetic
 from train.loop import RunResult, fit, memory_steps, step_micro_batch_sizes
 from train.lr import constant
-from train.memory import MemoryMeter
+from train.memory.budget import MemoryMeter
+from train.memory.predict import MemoryPredictor
 from train.models import small_cnn
-from train.predict import MemoryPredictor
 from train.tasks import Classification, Task
 
 CPU = torch.device("cpu")

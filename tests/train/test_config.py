@@ -12,7 +12,7 @@ from hydra.utils import get_method
 from omegaconf import OmegaConf
 
 from train.config import DEVICES, LR_SCALING_RULES, ConfigError, TrainerConfig, unknown_keys
-from train.memory import parse_budget
+from train.memory.budget import parse_budget
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 

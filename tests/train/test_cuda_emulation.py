@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from train.cuda_emulation import (
+from train.memory.budget import TensorMemoryTracker
+from train.memory.cuda_emulation import (
     CUDA_AUTOCAST_POLICY,
     NOT_EMULATED,
     CudaEmulation,
@@ -22,7 +23,6 @@ from train.cuda_emulation import (
     autocast_kernels,
     select_sdp_backend,
 )
-from train.memory import TensorMemoryTracker
 
 aten = torch.ops.aten
 
@@ -228,7 +228,7 @@ def test_dropout_saves_cudas_bool_mask() -> None:
 
 def test_a_failed_registration_leaves_no_kernel_behind(monkeypatch) -> None:  # noqa: ANN001
     """Half-registered, CUDA's casts would apply to real CPU training afterwards."""
-    import train.cuda_emulation as emulation
+    import train.memory.cuda_emulation as emulation
 
     policy = {**emulation.CUDA_AUTOCAST_POLICY, "no_such_op": "fp32"}
     monkeypatch.setattr(emulation, "CUDA_AUTOCAST_POLICY", policy)

@@ -1,5 +1,5 @@
 """Data-parallel runs on CPU: 2 gloo ranks launched by torch's elastic launcher
-(train/distributed.py) against one process, and one rank's predicted memory against what
+(train/parallel/distributed.py) against one process, and one rank's predicted memory against what
 each rank measured."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 
 from train.config import ConfigError, TrainerConfig
 from train.loop import Hooks, RunResult
-from train.memory import OutOfMemory
+from train.memory.budget import OutOfMemory
 from train.run import plan, run
 from train.workload import Workloads
 
@@ -91,7 +91,7 @@ def test_two_ranks_train_as_one_process_and_each_rank_is_predicted_to_the_byte(
     # batch of 8; FSDP2 shards parameters, gradients and momentum: less than DDP.
     ddp, fsdp = layouts["ddp"][0], layouts["fsdp"][0]
     assert fsdp.peak_bytes < ddp.peak_bytes
-    # The gradient noise scale (train/noise.py): FSDP2 reduce-scatters each micro-batch, so
+    # The gradient noise scale (train/measure/noise.py): FSDP2 reduce-scatters each micro-batch, so
     # its first micro-batch is the 16 samples one process's is, and the sums of squares of
     # the two ranks' shards add up to one process's estimate. A DDP rank's first micro-batch
     # is its own 8 samples before the all-reduce.

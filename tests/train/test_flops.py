@@ -13,8 +13,8 @@ from torch import nn
 
 from search.record import TrialRecord
 from tests.conftest import FAST
-from train import flops as flops_module
-from train.flops import (
+from train.measure import flops as flops_module
+from train.measure.flops import (
     PROBE_BURSTS,
     _cache_path,
     _machine_key,
@@ -24,7 +24,7 @@ from train.flops import (
     mfu_metrics,
     perf_metrics,
 )
-from train.predict import MemoryPredictor
+from train.memory.predict import MemoryPredictor
 
 CPU = torch.device("cpu")
 
@@ -46,8 +46,8 @@ def test_flops_per_sample_are_the_matmuls_of_forward_and_backward() -> None:
 
 
 def test_flops_grow_with_the_sequence_for_attention() -> None:
+    from train.language.text import GPT
     from train.tasks import LanguageModel
-    from train.text import GPT
 
     def per_token(seq_len: int) -> float:
         ids = torch.zeros(2, seq_len, dtype=torch.int64)

@@ -1,12 +1,12 @@
 """The GPU table: sane figures, torch device names matched to entries, the lookup's errors,
-and train/flops.py's cuda_peak answering from it."""
+and train/measure/flops.py's cuda_peak answering from it."""
 
 from __future__ import annotations
 
 import pytest
 
-from train.flops import cuda_peak
-from train.gpus import GB, GPUS, gpu, gpu_of_device_name
+from train.measure.flops import cuda_peak
+from train.memory.gpus import GB, GPUS, gpu, gpu_of_device_name
 
 
 @pytest.mark.parametrize("entry", GPUS, ids=lambda entry: entry.name)

@@ -1,4 +1,5 @@
-"""Hugging Face causal LMs (train/hf.py), the causal_lm task and the text data: architectures
+"""Hugging Face causal LMs (train/language/hf.py), the causal_lm task and the text data:
+architectures
 against their published sizes, LoRA adapters (gradients under accumulation, frozen weights),
 gradient checkpointing, local checkpoints, and the memory prediction against the CPU
 measurement, to the byte."""
@@ -15,12 +16,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from train.build import build_data, build_model, build_optimizer, build_pipeline, build_task
 from train.checkpointing import hugging_face_checkpointed
 from train.config import ConfigError
-from train.hf import architectures, causal_lm
+from train.language.hf import architectures, causal_lm
+from train.language.text import text_corpus
 from train.loop import optimizer_step
 from train.precision import Precision
 from train.run import check_builds, plan, run
 from train.tasks import CausalLM
-from train.text import text_corpus
 from train.workload import Workloads
 
 # The published parameter counts (the checkpoints' own model cards and config.json).

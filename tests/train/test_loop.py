@@ -25,7 +25,7 @@ from train.loop import (
     steps_plan,
 )
 from train.lr import constant
-from train.memory import MemoryMeter
+from train.memory.budget import MemoryMeter
 from train.models import small_cnn
 from train.precision import Precision
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from train.allocator import live_peak_bytes
 from train.config import TrainerConfig
 from train.data import Splits, synthetic
 from train.loop import fit, optimizer_step, steps_plan
 from train.lr import constant
-from train.memory import (
+from train.memory.allocator import live_peak_bytes
+from train.memory.budget import (
     MemoryMeter,
     OutOfMemory,
     TensorMemoryTracker,

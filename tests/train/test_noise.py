@@ -1,4 +1,5 @@
-"""The gradient noise scale (train/noise.py) against the truth: per-sample gradients computed
+"""The gradient noise scale (train/measure/noise.py) against the truth: per-sample gradients
+computed
 exactly with torch.func over the whole training set, at parameters that do not move (lr 0),
 so the gradient's distribution is the same at every step."""
 
@@ -14,8 +15,8 @@ from train.config import TrainerConfig
 from train.data import Splits, synthetic
 from train.loop import fit, steps_plan
 from train.lr import constant
-from train.memory import MemoryMeter
-from train.noise import NoiseScale
+from train.measure.noise import NoiseScale
+from train.memory.budget import MemoryMeter
 
 CPU = torch.device("cpu")
 

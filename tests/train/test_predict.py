@@ -1,4 +1,5 @@
-"""Peak-memory prediction (train/predict.py): the fake-tensor step against a real run's measured
+"""Peak-memory prediction (train/memory/predict.py): the fake-tensor step against a real run's
+measured
 peak, models that cannot be predicted, the largest fitting micro-batch, the steps the CPU
 tracker measures and the effective batch of TrainerConfig. The CUDA caching-allocator model has
 its own tests (test_allocator.py, test_cuda_trace.py)."""
@@ -15,7 +16,7 @@ from torch import nn
 from train.build import build_data, build_model, build_optimizer, build_pipeline, build_task
 from train.config import ConfigError, TrainerConfig
 from train.loop import memory_steps, step_micro_batch_sizes
-from train.predict import MemoryPredictor, PredictionUnsupported, largest_fitting_batch
+from train.memory.predict import MemoryPredictor, PredictionUnsupported, largest_fitting_batch
 from train.run import plan, run
 from train.workload import Workloads
 
@@ -409,7 +410,7 @@ def test_a_step_of_one_micro_batch_read_off_a_step_of_two_is_the_computed_one(
     hydra_conf, overrides
 ):
     """The predictor derives a one-micro-batch step from the first micro-batch of a step of
-    two and the optimizer's part (train/predict.py `_first_micro_batch`): the same peak,
+    two and the optimizer's part (train/memory/predict.py `_first_micro_batch`): the same peak,
     live tensors and CUDA reserve as that step computed."""
     cfg = hydra_conf([*overrides, *STEPS, "trainer.device=cpu"])
     spec = plan(cfg, None)

@@ -1,5 +1,5 @@
-"""The prediction for a CUDA device, on this machine without one (train/predict.py with a
-DeviceSpec of train/device.py): the optimizer implementation CUDA runs, models built fake
+"""The prediction for a CUDA device, on this machine without one (train/memory/predict.py with a
+DeviceSpec of train/memory/device.py): the optimizer implementation CUDA runs, models built fake
 from the start, the reserve under a limit, and `search.gpu` planning for a named card."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from train.allocator import AllocatorSettings
 from train.config import ConfigError, TrainerConfig
-from train.device import DeviceSpec
-from train.gpus import gpu
-from train.memory import MemoryStats
-from train.predict import MemoryPredictor, Prediction, PredictionUnsupported
+from train.memory.allocator import AllocatorSettings
+from train.memory.budget import MemoryStats
+from train.memory.device import DeviceSpec
+from train.memory.gpus import gpu
+from train.memory.predict import MemoryPredictor, Prediction, PredictionUnsupported
 from train.run import memory_figures, plan, planned_elsewhere
 
 CPU = torch.device("cpu")

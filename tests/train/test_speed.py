@@ -1,12 +1,13 @@
-"""train/speed.py: configurations timed side by side, in rotating order, round after round."""
+"""train/measure/speed.py: configurations timed side by side, in rotating order, round after
+round."""
 
 from __future__ import annotations
 
 import pytest
 
-from train import speed
+from train.measure import speed
+from train.measure.speed import Speed, measure
 from train.run import plan
-from train.speed import Speed, measure
 
 SMALL = ["model=small_cnn", "model.width=4", "data=digits", "trainer.device=cpu"]
 

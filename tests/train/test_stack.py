@@ -1,4 +1,4 @@
-"""A decoder's step built from its shallow copies (train/stack.py) against the step computed
+"""A decoder's step built from its shallow copies (train/memory/stack.py) against the step computed
 whole on fake tensors: the same events, free by free (in the canonical order of frees in a
 row), hence the same live peak on CPU and the same CUDA reserve through the allocator model;
 the same parameter, gradient and optimizer-state bytes. And a stack that is not periodic is
@@ -14,9 +14,9 @@ import torch
 import yaml
 from torch import nn
 
-from train.predict import _BESIDE, MemoryPredictor, replays_beside
+from train.memory.predict import _BESIDE, MemoryPredictor, replays_beside
+from train.memory.stack import Step, _Canon, _insertions, _regions, find_stack
 from train.run import plan
-from train.stack import Step, _Canon, _insertions, _regions, find_stack
 from train.workload import Workloads
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

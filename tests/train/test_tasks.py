@@ -18,7 +18,7 @@ from train.config import TrainerConfig
 from train.data import Datasets, Splits, synthetic
 from train.loop import evaluate, fit, optimizer_step, steps_plan
 from train.lr import constant
-from train.memory import MemoryMeter
+from train.memory.budget import MemoryMeter
 from train.precision import Precision
 from train.tasks import (
     MAXIMIZE,

@@ -13,7 +13,7 @@ import torch
 
 from tests.sweeps import clean_env
 from train.config import ConfigError
-from train.threads import busy_cores, plan_threads, usable_cores
+from train.parallel.threads import busy_cores, plan_threads, usable_cores
 
 
 @pytest.mark.parametrize(

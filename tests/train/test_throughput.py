@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.throughput import Stopwatch, ThroughputClock, estimate_train_seconds
+from train.measure.throughput import Stopwatch, ThroughputClock, estimate_train_seconds
 
 CPU = torch.device("cpu")
 

@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from train.config import not_yaml
 
-ARCHITECTURES = Path(__file__).resolve().parent.parent / "conf" / "architecture"
+ARCHITECTURES = Path(__file__).resolve().parents[2] / "conf" / "architecture"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # peft's LoraConfig names for the short keys of model.lora; any other key is LoraConfig's own.
 LORA_KEYS = {"alpha": "lora_alpha", "dropout": "lora_dropout"}

@@ -4,11 +4,11 @@ The model is built once under a FakeTensorMode (shape, dtype and device, no stor
 of any size costs its module objects); one step on fake gradients gives the optimizer its
 state. A prediction then runs `optimizer_step`, the function `fit` runs, on fake micro-batches
 of the run's sizes, under the `TensorMemoryTracker` that measures CPU runs. On CPU, prediction
-and measurement are therefore the same accounting. For CUDA (a DeviceSpec of train/device.py:
+and measurement are therefore the same accounting. For CUDA (a DeviceSpec of train/memory/device.py:
 this machine's GPU, or one named by search.gpu that it may not have) the step runs on fake CPU
-tensors as CUDA runs it (train/cuda_emulation.py: autocast policy, attention kernels; here:
+tensors as CUDA runs it (train/memory/cuda_emulation.py: autocast policy, attention kernels; here:
 the optimizer's foreach implementation), and its allocations are replayed through a model of
-the caching allocator (train/allocator.py), which holds more than the live tensors.
+the caching allocator (train/memory/allocator.py), which holds more than the live tensors.
 
 Only the steady-state step is computed: a full-size step with optimizer state in place (step 0
 holds the same tensors less that state; `fit` measures this step too, see `memory_steps`). Of
@@ -33,23 +33,23 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from torch.utils._pytree import tree_map
 
-from train.allocator import (
+from train.config import TrainerConfig
+from train.language.hf import eager_on_fakes
+from train.loop import RunResult, optimizer_step, state_tensors, step_micro_batch_sizes
+from train.measure.flops import count_flops
+from train.memory.allocator import (
     AllocatorSettings,
     CudaReserve,
     cublas_workspaces,
     live_peak_bytes,
     predict_reserved,
 )
-from train.config import TrainerConfig
-from train.cuda_emulation import CudaEmulation
-from train.device import DeviceSpec, device_spec
-from train.flops import count_flops
-from train.hf import eager_on_fakes
-from train.loop import RunResult, optimizer_step, state_tensors, step_micro_batch_sizes
-from train.memory import MemoryStats, TensorMemoryTracker
-from train.parallel import ddp_bucket_sizes, fake_world, shard
+from train.memory.budget import MemoryStats, TensorMemoryTracker
+from train.memory.cuda_emulation import CudaEmulation
+from train.memory.device import DeviceSpec, device_spec
+from train.memory.stack import DEPTHS, FSDP_DEPTHS, DepthLine, Step, find_stack, shallow_copy
+from train.parallel.sharding import ddp_bucket_sizes, fake_world, shard
 from train.precision import Precision
-from train.stack import DEPTHS, FSDP_DEPTHS, DepthLine, Step, find_stack, shallow_copy
 from train.tasks import Classification, Task, batch_size_of
 
 
@@ -60,7 +60,7 @@ class PredictionUnsupported(Exception):
 @dataclass(frozen=True)
 class Prediction:
     # What the budget is compared with: the peak of live tensors (CPU); on CUDA the smallest
-    # per-process limit the caching allocator runs the step in (train/allocator.py).
+    # per-process limit the caching allocator runs the step in (train/memory/allocator.py).
     peak_bytes: int
     tensor_bytes: int  # peak of live tensor bytes during the step
     seconds: float  # time the prediction took
@@ -186,9 +186,9 @@ class MemoryPredictor:
         Variable dimensions should be at their largest in it
         (train.batches.Pipeline.shape_example). `parallel`: a data-parallel run's trainer
         settings (strategy, devices, FSDP's): the prediction is then one rank's
-        (train/parallel.py). A model with a stack of identical layers (a decoder's) is
+        (train/parallel/sharding.py). A model with a stack of identical layers (a decoder's) is
         computed at DEPTHS of them (FSDP_DEPTHS) and built for its depth
-        (train/stack.py), unless `whole`; `depth_lines` holds their lines (by step
+        (train/memory/stack.py), unless `whole`; `depth_lines` holds their lines (by step
         pattern; None: not periodic), shared by the predictors of one model over other
         data."""
         # The device predicted for (`device`: a torch device here, or a DeviceSpec, maybe
@@ -288,7 +288,7 @@ class MemoryPredictor:
 
     def flops_per_sample(self, batch_size: int) -> float:
         """Model FLOPs of one forward and backward pass, per sample, for a micro-batch of
-        `batch_size` (train/flops.py: counted on fake tensors by FlopCounterMode)."""
+        `batch_size` (train/measure/flops.py: counted on fake tensors by FlopCounterMode)."""
         if batch_size not in self._flops:
             try:
                 with self.mode, self._as_target():
@@ -395,7 +395,7 @@ class MemoryPredictor:
         return self._computed(sizes, trainer)
 
     def _built(self, sizes: list[int], trainer: TrainerConfig) -> Step | None:
-        """The step at the stack's full depth from the shallow copies' (train/stack.py):
+        """The step at the stack's full depth from the shallow copies' (train/memory/stack.py):
         the line of this step pattern is learned once from DEPTHS, then each micro-batch
         size needs the shallowest step only. None when the events are not periodic."""
         assert self.depth is not None
@@ -446,8 +446,8 @@ class MemoryPredictor:
     @contextmanager
     def _as_target(self) -> Iterator[None]:
         """The eager code path of libraries that take fakes for a traced graph (transformers:
-        train/hf.py), and for a CUDA target CUDA's autocast policy and attention kernels on
-        the fake CPU tensors (train/cuda_emulation.py)."""
+        train/language/hf.py), and for a CUDA target CUDA's autocast policy and attention kernels on
+        the fake CPU tensors (train/memory/cuda_emulation.py)."""
         emulation: AbstractContextManager = nullcontext()
         if self.target.type == "cuda":
             assert self.target.capability is not None
@@ -516,7 +516,7 @@ def replays_beside() -> Iterator[None]:
     bisection: most of a large model's prediction) run in one second process, beside the
     fake steps of the predictions asked for next (`prefetch`), those of other predictors
     (a fit report's next table) included. The process is forked at the first replay (it
-    needs only train/allocator.py, already imported, and no torch): a CPU prediction forks
+    needs only train/memory/allocator.py, already imported, and no torch): a CPU prediction forks
     nothing. Not for a process whose signal handlers and threads a child must not inherit
     (a study's): `python -m search.fit` only."""
     if _BESIDE:

@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
-    from train.ranks import Ranks
+    from train.parallel.ranks import Ranks
 
 NOISE_TAG = "batchfit.noise_scale"  # a run's tag: which estimator measured it, or why none did
 DECAY = 0.9  # the moving averages' decay per measured step

@@ -117,7 +117,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         # With record: (storage number, bytes) per allocation and (number, -1) per free, in
-        # order, for a model of the CUDA caching allocator (train/predict.py).
+        # order, for a model of the CUDA caching allocator (train/memory/predict.py).
         self.events: list[tuple[int, int]] | None = [] if record else None
 
     def register(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -255,7 +255,7 @@ class MemoryMeter:
 
     def record_tracked_peak(self, tracker: TensorMemoryTracker, ranks: Any = None) -> None:
         """Take the peak of a tracked step and raise OutOfMemory if it exceeds the budget;
-        of a data-parallel run (train/ranks.py), with what its strategy holds beside, on
+        of a data-parallel run (train/parallel/ranks.py), with what its strategy holds beside, on
         any rank."""
         if ranks is not None:
             peak = tracker.peak_bytes + ranks.state_bytes()

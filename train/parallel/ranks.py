@@ -1,5 +1,5 @@
 """One rank of a data-parallel run, as the training loop sees it: the collectives its steps,
-memory check and validations agree through (train/distributed.py launches the ranks).
+memory check and validations agree through (train/parallel/distributed.py launches the ranks).
 
 Every rank runs the same steps, micro-batches and validations, so each collective meets:
 - before a step, the units of the whole step are summed (the loss is divided by them, so a
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from train.memory import OutOfMemory, format_bytes
+from train.memory.budget import OutOfMemory, format_bytes
 
 CONTINUE, END, STOP = 0, 1, 2  # what rank 0 tells the others after a hook
 
@@ -36,7 +36,8 @@ class Ranks:
     rank: int
     world: int
     device: torch.device
-    # Rank 0 only: a stop the search side asked for, polled at each step (train/distributed.py)
+    # Rank 0 only: a stop the search side asked for, polled at each step
+    # (train/parallel/distributed.py)
     stop_requested: Any = None
     wrapper: nn.Module | None = field(default=None, repr=False)  # the DDP module
 

@@ -1,5 +1,5 @@
 """Real CUDA memory traces (`torch.cuda.memory._dump_snapshot` files) replayed through the
-caching allocator model of train/allocator.py: the ground truth the model is checked with.
+caching allocator model of train/memory/allocator.py: the ground truth the model is checked with.
 
 A trace often starts mid-run. The allocator's state at its first event is rebuilt from the
 final `segments` and the events run backwards; the model, seeded with it, replays every
@@ -8,7 +8,7 @@ with the real ones, which the `segment_*` events give. It also tells the smalles
 limit the step runs in (model and real), and how much of it transient allocations (kernel
 workspaces a fake-tensor step cannot see) take.
 
-    python -m train.cuda_trace tests/fixtures/cuda-traces
+    python -m bench.cuda_trace tests/fixtures/cuda-traces
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from train.allocator import (
+from train.memory.allocator import (
     AllocatorOutOfMemory,
     AllocatorSettings,
     CachingAllocatorModel,

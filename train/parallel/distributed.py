@@ -4,7 +4,7 @@
 The process that calls `launch` (a study's worker, `python -m train`) stays where it is:
 its hooks (the trial's time budget, pruner, MLflow logging) run there, fed by rank 0
 through a queue, and what they answer reaches every rank through rank 0's collectives
-(train/ranks.py). Only training is spread. Backends: nccl on CUDA (rank r on GPU r), gloo
+(train/parallel/ranks.py). Only training is spread. Backends: nccl on CUDA (rank r on GPU r), gloo
 on CPU (each rank with its share of the intra-op threads).
 
 How a run ends:
@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
 from train.loop import Diverged, Hooks, RunResult, fit
-from train.memory import MemoryStats, OutOfMemory
+from train.memory.budget import MemoryStats, OutOfMemory
 
 STOP_GRACE_S = 30.0  # after a stop is asked, how long the ranks have before they are killed
 
@@ -176,7 +176,7 @@ class _Serve:
             timeout = 0
 
     def _handle(self, kind: str, *args: Any) -> None:
-        from train.ranks import CONTINUE, END, STOP
+        from train.parallel.ranks import CONTINUE, END, STOP
 
         if kind == "pid":
             self.pids[args[0]] = args[1]
@@ -347,9 +347,9 @@ def _train_rank(job: _Job, rank: int, world: int, device: torch.device) -> dict:
 
     from train.batches import steps_plan
     from train.build import build_model, build_optimizer, build_scheduler
-    from train.memory import MemoryMeter
-    from train.parallel import settled_collectives, shard
-    from train.ranks import Ranks, Stopped
+    from train.memory.budget import MemoryMeter
+    from train.parallel.ranks import Ranks, Stopped
+    from train.parallel.sharding import settled_collectives, shard
     from train.workload import Workloads
 
     cfg, spec = OmegaConf.create(job.cfg), replace(job.spec, device=device)
@@ -428,7 +428,7 @@ class _Proxy:
         return self.stopped
 
     def on_eval(self, step: int, metrics: dict) -> int:
-        from train.ranks import STOP
+        from train.parallel.ranks import STOP
 
         self.send("eval", step, metrics)
         while True:

@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from train.config import ConfigError, TrainerConfig
-from train.memory import format_bytes
-from train.predict import (
+from train.memory.budget import format_bytes
+from train.memory.predict import (
     MemoryPredictor,
     Prediction,
     PredictionUnsupported,

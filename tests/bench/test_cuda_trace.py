@@ -1,4 +1,4 @@
-"""The allocator model against real CUDA traces (train/cuda_trace.py, the snapshots in
+"""The allocator model against real CUDA traces (bench/cuda_trace.py, the snapshots in
 tests/fixtures/cuda-traces): event-by-event agreement, peaks, the real OOM, smallest limits,
 the cuBLAS workspaces and the share of transient allocations. Every figure is the model's,
 deterministic, so exact; the real-events limit is an estimate, compared within a tolerance."""
@@ -11,9 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from search.config import SearchConfig
-from train.allocator import AllocatorSettings, SegmentState, cublas_workspaces
-from train.cuda_trace import (
+from bench.cuda_trace import (
     DeviceTrace,
     StartState,
     device_traces,
@@ -24,6 +22,8 @@ from train.cuda_trace import (
     table,
     transient_events,
 )
+from search.config import SearchConfig
+from train.memory.allocator import AllocatorSettings, SegmentState, cublas_workspaces
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "cuda-traces"
 CONF = Path(__file__).parents[2] / "conf"

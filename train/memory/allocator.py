@@ -4,7 +4,7 @@ budget by. It replays a step's allocations and frees (`(key, nbytes)` and `(key,
 c10's rules: block rounding, best fit by (size, address), splitting, merging, new segments,
 expandable segments, max_split_size, garbage collection and, under a per-process limit, c10's
 release-and-retry before an out-of-memory error. `predict_reserved` is what the predictor
-calls; `train/cuda_trace.py` checks the model event by event against real CUDA traces.
+calls; `bench/cuda_trace.py` checks the model event by event against real CUDA traces.
 
 Blocks serve only the CUDA stream that allocated their segment, as in c10; `empty_cache` is
 `release_cached_blocks`, and a trace's segment_free / segment_unmap are `release_segment` /

@@ -4,7 +4,7 @@ A decoder repeats one layer N times (Llama 3 8B: 32 decoder layers). A step on f
 costs time in proportion to the layers it runs, but what it allocates is periodic in them:
 each layer's forward, backward and optimizer update allocate and free the same sizes in the
 same order, except at the stack's ends (the first layer's input needs no gradient when
-the embedding is frozen, so its backward is shorter). So the predictor (train/predict.py)
+the embedding is frozen, so its backward is shorter). So the predictor (train/memory/predict.py)
 computes the step of the same model cut to 2, 3 and 4 layers (`shallow_copy`) and builds
 the events of all N from them (`DepthLine`):
 

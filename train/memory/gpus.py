@@ -3,8 +3,8 @@
 A user on a laptop asks "what fits on an A100-40GB?" (`search.gpu=A100-40GB`): the predictor
 needs the card's memory (`total_bytes`, what `torch.cuda.get_device_properties().total_memory`
 reports, which is a little under the marketed size), its compute capability (which decides
-e.g. the attention kernel, train/cuda_emulation.py) and, for MFU, its peak FLOP/s
-(train/flops.py). On a real GPU, `gpu_of_device_name(torch.cuda.get_device_name())` finds
+e.g. the attention kernel, train/memory/cuda_emulation.py) and, for MFU, its peak FLOP/s
+(train/measure/flops.py). On a real GPU, `gpu_of_device_name(torch.cuda.get_device_name())` finds
 the entry.
 
 Peaks are dense (no 2:4 sparsity), from NVIDIA's data sheets, SXM parts where both exist:

@@ -1,7 +1,7 @@
 """Model FLOPs utilisation: the FLOPs a training step needs, and what the device can do.
 
 - FLOPs per sample are counted, not estimated: one forward and backward pass of the run's
-  micro-batch is computed on fake tensors (train/predict.py, the step preflight computes
+  micro-batch is computed on fake tensors (train/memory/predict.py, the step preflight computes
   anyway) under `torch.utils.flop_counter.FlopCounterMode`, which counts matmuls,
   convolutions and attention from their shapes. Element-wise work and the optimizer are not
   counted, as in the usual MFU (PaLM, appendix B).
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.utils import flop_counter
 
-from train.gpus import gpu_of_device_name
+from train.memory.gpus import gpu_of_device_name
 
 CPU_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
               "fp16": torch.float16}  # fmt: skip
@@ -74,7 +74,7 @@ def count_flops(step: Callable[[], object]) -> int:
 
 def cuda_peak(name: str, precision: str) -> float | None:
     """The dense peak of a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3') from the GPU table
-    (train/gpus.py), or None for a card or precision it does not know."""
+    (train/memory/gpus.py), or None for a card or precision it does not know."""
     entry = gpu_of_device_name(name)
     return None if entry is None else entry.peak_flops.get(precision)
 

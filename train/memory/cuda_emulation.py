@@ -1,6 +1,6 @@
 """Run a training step on CPU (fake) tensors so that it allocates what it would on a CUDA GPU.
 
-The predictor (train/predict.py) runs a step on FakeTensors under a tensor tracker. Fake CUDA
+The predictor (train/memory/predict.py) runs a step on FakeTensors under a tensor tracker. Fake CUDA
 tensors cannot run backward without a GPU (the autograd engine asks the CUDA driver for a
 device), so the step runs on fake CPU tensors, and `CudaEmulation` changes the two things
 where CPU and CUDA allocate differently:

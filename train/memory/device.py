@@ -3,10 +3,10 @@
 
 A run trains on `trainer.device` (train/run.py `resolve_device`); its memory is predicted
 for a `DeviceSpec`: the same CPU, the same GPU, or, with `search.gpu=A100-40GB`, a card from
-the table of train/gpus.py. On a laptop or a login node the fit report and a study's
+the table of train/memory/gpus.py. On a laptop or a login node the fit report and a study's
 preflight then answer "what fits on an A100-40GB?" for CUDA's reserved bytes: the step is
-computed on fake CPU tensors with CUDA's behaviour (train/cuda_emulation.py) and replayed
-through the caching-allocator model with the card's cuBLAS workspaces (train/allocator.py).
+computed on fake CPU tensors with CUDA's behaviour (train/memory/cuda_emulation.py) and replayed
+through the caching-allocator model with the card's cuBLAS workspaces (train/memory/allocator.py).
 Such a plan cannot train here: `trains_here` says so, and the entry points stop before
 training with the command that reports what fits.
 """
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from train.allocator import AllocatorSettings
-from train.gpus import Gpu, gpu, gpu_of_device_name
-from train.memory import device_total_bytes
+from train.memory.allocator import AllocatorSettings
+from train.memory.budget import device_total_bytes
+from train.memory.gpus import Gpu, gpu, gpu_of_device_name
 
 
 @dataclass(frozen=True)
