@@ -39,7 +39,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from search.space import SearchSpace, parse_space
-from train.config import ConfigError
+from tracking.config import ConfigError
 from train.memory.budget import format_bytes, parse_budget
 from train.memory.gpus import GPUS, Gpu
 from train.memory.predict import PredictionUnsupported, fits_budget

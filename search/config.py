@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tracking.config import ConfigError
 from tracking.redact import redact
-from train.config import ConfigError
 from train.run import gpu_budget_problems
 from train.tasks import Classification, Task
 

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from search.config import SearchConfig
 from search.space import SearchSpace
-from train.config import ConfigError
+from tracking.config import ConfigError
 from train.memory.budget import format_bytes
 from train.memory.predict import (
     Prediction,

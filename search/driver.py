@@ -34,10 +34,10 @@ from search.study import flatten, open_study
 from search.tracking_state import TrackingState
 from search.validate import Checked, validate
 from search.worker import TrialLoop
+from tracking.config import ConfigError
 from tracking.overhead import CallClock, Lap, storage_methods
 from tracking.redact import redact
 from tracking.runs import RunLog, Tracker, ui_link
-from train.config import ConfigError
 from train.memory.predict import PredictionUnsupported
 from train.overrides import override_key
 from train.run import (

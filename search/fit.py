@@ -43,9 +43,10 @@ from search.compose import task_overrides
 from search.config import SearchConfig
 from search.levers import with_default_space
 from search.space import SearchSpace, parse_space
+from tracking.config import ConfigError
 from tracking.console import config_error, crashed, stopped
 from tracking.redact import redact_logging
-from train.config import ConfigError, TrainerConfig
+from train.config import TrainerConfig
 from train.memory.budget import format_bytes
 from train.memory.device import DeviceSpec
 from train.memory.predict import (

@@ -20,7 +20,7 @@ import dataclasses
 import torch
 from omegaconf import DictConfig, open_dict
 
-from train.config import ConfigError
+from tracking.config import ConfigError
 from train.memory.device import DeviceSpec
 from train.memory.predict import PredictionUnsupported, fits_budget
 from train.precision import unsupported_reason

@@ -49,9 +49,9 @@ from search.stopping import (
     Yardstick,
 )
 from tracking import interrupts
+from tracking.config import ConfigError
 from tracking.runs import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG, RunLog, Tracker
 from train.batches import steps_plan
-from train.config import ConfigError
 from train.loop import Diverged, Hooks, RunResult
 from train.measure.flops import MFU_NOTE_TAG
 from train.measure.noise import NOISE_TAG

@@ -35,7 +35,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from search.budget import configuration, settled, study_records
 from search.space import SearchSpace
-from train.config import ConfigError
+from tracking.config import ConfigError
 from train.params import ACCUM_KEY, BATCH_KEY
 
 # Memory grows with the micro-batch. Not with trainer.effective_batch_size (derived

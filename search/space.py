@@ -24,7 +24,7 @@ from optuna.distributions import (
     IntDistribution,
 )
 
-from train.config import ConfigError
+from tracking.config import ConfigError
 
 
 @dataclass(frozen=True)

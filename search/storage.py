@@ -57,9 +57,9 @@ from optuna.storages.journal._file import BaseJournalFileLock, get_lock_file
 from optuna.trial import FrozenTrial, TrialState
 
 from search.budget import interrupted_numbers
+from tracking.config import ConfigError
 from tracking.outputs import store_examples
 from tracking.redact import redact
-from train.config import ConfigError
 
 JOURNAL_PREFIX = "journal:"
 OWNER_ATTR = "batchfit:owner"  # system attr of a running trial: who runs it

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.sweeps import run_module
-from train.config import ConfigError
+from tracking.config import ConfigError
 from train.language.hf import architecture
 from train.language.text import text_corpus
 from train.run import check_builds, plan

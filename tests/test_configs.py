@@ -12,6 +12,7 @@ from torch import nn
 from search.sampler import build_sampler
 from search.space import parse_space
 from search.validate import validate
+from tracking.config import ConfigError
 from train.build import (
     build_data,
     build_model,
@@ -20,7 +21,6 @@ from train.build import (
     build_scheduler,
     build_task,
 )
-from train.config import ConfigError
 from train.data import Datasets, Splits, split
 from train.run import plan, run
 from train.tasks import logits_of

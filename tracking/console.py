@@ -14,8 +14,8 @@ from typing import NoReturn
 from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
 
+from tracking.config import ConfigError
 from tracking.redact import redact
-from train.config import ConfigError
 
 CONFIG_ERROR_STATUS = 2  # a problem of the config: nothing ran, fix the named key
 FAILED_STATUS = 1  # anything else that stopped the entry point

@@ -35,10 +35,10 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from tracking import interrupts
+from tracking.config import ConfigError, section_from_mapping
 from tracking.outbox import RETRY_MIN_S, Outbox, is_transient
 from tracking.outputs import store_examples
 from tracking.redact import redact
-from train.config import ConfigError, section_from_mapping
 
 _logger = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
 
+from tracking.config import ConfigError
 from tracking.console import config_error, crashed
 from tracking.outputs import cannot_create
 from tracking.redact import redact, redact_logging, redact_tree
@@ -48,7 +49,6 @@ from tracking.runs import (
     quiet_logging,
 )
 from train import model_file
-from train.config import ConfigError
 from train.loop import Diverged, Hooks, RunResult
 from train.measure.flops import MFU_NOTE_TAG
 from train.measure.noise import NOISE_TAG

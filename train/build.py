@@ -17,9 +17,10 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from tracking.config import ConfigError, unknown_keys
 from train import checkpointing
 from train.batches import Pipeline
-from train.config import ConfigError, LoaderConfig, unknown_keys
+from train.config import LoaderConfig
 from train.data import Datasets, Splits
 from train.models import materialize
 from train.tasks import Classification, Task

@@ -22,7 +22,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from train.config import ConfigError, not_yaml
+from tracking.config import ConfigError, not_yaml
 
 CONF = Path(__file__).resolve().parent.parent / "conf"  # the entry points' config_path
 BEST_FILE = "best.yaml"

@@ -18,9 +18,10 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from tracking.config import ConfigError
 from train.batches import Pipeline
 from train.build import COMPONENTS, build_model, build_optimizer, build_scheduler, unknown_settings
-from train.config import ConfigError, TrainerConfig
+from train.config import TrainerConfig
 from train.loop import Hooks, RunResult, fit, steps_plan
 from train.lr import rule_for, scaled_lr
 from train.measure.flops import perf_metrics

@@ -10,8 +10,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.faults.disk import fill, tmpfs
+from tracking.config import ConfigError
 from tracking.runs import Tracker
-from train.config import ConfigError
 
 
 @pytest.fixture

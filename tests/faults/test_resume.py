@@ -16,7 +16,7 @@ from search.storage import OWNER_ATTR, open_storage, queue_unretried
 from search.study import CONFIG_ATTR, open_study
 from tests.faults.study import NAME, STUDY, inject, journal_of, run_study, start_study
 from tests.sweeps import journal_study, wait_for_trial
-from train.config import ConfigError
+from tracking.config import ConfigError
 
 
 def _parent(cwd: Path):  # noqa: ANN202 - an mlflow Run

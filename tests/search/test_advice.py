@@ -17,7 +17,7 @@ from search.driver import StudyDriver
 from search.fit import fit_reports
 from search.validate import validate
 from tests.conftest import REPO
-from train.config import ConfigError
+from tracking.config import ConfigError
 from train.memory.budget import format_bytes
 from train.memory.gpus import gpu
 from train.run import OverBudget, plan, with_gpu_budget

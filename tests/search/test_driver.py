@@ -14,7 +14,7 @@ from rich.console import Console
 
 from search.driver import PARENT_ATTR, StudyDriver, located
 from search.stopping import PROBE_MARGIN, Prune, TimeBudget
-from train.config import ConfigError
+from tracking.config import ConfigError
 
 FAST = [
     "model=small_cnn",

@@ -28,7 +28,7 @@ from search.fit import (
     show_fit_reports,
 )
 from search.validate import validate
-from train.config import ConfigError
+from tracking.config import ConfigError
 from train.memory.allocator import predict_reserved
 from train.memory.budget import format_bytes
 from train.memory.gpus import gpu

@@ -16,7 +16,7 @@ from search.driver import StudyDriver
 from search.sampler import build_sampler, grid_of
 from search.space import parse_space
 from search.validate import validate
-from train.config import ConfigError
+from tracking.config import ConfigError
 
 FAST = [
     "model=small_cnn",

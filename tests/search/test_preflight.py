@@ -21,7 +21,7 @@ from search.driver import StudyDriver
 from search.fit import fit_report
 from search.sampler import FeasibilityFilter
 from search.validate import validate
-from train.config import ConfigError
+from tracking.config import ConfigError
 from train.memory.budget import format_bytes
 from train.memory.predict import PredictionUnsupported, largest_fitting_batch
 from train.run import plan

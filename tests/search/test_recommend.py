@@ -16,7 +16,7 @@ from search import speed
 from search.config import RecommendRule
 from search.recommend import best_document, metric_value, recommend
 from search.validate import recommend_rule, search_config
-from train.config import ConfigError
+from tracking.config import ConfigError
 from train.measure.speed import Speed
 from train.overrides import load_overrides, merge_overrides
 

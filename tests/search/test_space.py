@@ -7,7 +7,7 @@ import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from search.space import parse_space
-from train.config import ConfigError
+from tracking.config import ConfigError
 
 
 def test_sweeper_grammar_maps_to_optuna_distributions() -> None:

@@ -33,7 +33,7 @@ from search.storage import (
     owner_is_gone,
     this_owner,
 )
-from train.config import ConfigError
+from tracking.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 # These tests drive the heartbeat by hand (ask, record_heartbeat), not through optimize.

@@ -11,7 +11,8 @@ from rich.console import Console
 
 from search.config import OBJECTIVE_METRICS, SearchConfig, Target
 from search.driver import StudyDriver
-from train.config import ConfigError, TrainerConfig
+from tracking.config import ConfigError
+from train.config import TrainerConfig
 from train.data import Splits
 from train.loop import Hooks, fit
 from train.lr import constant

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from search.driver import StudyDriver
 from tests.sweeps import run_module
-from train.config import ConfigError
+from tracking.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["model=small_cnn", "model.width=4", "data=digits", "trainer.max_epochs=1"]

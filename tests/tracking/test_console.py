@@ -12,8 +12,8 @@ import torch
 from hydra.core.global_hydra import GlobalHydra
 from rich.console import Console
 
+from tracking.config import ConfigError
 from tracking.console import config_error, crashed, stopped
-from train.config import ConfigError
 
 URL = "postgresql://bf:secret@db/x"
 MASKED = "postgresql://bf:***@db/x"

@@ -19,9 +19,10 @@ from torch.utils.data import Dataset, TensorDataset
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import ToTensor
 
+from tracking.config import ConfigError
 from train.batches import SHAPE_SAMPLES, Pipeline, StepSampler, steps_plan
 from train.build import build_data, build_loader
-from train.config import ConfigError, LoaderConfig, TrainerConfig
+from train.config import LoaderConfig, TrainerConfig
 from train.data import Datasets, Splits, synthetic
 from train.loop import RunResult, fit, memory_steps, step_micro_batch_sizes
 from train.lr import constant

@@ -10,9 +10,10 @@ from torch import nn
 
 from search.fit import fit_reports
 from search.validate import validate
+from tracking.config import ConfigError
 from train import checkpointing
 from train.build import build_task
-from train.config import ConfigError, TrainerConfig
+from train.config import TrainerConfig
 from train.models import resnet18
 from train.run import plan, run
 from train.workload import Workloads

@@ -11,7 +11,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_method
 from omegaconf import OmegaConf
 
-from train.config import DEVICES, LR_SCALING_RULES, ConfigError, TrainerConfig, unknown_keys
+from tracking.config import ConfigError, unknown_keys
+from train.config import DEVICES, LR_SCALING_RULES, TrainerConfig
 from train.memory.budget import parse_budget
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

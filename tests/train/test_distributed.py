@@ -12,7 +12,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from train.config import ConfigError, TrainerConfig
+from tracking.config import ConfigError
+from train.config import TrainerConfig
 from train.loop import Hooks, RunResult
 from train.memory.budget import OutOfMemory
 from train.run import plan, run

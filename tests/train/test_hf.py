@@ -13,9 +13,9 @@ import torch
 import transformers
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from tracking.config import ConfigError
 from train.build import build_data, build_model, build_optimizer, build_pipeline, build_task
 from train.checkpointing import hugging_face_checkpointed
-from train.config import ConfigError
 from train.language.hf import architectures, causal_lm
 from train.language.text import text_corpus
 from train.loop import optimizer_step

@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+from tracking.config import ConfigError
 from train.build import build_data, build_model, build_optimizer, build_pipeline, build_task
-from train.config import ConfigError, TrainerConfig
+from train.config import TrainerConfig
 from train.loop import memory_steps, step_micro_batch_sizes
 from train.memory.predict import MemoryPredictor, PredictionUnsupported, largest_fitting_batch
 from train.run import plan, run

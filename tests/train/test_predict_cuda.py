@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from train.config import ConfigError, TrainerConfig
+from tracking.config import ConfigError
+from train.config import TrainerConfig
 from train.memory.allocator import AllocatorSettings
 from train.memory.budget import MemoryStats
 from train.memory.device import DeviceSpec

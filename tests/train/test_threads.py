@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.sweeps import clean_env
-from train.config import ConfigError
+from tracking.config import ConfigError
 from train.parallel.threads import busy_cores, plan_threads, usable_cores
 
 

@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from train.config import not_yaml
+from tracking.config import not_yaml
 
 ARCHITECTURES = Path(__file__).resolve().parents[2] / "conf" / "architecture"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

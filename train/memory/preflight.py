@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from train.config import ConfigError, TrainerConfig
+from tracking.config import ConfigError
+from train.config import TrainerConfig
 from train.memory.budget import format_bytes
 from train.memory.predict import (
     MemoryPredictor,

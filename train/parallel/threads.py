@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from train.config import ConfigError
+from tracking.config import ConfigError
 
 KEY = "search.threads"
 
