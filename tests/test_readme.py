@@ -1,11 +1,12 @@
-"""Every command of the README's bash blocks, accounted for: run exactly as written in a fresh
-directory, as a user following the README types it, with its output checked, or mapped to
-the test or CI step that runs it where this offline CPU machine cannot. `TABLE` says which;
-a README command missing from it, or a table entry the README no longer has, fails here.
-The "Bring your own training" section is tests/test_guide.py's, and is left out.
+"""Every command of the bash blocks of the README and of the documentation's pages (docs/*.md),
+accounted for: run exactly as written in a fresh directory, as a user following the docs
+types it, with its output checked, or mapped to the test or CI step that runs it where this
+offline CPU machine cannot. `TABLE` says which; a command missing from it, or a table entry
+no page has any more, fails here. The "Bring your own training" guide (docs/byo.md) is
+tests/test_guide.py's, and is left out.
 
-Each quick-start study runs once; what follows it in the README (`python -m train
-+best=...`, `mlflow ui`, optuna-dashboard) reads the stores it left in the same directory.
+Each quick-start study runs once; what follows it in the docs (`python -m train +best=...`,
+`mlflow ui`, optuna-dashboard) reads the stores it left in the same directory.
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from tests.sweeps import free_port
-from tests.test_guide import RECOMMENDED, REPO, SECTION, shell
+from tests.test_guide import GUIDE, RECOMMENDED, REPO, shell
 
 pytestmark = pytest.mark.slow
 
 FENCE = re.compile(r"^( *)```bash\n(.*?)^ *```", re.S | re.M)
+# Where the commands are: the README and the site's pages, the guide excepted.
+PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p != GUIDE)]
 CI = REPO / ".ci" / "run"
 STUDY_TIMEOUT_S = 1200  # a time-boxed study takes ~3 min on 2 idle cores; CI's are busier
 # optuna-dashboard answers in ~7 s on 2 busy cores; mlflow ui (4 uvicorn workers and its job
@@ -52,7 +55,7 @@ SERVER_TIMEOUT_S = 240
 
 @dataclass(frozen=True)
 class Check:
-    """How the suite answers for one README command.
+    """How the suite answers for one command of the README or a page of docs/.
 
     by: the test of this module that runs it as written; `tests.module::test` for a test
     elsewhere that runs what it does (in its own shape: a small model, its own stores);
@@ -65,7 +68,7 @@ class Check:
     extra: str = ""  # overrides appended to a study command run here (VARIANT), and why
 
 
-# The README's variations on the quick start show what a command changes; each trains what
+# The variations on the quick start (docs/index.md) show what a command changes; each trains what
 # the quick start does. Run as written, the four would take a quarter of CI (3-4 min each on
 # 2 cores); with two trials and no speed check (the quick starts run both), they still show
 # what they change: the trials' parameters, the objectives, the recommendation.
@@ -73,7 +76,7 @@ VARIANT = "search.n_trials=2 search.speed_check=false"
 # The GPT variant's trials on a ninth of the text (40 kB: ~1,200 sequences of 32 bytes), so
 # that each takes seconds: it shows its objectives, not what the text teaches.
 GPT_VARIANT = f"{VARIANT} data.max_bytes=40000"
-# The LoRA study's trials on a third of its text, three of them: what the README says it
+# The LoRA study's trials on a third of its text, three of them: what its guide says it
 # logs, not how far it gets in 30 trials.
 LLM_VARIANT = "search.n_trials=3 search.speed_check=false data.max_bytes=40000"
 OWN_MODEL = (
@@ -88,7 +91,7 @@ LLM_FIT = (
 
 CLUSTER = "needs SLURM (and PostgreSQL), GPUs and CIFAR-10: run on the cluster of services.sh"
 TABLE: dict[str, Check] = {
-    # Quick start
+    # Quick start (README.md, docs/index.md)
     "python3 -m venv .venv && . .venv/bin/activate": Check("test_virtual_environment"),
     "pip install -e .": Check(
         ".ci/run", "needs PyPI; CI installs the package with its extras", 'pip install -e ".[dev]"'
@@ -105,7 +108,7 @@ TABLE: dict[str, Check] = {
     ),
     "mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db": Check("test_mlflow_ui"),
     "python -m search.fit +experiment=resnet data=digits": Check("test_fit_report"),
-    # What fits on a GPU you do not have
+    # Planning a GPU you do not have (docs/gpu-planning.md)
     "python -m search.fit +experiment=gpt search.gpu=A100-40GB": Check("test_fit_for_a_gpu"),
     "python -m search.fit +experiment=resnet data=digits search.gpu=V100-16GB "
     "search.memory_budget=90%": Check(
@@ -122,7 +125,7 @@ TABLE: dict[str, Check] = {
         "(test_more_cards_then_the_smallest_larger_card: FSDP's ranks, then the smallest "
         "larger card), the message for a state over the card (a 1.2B GPT on a T4)",
     ),
-    # Fine-tuning a language model
+    # Fine-tuning language models (docs/language-models.md)
     'pip install -e ".[llm]"': Check(
         ".ci/run",
         'needs PyPI; CI installs ".[dev]", which holds ".[llm]"',
@@ -150,7 +153,7 @@ TABLE: dict[str, Check] = {
         "one 8B table takes a minute here; the test marks a GPT 1024 wide on an A100 whose "
         "larger batches need less than smaller ones, every mark checked against the predictor",
     ),
-    # One trial on several GPUs
+    # One trial on several GPUs (docs/data-parallel.md)
     "python -m search +experiment=llm_lora trainer.strategy=fsdp trainer.devices=2": Check(
         "tests.search.test_distributed_study::"
         "test_a_study_searches_strategy_and_devices_and_logs_global_figures",
@@ -163,7 +166,7 @@ TABLE: dict[str, Check] = {
         "the 8B report over the space takes under a minute on 2 cores; the test reports one "
         "rank of FSDP on 8 H100s for the tiny Llama and checks it against the predictor",
     ),
-    # Other entry points
+    # Other entry points (docs/index.md)
     "python -m search +experiment=resnet_derived data=digits search.n_trials=4": Check(
         "test_derived_accumulation", extra=VARIANT
     ),
@@ -178,12 +181,12 @@ TABLE: dict[str, Check] = {
     ),
     "python -m train +experiment=resnet data=digits trainer.batch_size=64 trainer.accum_steps=1 "
     "trainer.precision=fp32 optimizer.lr=0.05": Check("test_one_training_run"),
-    # Seeing the results
+    # Results and metrics (docs/metrics.md)
     "optuna-dashboard mlruns/optuna.journal": Check("test_optuna_dashboard"),
     "optuna-dashboard postgresql://batchfit@db-host:5432/batchfit": Check(
         "test_optuna_dashboard_without_its_database"
     ),
-    # Several workers
+    # Several workers and clusters (docs/workers.md)
     "python -m search --multirun +experiment=resnet search.workers=4 "
     "hydra/launcher=submitit_slurm hydra.launcher.partition=gpu hydra.launcher.gpus_per_node=1 "
     "search.storage=journal:/shared/batchfit/optuna.journal "
@@ -204,7 +207,7 @@ TABLE: dict[str, Check] = {
         "tests.test_workers::test_submitit_local_worker_killed_mid_trial",
         "4 ResNet-18 workers on CIFAR-10: hours on a CPU, and no download here",
     ),
-    # Add an experiment or a search space
+    # Experiments and search spaces (docs/experiments.md)
     "python -m search +experiment=resnet data=digits search.study_name=resnet-digits-fp32 "
     "search.n_trials=4 "
     '\'++search.params={trainer.precision:"choice(fp32)",trainer.accum_steps:'
@@ -216,7 +219,7 @@ TABLE: dict[str, Check] = {
     "search.recommend.metric=time/to_target_s trainer.max_epochs=3": Check(
         "test_time_to_target", extra=VARIANT
     ),
-    # Tests
+    # Testing and contributing (docs/testing.md)
     'pip install -e ".[dev]"': Check(".ci/run", "needs PyPI; CI installs exactly this"),
     "pytest": Check(".ci/run", "the whole suite, this module included"),
     'pytest -m "not slow"': Check("test_pytest_markers", "a second pytest run of the suite"),
@@ -232,6 +235,10 @@ TABLE: dict[str, Check] = {
     ),
     "tests/cluster/services.sh down": Check(
         ".ci/run", "as root: stops system services", "trap 'tests/cluster/services.sh down' EXIT"
+    ),
+    "mkdocs build --strict": Check(
+        "tests.test_docs::test_the_site_builds_strictly",
+        "the test builds into a temporary --site-dir, so that it leaves no site/ in the checkout",
     ),
 }
 
@@ -257,23 +264,20 @@ def _command(line: str) -> str:
 
 
 def readme_commands() -> list[str]:
-    """Every command of the README's bash blocks but the guide's, in order: `\\` continuations
-    joined, comments (and `# then:` lines) dropped."""
-    readme = (REPO / "README.md").read_text()
-    start = readme.index(SECTION)
-    end = readme.index("\n## ", start + len(SECTION))
+    """Every command of the bash blocks of the README and the pages but the guide, in order:
+    `\\` continuations joined, comments (and `# then:` lines) dropped."""
     commands = []
-    for part in (readme[:start], readme[end:]):
-        for _, body in FENCE.findall(part):
+    for page in PAGES:
+        for _, body in FENCE.findall(page.read_text()):
             lines = textwrap.dedent(body).replace("\\\n", " ").splitlines()
             commands += [c for c in map(_command, lines) if c]
     return commands
 
 
 def commands_of(test: str) -> list[str]:
-    """The README commands `test` runs, in README order."""
+    """The commands `test` runs, in the order of PAGES."""
     found = [c for c in dict.fromkeys(readme_commands()) if TABLE.get(c, Check("")).by == test]
-    assert found, f"the README has no command for {test} any more"
+    assert found, f"neither the README nor docs/ has a command for {test} any more"
     return found
 
 
@@ -281,9 +285,9 @@ def test_every_readme_command_is_in_the_table() -> None:
     commands = readme_commands()
     assert len(commands) >= 20, commands  # the blocks were found
     unknown = [c for c in commands if c not in TABLE]
-    assert not unknown, f"README commands no test answers for (add them to TABLE): {unknown}"
+    assert not unknown, f"commands of the docs no test answers for (add them to TABLE): {unknown}"
     gone = [c for c in TABLE if c not in commands]
-    assert not gone, f"TABLE entries the README no longer has: {gone}"
+    assert not gone, f"TABLE entries neither the README nor docs/ has any more: {gone}"
 
 
 def test_every_check_names_a_test_or_a_ci_step() -> None:
@@ -391,10 +395,11 @@ def test_quick_start_digits(
     trial = _check_study(ran, "resnet-digits")
     # README: "no new trial starts after 2 minutes".
     assert hydra_conf(shlex.split(ran.command)[3:]).search.timeout_s == 120
-    # The README's link is the one the first study prints (the first experiment: id 1).
-    readme = (REPO / "README.md").read_text()
-    link = re.search(r"^# then: (\S+)$", readme, re.M).group(1)
-    assert f"then open {link}\n" in ran.out
+    # The link of the README and of the site's home is the one the first study prints (the
+    # first experiment: id 1).
+    for page in (REPO / "README.md", REPO / "docs" / "index.md"):
+        link = re.search(r"^# then: (\S+)$", page.read_text(), re.M).group(1)
+        assert f"then open {link}\n" in ran.out, page
     # `python -m train +best=PATH`, the path as the study printed it, trains the trial again,
     # seeded and by the trial's code path: the same accuracy (observed: to the last digit).
     best = re.search(r"^or: (python -m train \+best=(\S+))$", ran.out, re.M)
@@ -720,7 +725,7 @@ def test_space_from_the_command_line(quick_starts: dict[str, Ran], workdir: Path
     _check_study(ran, ran.study.study_name)
     proposed = [t for t in ran.study.trials if t.params]
     assert proposed
-    for t in proposed:  # narrowed, widened, added and dropped as the README says
+    for t in proposed:  # narrowed, widened, added and dropped as docs/experiments.md says
         assert t.params["trainer.precision"] == "fp32"
         assert t.params["trainer.accum_steps"] in (1, 2, 4, 8)
         assert t.params["trainer.grad_clip_norm"] in (0.5, 1.0)
