@@ -31,8 +31,8 @@ from search.tracking_state import TrackingIncomplete
 from tracking import interrupts
 from tracking.config import ConfigError
 from tracking.console import config_error, crashed, stopped
+from tracking.mlflow_setup import http_defaults, quiet_logging
 from tracking.redact import redact_logging
-from tracking.runs import http_defaults, quiet_logging
 from train.overrides import composed, run_checked, unknown_top_level
 from train.parallel.threads import plan_threads
 

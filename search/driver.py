@@ -35,9 +35,10 @@ from search.tracking_state import TrackingState
 from search.validate import Checked, validate
 from search.worker import TrialLoop
 from tracking.config import ConfigError
+from tracking.mlflow_ui import ui_link
 from tracking.overhead import CallClock, Lap, storage_methods
 from tracking.redact import redact
-from tracking.runs import RunLog, Tracker, ui_link
+from tracking.runs import RunLog, Tracker
 from train.memory.predict import PredictionUnsupported
 from train.overrides import override_key
 from train.run import (

@@ -50,7 +50,8 @@ from search.stopping import (
 )
 from tracking import interrupts
 from tracking.config import ConfigError
-from tracking.runs import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG, RunLog, Tracker
+from tracking.runs import RunLog, Tracker
+from tracking.tags import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG
 from train.batches import steps_plan
 from train.loop import Diverged, Hooks, RunResult
 from train.measure.flops import MFU_NOTE_TAG

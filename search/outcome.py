@@ -21,7 +21,8 @@ from search.record import (
     PRUNER,
     TrialRecord,
 )
-from tracking.runs import PRUNE_REASON_TAG, STATE_TAG, RunLog
+from tracking.runs import RunLog
+from tracking.tags import PRUNE_REASON_TAG, STATE_TAG
 from train.loop import RunResult
 from train.memory.budget import MemoryStats
 from train.memory.predict import Prediction

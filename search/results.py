@@ -26,7 +26,8 @@ from search.decision import Decision
 from search.recommend import Recommendation, best_document, recommend
 from search.record import records
 from tracking.redact import redact
-from tracking.runs import RECOMMENDED_TAG, RunLog
+from tracking.runs import RunLog
+from tracking.tags import RECOMMENDED_TAG
 from train.overrides import BEST_FILE
 
 PUBLISH_EVERY_S = 15.0

@@ -38,7 +38,7 @@ from search.sampler import build_sampler
 from search.space import SearchSpace, parse_space
 from search.storage import open_storage
 from tracking.config import ConfigError, unknown_keys
-from tracking.runs import MlflowConfig
+from tracking.mlflow_config import MlflowConfig
 from train.build import build_task
 from train.params import (
     ACCUM_KEY,

@@ -19,7 +19,8 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
 from tests.sweeps import MlflowServer, run_module
-from tracking.runs import RECOMMENDED_COLUMN, RECOMMENDED_TAG
+from tracking.mlflow_ui import RECOMMENDED_COLUMN
+from tracking.tags import RECOMMENDED_TAG
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 

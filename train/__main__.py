@@ -34,20 +34,12 @@ from rich.markup import escape  # messages carry [...]: not markup
 
 from tracking.config import ConfigError
 from tracking.console import config_error, crashed
+from tracking.mlflow_config import MlflowConfig
+from tracking.mlflow_setup import http_defaults, quiet_logging
 from tracking.outputs import cannot_create
 from tracking.redact import redact, redact_logging, redact_tree
-from tracking.runs import (
-    PRUNE_REASON_TAG,
-    ROLE_TAG,
-    STATE_TAG,
-    STUDY_TAG,
-    TRIAL_TAG,
-    MlflowConfig,
-    RunLog,
-    Tracker,
-    http_defaults,
-    quiet_logging,
-)
+from tracking.runs import RunLog, Tracker
+from tracking.tags import PRUNE_REASON_TAG, ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG
 from train import model_file
 from train.loop import Diverged, Hooks, RunResult
 from train.measure.flops import MFU_NOTE_TAG

@@ -24,7 +24,8 @@ from search.recommend import recommend
 from search.record import TrialRecord
 from search.report import EPOCH_LINES_AFTER_S, StudyProgress, summary_markdown
 from search.results import PUBLISH_EVERY_S, RECOMMENDED_TAG, Results
-from tracking.runs import NOTE_TAG, Tracker
+from tracking.runs import Tracker
+from tracking.tags import NOTE_TAG
 from train.overrides import load_overrides
 
 METRICS = ["val/acc", "throughput/samples_per_sec"]
