@@ -15,7 +15,6 @@ tracking/runs.py's Tracker opens its store through these.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import re
 import sqlite3
@@ -24,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import filelock
 import sqlalchemy
 from mlflow.tracking import MlflowClient
 
@@ -170,22 +170,22 @@ def _half_made_advice(uri: str, path: Path, reason: str, kept_because: str) -> s
 @contextlib.contextmanager
 def schema_lock(uri: str) -> Iterator[None]:
     """Workers opening one new SQLite store together would each run MLflow's schema
-    migrations on it and break them; a file lock beside the database lets one go first."""
+    migrations on it and break them; a file lock beside the database lets one go first.
+    An flock(2), through filelock: the kernel releases it when its holder dies, however it
+    dies, and the file stays for the next. Threads wait for each other as processes do. No
+    fallback where flock is missing (to a lock file a dead holder would leave): it is said."""
     path = _sqlite_path(uri)
     if path is None:
         yield
         return
+    lock = filelock.UnixFileLock(path.with_name(path.name + ".lock"), fallback_to_soft=False)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_name(path.name + ".lock"), "w")  # noqa: SIM115 - closed below
+        held = lock.acquire()
     except OSError as error:
         raise _cannot_use(uri, error) from None
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with held:
+        yield
 
 
 def retry_at_start(call: Callable[[], Any], tracking_uri: str) -> Any:
