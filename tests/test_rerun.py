@@ -26,8 +26,8 @@ from optuna.trial import FrozenTrial
 
 from tests.sweeps import run_module
 from train.build import build_pipeline, build_task
-from train.loop import evaluate
-from train.memory.predict import fits_budget
+from train.evaluate import evaluate
+from train.memory.fitting import fits_budget
 from train.model_file import load, rebuild
 from train.precision import Precision
 from train.run import plan

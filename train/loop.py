@@ -22,11 +22,30 @@ from typing import Any
 import torch
 from torch import nn
 
+from tracking.metrics import (
+    DATA_WAIT_SHARE,
+    PEAK_BYTES,
+    RESERVED_BYTES,
+    STEP_MS,
+    THROUGHPUT_SAMPLES,
+    THROUGHPUT_SPREAD,
+    TRAIN_EPOCH,
+    TRAIN_FINAL_LOSS,
+    TRAIN_LOSS,
+    TRAIN_LR,
+    TRAIN_S,
+    VAL_ACC,
+    VAL_LOSS,
+    VAL_PREFIX,
+    rank_peak_bytes,
+    throughput,
+)  # fmt: skip
 from train.batches import Padding, Pipeline, steps_plan, to_device
 from train.config import TrainerConfig
 from train.data import Datasets, Splits
+from train.evaluate import evaluate, probe_seconds_per_sample
 from train.measure.noise import NoiseReading, NoiseScale
-from train.measure.throughput import Stopwatch, ThroughputClock
+from train.measure.throughput import ThroughputClock
 from train.memory.budget import (
     MemoryMeter,
     MemoryStats,
@@ -104,38 +123,38 @@ class RunResult:
 
     @property
     def val_acc(self) -> float:
-        return self.val.get("val/acc", math.nan)
+        return self.val.get(VAL_ACC, math.nan)
 
     @property
     def val_loss(self) -> float:
-        return self.val.get("val/loss", math.nan)
+        return self.val.get(VAL_LOSS, math.nan)
 
     def metrics(self) -> Metrics:
         """The run's final figures under their metric names (NaN ones left out), validation
         apart (it is logged as it happens)."""
         values = {
-            "throughput/samples_per_sec": self.throughput_samples_per_sec,
-            "time/step_ms": self.step_ms,
-            "time/data_wait_share": (
+            THROUGHPUT_SAMPLES: self.throughput_samples_per_sec,
+            STEP_MS: self.step_ms,
+            DATA_WAIT_SHARE: (
                 self.data_wait_s / self.timed_seconds if self.timed_seconds else math.nan
             ),
-            "memory/peak_bytes": float(self.peak_bytes),
-            "train/final_loss": self.train_loss,
+            PEAK_BYTES: float(self.peak_bytes),
+            TRAIN_FINAL_LOSS: self.train_loss,
         }
         if self.unit != "samples":
-            values[f"throughput/{self.unit}_per_sec"] = (
+            values[throughput(self.unit)] = (
                 self.timed_units / self.timed_seconds if self.timed_seconds else math.nan
             )
         if self.reserved_bytes is not None:
-            values["memory/reserved_bytes"] = float(self.reserved_bytes)
+            values[RESERVED_BYTES] = float(self.reserved_bytes)
         if len(self.rank_peak_bytes) > 1:
             for rank, peak in enumerate(self.rank_peak_bytes):
-                values[f"memory/rank_{rank}/peak_bytes"] = float(peak)
+                values[rank_peak_bytes(rank)] = float(peak)
         if self.noise is not None:
             values.update(self.noise.metrics())
         if len(self.interval_rates) >= MIN_SPREAD_INTERVALS:
             rates = sorted(self.interval_rates)
-            values["throughput/spread"] = (rates[-1] - rates[0]) / statistics.median(rates)
+            values[THROUGHPUT_SPREAD] = (rates[-1] - rates[0]) / statistics.median(rates)
         return {k: v for k, v in values.items() if not math.isnan(v)}
 
     def figures(self) -> Metrics:
@@ -215,47 +234,6 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[to
     return tensors
 
 
-PROBE_SAMPLES = 8
-
-
-def probe_seconds_per_sample(
-    model: nn.Module,
-    data: Pipeline | Splits | Datasets,
-    cfg: TrainerConfig,
-    precision: Precision,
-    device: torch.device,
-    task: Task | None = None,
-) -> float:
-    """Seconds per sample of a forward/backward pass of a few samples; parameters and buffers
-    are left as found.
-
-    The same batch runs twice and the second pass is timed: the first pays one-time costs
-    (kernel selection and primitive creation for this shape), which would otherwise dominate
-    a small batch, badly so on a loaded machine. A small batch still runs less efficiently
-    than the real micro-batch, so this overestimates the run's time: good enough to tell a
-    configuration that is 50x too slow from one that is not, in a few seconds at most.
-    """
-    task = task or Classification()
-    pipeline = Pipeline.of(data)
-    saved = [b.clone() for b in model.buffers()]  # BatchNorm statistics must not see the probe
-    batch = to_device(pipeline.example(min(cfg.batch_size, PROBE_SAMPLES)), device)
-    n = batch_size_of(batch)
-    clock = Stopwatch(device)
-    for _ in range(2):
-        clock.seconds = 0.0
-        clock.start()
-        with precision.matmul_mode():
-            with precision.autocast():
-                output = task.forward(model, batch)
-            task.loss(output, batch).backward()
-        clock.stop()
-        model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for buffer, value in zip(model.buffers(), saved, strict=True):
-            buffer.copy_(value)
-    return clock.seconds / n
-
-
 def samples_planned(num_train: int, cfg: TrainerConfig) -> int:
     """Samples the run trains on, over all its devices."""
     steps_per_epoch, num_steps = steps_plan(num_train, cfg)
@@ -288,92 +266,51 @@ def memory_steps(num_train: int, cfg: TrainerConfig, num_steps: int) -> list[int
     return [s for s in (0, steady) if s < num_steps]
 
 
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    data: Pipeline | Splits | Datasets,
-    batch_size: int,
-    precision: Precision,
-    device: torch.device,
-    task: Task | None = None,
-    ranks: Ranks | None = None,
-    chance: list[float | None] | None = None,
-) -> Metrics:
-    """The task's validation metrics, `val/loss` (mean per unit) and the derived ones, over
-    the validation split; one host sync per metric at the end. On several ranks each
-    evaluates its share of the split and the sums are the ranks' together. `chance`, if
-    empty: the task's chance_loss of the first output is appended to it."""
-    task = task or Classification()
-    pipeline = Pipeline.of(data)
-    metrics = {name: metric.to(device) for name, metric in task.metrics().items()}
-    model.eval()
-    loss_sum = torch.zeros((), device=device)
-    units = 0
-    rank, world = (ranks.rank, ranks.world) if ranks else (0, 1)
-    for host_batch in pipeline.val_batches(batch_size, rank, world):
-        padding = isinstance(host_batch, Padding)  # the forward the other ranks run
-        host_batch = host_batch.batch if padding else host_batch
-        batch = to_device(host_batch, device)
-        with precision.autocast():
-            output = task.forward(model, batch)
-        if padding:
-            continue
-        units += task.units(host_batch)
-        if chance is not None and not chance:
-            chance.append(task.chance_loss(output))
-        loss_sum += task.loss(output, batch)
-        task.update(metrics, output, batch)
-    model.train()
-    values = {name: float(metric.compute()) for name, metric in metrics.items()}
-    total, units = ranks.sum([loss_sum.item(), units]) if ranks else (loss_sum.item(), units)
-    values["loss"] = total / max(units, 1)
-    for metric in metrics.values():
-        # torchmetrics wraps update and compute in closures over the metric, a reference
-        # cycle: without them its device tensors go now, not at the next garbage collection.
-        for wrapped in ("update", "compute"):
-            vars(metric).pop(wrapped, None)
-    values.update(task.derive(values))
-    return {f"val/{name}": value for name, value in values.items()}
+@dataclass(frozen=True)
+class Run:
+    """What `fit` trains, built once by its caller (train/run.py, train/parallel/distributed.py):
+    the model, its optimizer and schedule, its data (a Pipeline, or Splits or Datasets with
+    the default loader), the trainer settings, the device and the memory meter that holds the
+    budget, the caller's hooks, the task, and on several processes this one's ranks."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: Pipeline | Splits | Datasets
+    cfg: TrainerConfig
+    device: torch.device
+    meter: MemoryMeter
+    hooks: Hooks = field(default_factory=Hooks)
+    task: Task = field(default_factory=Classification)
+    ranks: Ranks | None = None
+    pipeline: Pipeline = field(init=False, repr=False)  # `data`'s batches, for `device`
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pipeline", Pipeline.of(self.data, self.device))
 
 
-def fit(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    data: Pipeline | Splits | Datasets,
-    cfg: TrainerConfig,
-    device: torch.device,
-    meter: MemoryMeter,
-    hooks: Hooks | None = None,
-    task: Task | None = None,
-    ranks: Ranks | None = None,
-) -> RunResult:
+def fit(run: Run) -> RunResult:
     """Train under the memory budget. Raises OutOfMemory, Diverged, or what a hook raises;
     on several ranks (train/parallel/ranks.py) Stopped when rank 0's hooks asked to stop.
 
     A device OOM is turned into OutOfMemory only after its exception (whose traceback pins
     the failed step's activations) has been dropped and memory released.
     """
-    pipeline = Pipeline.of(data, device)
-    meter.start()
+    run.meter.start()
     oom_message = None
-    hooks = hooks or Hooks()
     try:
-        result = _fit(
-            model, optimizer, scheduler, pipeline, cfg, device, meter, hooks,
-            task or Classification(), ranks,
-        )  # fmt: skip
-        if hooks.on_end:
-            hooks.on_end(model)
+        result = _fit(_Plan(run))
+        if run.hooks.on_end:
+            run.hooks.on_end(run.model)
         return result
     except Exception as error:
         if not is_oom_error(error):
             raise
         oom_message = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
     finally:
-        pipeline.close()
-    release_memory(device)
-    raise OutOfMemory(oom_message, meter.stats().peak_bytes, meter.budget_bytes)
+        run.pipeline.close()
+    release_memory(run.device)
+    raise OutOfMemory(oom_message, run.meter.stats().peak_bytes, run.meter.budget_bytes)
 
 
 def split_window(cfg: TrainerConfig, num_steps: int, first_timed_step: int) -> range:
@@ -388,20 +325,11 @@ def split_window(cfg: TrainerConfig, num_steps: int, first_timed_step: int) -> r
 
 
 @dataclass
-class _Run:
-    """One run's parts and plan, fixed before its first step: what its steps, logging and
+class _Plan:
+    """A run and its plan, fixed before its first step: what its steps, logging and
     validations share."""
 
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    pipeline: Pipeline
-    cfg: TrainerConfig
-    device: torch.device
-    meter: MemoryMeter
-    hooks: Hooks
-    task: Task
-    ranks: Ranks | None = None
+    run: Run
     precision: Precision = field(init=False)
     scaler: torch.amp.GradScaler = field(init=False)
     steps_per_epoch: int = field(init=False)
@@ -416,11 +344,12 @@ class _Run:
     chance: list[float | None] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        cfg, num_train = self.cfg, self.pipeline.num_train
-        self.precision = Precision(cfg.precision, self.device.type)
+        run = self.run
+        cfg, num_train = run.cfg, run.pipeline.num_train
+        self.precision = Precision(cfg.precision, run.device.type)
         self.scaler = self.precision.grad_scaler()
         self.steps_per_epoch, self.num_steps = steps_plan(num_train, cfg)
-        tracked = self.meter.needs_tracker
+        tracked = run.meter.needs_tracker
         self.measured_steps = memory_steps(num_train, cfg, self.num_steps) if tracked else []
         self.memory_checked_step = max(self.measured_steps, default=0)
         timed_from = max([cfg.warmup_steps, *(s + 1 for s in self.measured_steps)])
@@ -432,8 +361,8 @@ class _Run:
         micro-batches a step, every step past the memory-measured ones; with one, a window
         of split steps, taken off the throughput clock, of at most a third of the steps
         left to time."""
-        cfg, ranks = self.cfg, self.ranks
-        trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        cfg, ranks, model = self.run.cfg, self.run.ranks, self.run.model
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         adapters = any("lora_" in name for name in trainable)
         self.noise, self.noise_steps = None, range(0)
         if cfg.accum_steps > 1:
@@ -456,7 +385,7 @@ class _Run:
             self.first_timed_step = window.stop
         world = ranks.world if ranks else 1
         sharded = cfg.strategy == "fsdp"
-        self.noise = NoiseScale(self.model, self.device, estimator, world, sharded, adapters)
+        self.noise = NoiseScale(model, self.run.device, estimator, world, sharded, adapters)
         self.noise_note = self.noise.describe()
 
     def noise_step(
@@ -464,19 +393,19 @@ class _Run:
     ) -> tuple[list[Any], bool]:
         """The micro-batches of `step`, split in two when the split estimator measures it;
         and whether the noise scale measures this step (set up on it when it does)."""
-        noise, cfg = self.noise, self.cfg
+        noise, cfg, ranks = self.noise, self.run.cfg, self.run.ranks
         if noise is None or step not in self.noise_steps:
             return host_batches, False
         # Full steps only, the same on every rank: a ragged last step's sizes differ per rank.
         start = (step % self.steps_per_epoch) * cfg.global_batch_size
-        if self.pipeline.num_train - start < cfg.global_batch_size:
+        if self.run.pipeline.num_train - start < cfg.global_batch_size:
             return host_batches, False
         if noise.estimator == "split":
             host_batches = list(split_in_two(host_batches[0]))
-        world = self.ranks.world if self.ranks else 1
+        world = ranks.world if ranks else 1
         small = batch_size_of(host_batches[0]) * (world if noise.sharded else 1)
         big = cfg.global_batch_size
-        first_units = self.task.units(host_batches[0])
+        first_units = self.run.task.units(host_batches[0])
         if not 0 < small < big or not first_units:
             return host_batches, False
         grad_factor = (step_units / world) / first_units  # optimizer_step's num_units
@@ -489,11 +418,11 @@ class _Run:
         return epoch + (index_in_epoch + 1) / self.steps_per_epoch
 
     def log_due(self, step: int) -> bool:
-        return (step + 1) % self.cfg.log_every_steps == 0 or step + 1 == self.num_steps
+        return (step + 1) % self.run.cfg.log_every_steps == 0 or step + 1 == self.num_steps
 
     def validation_due(self, step: int) -> bool:
         """Every trainer.val_every_steps, else at each epoch's end; and after the last step."""
-        every = self.cfg.val_every_steps or self.steps_per_epoch
+        every = self.run.cfg.val_every_steps or self.steps_per_epoch
         return (step + 1) % every == 0 or step + 1 == self.num_steps
 
     def optimizer_step(
@@ -501,11 +430,11 @@ class _Run:
     ) -> torch.Tensor:
         """One step over the host micro-batches, moved to the device one at a time; on
         several ranks `num_units` is the whole step's. `noise`: the noise scale measures it."""
-        ranks = self.ranks
-        micro = (_on_device(b, self.device, copy) for b in host_batches)
+        run, ranks = self.run, self.run.ranks
+        micro = (_on_device(b, run.device, copy) for b in host_batches)
         return optimizer_step(
-            self.model, self.optimizer, self.scaler, self.precision, micro,
-            self.cfg.grad_clip_norm, num_units / ranks.world if ranks else num_units, self.task,
+            run.model, run.optimizer, self.scaler, self.precision, micro,
+            run.cfg.grad_clip_norm, num_units / ranks.world if ranks else num_units, run.task,
             ranks, len(host_batches), self.noise if noise else None,
         )  # fmt: skip
 
@@ -516,53 +445,56 @@ def _on_device(batch: Any, device: torch.device, copy: bool) -> Any:
     return to_device(batch, device, copy)
 
 
-def _fit(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task, ranks):  # noqa: ANN001, ANN202
-    run = _Run(model, optimizer, scheduler, pipeline, cfg, device, meter, hooks, task, ranks)
+def _fit(plan: _Plan) -> RunResult:
+    run = plan.run
+    model, pipeline, cfg, hooks, task, ranks = (
+        run.model, run.pipeline, run.cfg, run.hooks, run.task, run.ranks
+    )  # fmt: skip
     if hooks.on_probe:
-        seconds = probe_seconds_per_sample(model, pipeline, cfg, run.precision, device, task)
+        seconds = probe_seconds_per_sample(model, pipeline, cfg, plan.precision, run.device, task)
         hooks.on_probe(seconds, samples_planned(pipeline.num_train, cfg))
-    clock = ThroughputClock(device, run.first_timed_step, task.unit)
-    interval_loss = _IntervalLoss(device)
-    train_loss, num_samples, evals, done_steps = math.nan, 0, [], run.num_steps
+    clock = ThroughputClock(run.device, plan.first_timed_step, task.unit)
+    interval_loss = _IntervalLoss(run.device)
+    train_loss, num_samples, evals, done_steps = math.nan, 0, [], plan.num_steps
     model.train()
-    steps = pipeline.train_steps(cfg, run.num_steps, ranks.rank if ranks else 0)
-    with run.precision.matmul_mode():
-        for step in range(run.num_steps):
+    steps = pipeline.train_steps(cfg, plan.num_steps, ranks.rank if ranks else 0)
+    with plan.precision.matmul_mode():
+        for step in range(plan.num_steps):
             clock.begin(step)
             host_batches, samples, waited = next(steps)
             units = sum(task.units(b) for b in host_batches if not isinstance(b, Padding))
             step_units = ranks.step_units(units) if ranks else units
-            if step in run.measured_steps:
-                step_loss = _measured_step(run, host_batches, step_units)
+            if step in plan.measured_steps:
+                step_loss = _measured_step(plan, host_batches, step_units)
             else:
-                host_batches, noise = run.noise_step(step, host_batches, step_units)
-                step_loss = run.optimizer_step(host_batches, step_units, noise=noise)
+                host_batches, noise = plan.noise_step(step, host_batches, step_units)
+                step_loss = plan.optimizer_step(host_batches, step_units, noise=noise)
             del host_batches  # this step's batches go before the next step's arrive
-            if hooks.on_memory and step == run.memory_checked_step:
-                hooks.on_memory(meter.stats())
-            step_lr = scheduler.get_last_lr()[0]  # the rate this step used
-            scheduler.step()
+            if hooks.on_memory and step == plan.memory_checked_step:
+                hooks.on_memory(run.meter.stats())
+            step_lr = run.scheduler.get_last_lr()[0]  # the rate this step used
+            run.scheduler.step()
             interval_loss.add(step_loss)
             num_samples += samples
             clock.step(step, samples, units, waited)
             if hooks.on_step:
-                hooks.on_step(step + 1, run.num_steps, clock.elapsed())
-            if run.log_due(step):
-                train_loss = _log(run, clock, step, interval_loss.read(), step_lr)
-            if run.validation_due(step) and _validate(run, clock, step, evals):
+                hooks.on_step(step + 1, plan.num_steps, clock.elapsed())
+            if plan.log_due(step):
+                train_loss = _log(plan, clock, step, interval_loss.read(), step_lr)
+            if plan.validation_due(step) and _validate(plan, clock, step, evals):
                 done_steps = step + 1  # on_eval ended the run here
                 break
     clock.stop()
-    return _result(run, clock, done_steps, num_samples, train_loss, evals)
+    return _result(plan, clock, done_steps, num_samples, train_loss, evals)
 
 
-def _measured_step(run: _Run, host_batches: list[Any], num_units: int) -> torch.Tensor:
+def _measured_step(plan: _Plan, host_batches: list[Any], num_units: int) -> torch.Tensor:
     """An optimizer step under the CPU tensor tracker, its peak recorded in the meter."""
     tracker = TensorMemoryTracker()
-    tracker.register(state_tensors(run.model, run.optimizer))
+    tracker.register(state_tensors(plan.run.model, plan.run.optimizer))
     with tracker:  # the micro-batches count too: on a GPU they live on the device
-        step_loss = run.optimizer_step(host_batches, num_units, copy=True)
-    run.meter.record_tracked_peak(tracker, run.ranks)
+        step_loss = plan.optimizer_step(host_batches, num_units, copy=True)
+    plan.run.meter.record_tracked_peak(tracker, plan.run.ranks)
     return step_loss
 
 
@@ -586,37 +518,39 @@ class _IntervalLoss:
         return mean
 
 
-def _log(run: _Run, clock: ThroughputClock, step: int, train_loss: float, lr: float) -> float:
+def _log(plan: _Plan, clock: ThroughputClock, step: int, train_loss: float, lr: float) -> float:
     """Ends a logging interval: raises Diverged on a loss that is not finite, reads the
     clock, and reports both to on_log. Returns the loss. On several ranks the loss is
     their mean and the interval's rates their sum."""
+    ranks, hooks = plan.run.ranks, plan.run.hooks
     throughput = clock.interval(step)  # read even without on_log: the result's rates need it
-    if run.ranks:
-        train_loss, *rates = run.ranks.sum([train_loss, *throughput.values()])
-        train_loss /= run.ranks.world
+    if ranks:
+        train_loss, *rates = ranks.sum([train_loss, *throughput.values()])
+        train_loss /= ranks.world
         throughput = dict(zip(throughput, rates, strict=True))
     if not math.isfinite(train_loss):
         raise Diverged(step + 1, train_loss)
-    reading = run.noise.read(run.ranks) if run.noise else None  # a collective on ranks
-    if run.hooks.on_log:
-        metrics = {"train/loss": train_loss, "train/lr": lr, "train/epoch": run.epoch(step)}
+    reading = plan.noise.read(ranks) if plan.noise else None  # a collective on ranks
+    if hooks.on_log:
+        metrics = {TRAIN_LOSS: train_loss, TRAIN_LR: lr, TRAIN_EPOCH: plan.epoch(step)}
         noise = reading.metrics() if reading else {}
-        run.hooks.on_log(step + 1, {**metrics, **throughput, **noise})
+        hooks.on_log(step + 1, {**metrics, **throughput, **noise})
     return train_loss
 
 
-def _validate(run: _Run, clock: ThroughputClock, step: int, evals: list[Metrics]) -> bool:
+def _validate(plan: _Plan, clock: ThroughputClock, step: int, evals: list[Metrics]) -> bool:
     """Evaluates after `step` off the clock and appends the metrics to `evals`; True when
     on_eval ends the run here."""
+    run = plan.run
     clock.pause()
     metrics = evaluate(
-        run.model, run.pipeline, run.cfg.batch_size, run.precision, run.device, run.task,
-        run.ranks, run.chance,
+        run.model, run.pipeline, run.cfg.batch_size, plan.precision, run.device, run.task,
+        run.ranks, plan.chance,
     )  # fmt: skip
     metrics.update(
-        step=step + 1, epoch=run.epoch(step), num_epochs=run.num_steps / run.steps_per_epoch
+        step=step + 1, epoch=plan.epoch(step), num_epochs=plan.num_steps / plan.steps_per_epoch
     )
-    metrics["time/train_s"] = clock.train_seconds(step + 1)
+    metrics[TRAIN_S] = clock.train_seconds(step + 1)
     evals.append(metrics)
     answer = run.hooks.on_eval(step + 1, metrics) if run.hooks.on_eval else None
     if run.ranks:  # rank 0's answer (CONTINUE, END or STOP: its trial's side raised) for all
@@ -626,13 +560,13 @@ def _validate(run: _Run, clock: ThroughputClock, step: int, evals: list[Metrics]
         answer = decision == END
     if answer:
         return True
-    if step + 1 < run.num_steps:  # after the last step the clock stays stopped
+    if step + 1 < plan.num_steps:  # after the last step the clock stays stopped
         clock.resume(step)
     return False
 
 
 def _result(
-    run: _Run,
+    plan: _Plan,
     clock: ThroughputClock,
     num_steps: int,
     num_samples: int,
@@ -640,8 +574,8 @@ def _result(
     evals: list[Metrics],
 ) -> RunResult:
     seconds, timed_steps = clock.seconds, clock.timed_steps(num_steps)
-    memory = run.meter.stats()
-    noise = run.noise.read(run.ranks) if run.noise else None
+    memory = plan.run.meter.stats()
+    noise = plan.noise.read(plan.run.ranks) if plan.noise else None
     return RunResult(
         num_steps=num_steps,
         num_samples=num_samples,
@@ -650,16 +584,16 @@ def _result(
         peak_bytes=memory.peak_bytes,
         reserved_bytes=memory.reserved_bytes,
         train_loss=train_loss,
-        val={k: v for k, v in evals[-1].items() if k.startswith("val/")},
+        val={k: v for k, v in evals[-1].items() if k.startswith(VAL_PREFIX)},
         evals=evals,
         timed_steps=timed_steps,
         timed_samples=clock.timed_samples,
         timed_seconds=seconds,
-        unit=run.task.unit,
+        unit=plan.run.task.unit,
         timed_units=clock.timed_units,
         data_wait_s=clock.data_wait_s,
         interval_rates=clock.interval_rates,
         noise=noise,
-        noise_estimator=run.noise_note,
-        chance_loss=run.chance[0] if run.chance else None,
+        noise_estimator=plan.noise_note,
+        chance_loss=plan.chance[0] if plan.chance else None,
     )

@@ -18,11 +18,11 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tracking.config import ConfigError
+from tracking.config import ConfigError, number_problems
 from train.batches import Pipeline
 from train.build import COMPONENTS, build_model, build_optimizer, build_scheduler, unknown_settings
 from train.config import TrainerConfig
-from train.loop import Hooks, RunResult, fit, steps_plan
+from train.loop import Hooks, Run, RunResult, fit, steps_plan
 from train.lr import rule_for, scaled_lr
 from train.measure.flops import perf_metrics
 from train.memory.budget import (
@@ -127,10 +127,9 @@ def plan(cfg: DictConfig, budget: Any) -> RunSpec:
             problems.append(f"search.memory_budget: {error}")
         problems += _budget_problems(budget, budget_bytes, target)
     base_lr = cfg.optimizer.get("lr")
-    if not isinstance(base_lr, int | float) or base_lr <= 0:
-        problems.append(
-            f"optimizer.lr must be a number > 0, got {base_lr!r}; e.g. optimizer.lr=0.05"
-        )
+    problems += number_problems(
+        "optimizer.lr", base_lr, "a number > 0", above=0, hint="e.g. optimizer.lr=0.05"
+    )
     if problems:
         raise ConfigError(problems)
     rule = trainer.lr_scaling
@@ -435,7 +434,10 @@ def run(
     _, num_steps = steps_plan(workload.num_train, spec.trainer)
     scheduler = build_scheduler(cfg, optimizer, total_steps=num_steps)
     meter = MemoryMeter(spec.device, spec.budget_bytes)
-    return fit(model, optimizer, scheduler, pipeline, spec.trainer, spec.device, meter, hooks, task)
+    hooks = hooks or Hooks()
+    return fit(
+        Run(model, optimizer, scheduler, pipeline, spec.trainer, spec.device, meter, hooks, task)
+    )
 
 
 # What a run measured beyond its own figures, the same for a trial and `python -m train`.

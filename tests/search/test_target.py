@@ -14,7 +14,7 @@ from search.driver import StudyDriver
 from tracking.config import ConfigError
 from train.config import TrainerConfig
 from train.data import Splits
-from train.loop import Hooks, fit
+from train.loop import Hooks, Run, fit
 from train.lr import constant
 from train.memory.budget import MemoryMeter
 
@@ -58,10 +58,10 @@ def test_a_validation_hook_can_end_the_run() -> None:
         seen.append((step, metrics["time/train_s"]))
         return step == 9
 
-    result = fit(
+    result = fit(Run(
         model, optimizer, constant(optimizer, 24), data, cfg, CPU, MemoryMeter(CPU, None),
         Hooks(on_eval=on_eval),
-    )  # fmt: skip
+    ))  # fmt: skip
     assert [step for step, _ in seen] == [3, 6, 9]
     assert result.num_steps == 9 and len(result.evals) == 3
     assert 0 < seen[0][1] <= seen[1][1] <= seen[2][1]  # training seconds never go back

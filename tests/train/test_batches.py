@@ -24,7 +24,7 @@ from train.batches import SHAPE_SAMPLES, Pipeline, StepSampler, steps_plan
 from train.build import build_data, build_loader
 from train.config import LoaderConfig, TrainerConfig
 from train.data import Datasets, Splits, synthetic
-from train.loop import RunResult, fit, memory_steps, step_micro_batch_sizes
+from train.loop import Run, RunResult, fit, memory_steps, step_micro_batch_sizes
 from train.lr import constant
 from train.memory.budget import MemoryMeter
 from train.memory.predict import MemoryPredictor
@@ -185,7 +185,10 @@ def _fit(model, data, cfg, lr=0.1, budget=None, task=None) -> RunResult:
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     _, num_steps = steps_plan(_num_train(data), cfg)
     scheduler = constant(optimizer, num_steps)
-    return fit(model, optimizer, scheduler, data, cfg, CPU, MemoryMeter(CPU, budget), task=task)
+    meter = MemoryMeter(CPU, budget)
+    return fit(
+        Run(model, optimizer, scheduler, data, cfg, CPU, meter, task=task or Classification())
+    )
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:

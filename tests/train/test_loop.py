@@ -13,14 +13,14 @@ from torch import nn
 from train import loop
 from train.config import TrainerConfig
 from train.data import Splits, synthetic
+from train.evaluate import evaluate, probe_seconds_per_sample
 from train.loop import (
     Diverged,
     Hooks,
-    evaluate,
+    Run,
     fit,
     memory_steps,
     optimizer_step,
-    probe_seconds_per_sample,
     samples_planned,
     steps_plan,
 )
@@ -94,7 +94,8 @@ def _fit(model, data, cfg, hooks=None, lr=0.1, budget=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     _, num_steps = steps_plan(len(data.train_y), cfg)
     scheduler = constant(optimizer, num_steps)
-    return fit(model, optimizer, scheduler, data, cfg, CPU, MemoryMeter(CPU, budget), hooks)
+    meter = MemoryMeter(CPU, budget)
+    return fit(Run(model, optimizer, scheduler, data, cfg, CPU, meter, hooks or Hooks()))
 
 
 class Recorder:

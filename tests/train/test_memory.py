@@ -11,9 +11,8 @@ from torch import nn
 
 from train.config import TrainerConfig
 from train.data import Splits, synthetic
-from train.loop import fit, optimizer_step, steps_plan
+from train.loop import Run, fit, optimizer_step, steps_plan
 from train.lr import constant
-from train.memory.allocator import live_peak_bytes
 from train.memory.budget import (
     MemoryMeter,
     OutOfMemory,
@@ -23,6 +22,7 @@ from train.memory.budget import (
     is_oom_error,
     parse_budget,
 )
+from train.memory.reserve import live_peak_bytes
 from train.models import param_bytes, small_cnn
 from train.precision import Precision
 
@@ -325,7 +325,7 @@ def _linear_fit(n, d, c, momentum=0.0, budget=None, steps=3):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     cfg = TrainerConfig(batch_size=n, max_steps=steps, max_epochs=None)
     return fit(
-        model, optimizer, constant(optimizer, steps), data, cfg, CPU, MemoryMeter(CPU, budget)
+        Run(model, optimizer, constant(optimizer, steps), data, cfg, CPU, MemoryMeter(CPU, budget))
     )
 
 
@@ -392,7 +392,7 @@ def test_budget_oom_with_a_real_model():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = TrainerConfig(batch_size=16, max_epochs=1)
     with pytest.raises(OutOfMemory) as info:
-        fit(model, optimizer, constant(optimizer, 4), data, cfg, CPU, MemoryMeter(CPU, budget))
+        fit(Run(model, optimizer, constant(optimizer, 4), data, cfg, CPU, MemoryMeter(CPU, budget)))
     assert info.value.budget_bytes == budget
     assert info.value.peak_bytes > budget
 
@@ -423,7 +423,7 @@ def _fit_oom(model: nn.Module, data: Splits, budget=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = TrainerConfig(batch_size=8, max_epochs=1)
     meter = MemoryMeter(CPU, budget)
-    return fit(model, optimizer, constant(optimizer, 4), data, cfg, CPU, meter)
+    return fit(Run(model, optimizer, constant(optimizer, 4), data, cfg, CPU, meter))
 
 
 @pytest.mark.parametrize(
@@ -576,8 +576,8 @@ def test_cuda_oom_under_a_tiny_budget_becomes_out_of_memory(cuda_clean):
         cfg = TrainerConfig(batch_size=2048, max_steps=2, max_epochs=None)
         caught = None
         try:
-            fit(model, optimizer, constant(optimizer, 2), data, cfg, device,
-                MemoryMeter(device, budget))  # fmt: skip
+            meter = MemoryMeter(device, budget)
+            fit(Run(model, optimizer, constant(optimizer, 2), data, cfg, device, meter))
         except OutOfMemory as error:
             caught = (error.peak_bytes, error.budget_bytes, str(error))
         assert caught is not None
@@ -595,8 +595,8 @@ def test_cuda_oom_under_a_tiny_budget_becomes_out_of_memory(cuda_clean):
     model = small_cnn(num_classes=10, in_channels=3, width=8).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = TrainerConfig(batch_size=64, max_steps=3, max_epochs=None)
-    result = fit(model, optimizer, constant(optimizer, 3), data, cfg, device,
-                 MemoryMeter(device, None))  # fmt: skip
+    meter = MemoryMeter(device, None)
+    result = fit(Run(model, optimizer, constant(optimizer, 3), data, cfg, device, meter))
     assert result.num_steps == 3
 
 
@@ -610,8 +610,8 @@ def test_cuda_peak_statistics_are_reported(cuda_clean):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     cfg = TrainerConfig(batch_size=64, accum_steps=2, max_epochs=2, precision="bf16")
     _, num_steps = steps_plan(len(data.train_y), cfg)
-    result = fit(model, optimizer, constant(optimizer, num_steps), data, cfg, device,
-                 MemoryMeter(device, parse_budget("1GiB", device_total_bytes(device))))  # fmt: skip
+    meter = MemoryMeter(device, parse_budget("1GiB", device_total_bytes(device)))
+    result = fit(Run(model, optimizer, constant(optimizer, num_steps), data, cfg, device, meter))
     assert result.num_steps == num_steps
     # Parameters, gradients and momentum are all resident at once.
     assert result.peak_bytes >= 3 * param_bytes(model)

@@ -13,7 +13,7 @@ from torch.func import functional_call, grad, vmap
 
 from train.config import TrainerConfig
 from train.data import Splits, synthetic
-from train.loop import fit, steps_plan
+from train.loop import Run, fit, steps_plan
 from train.lr import constant
 from train.measure.noise import NoiseScale
 from train.memory.budget import MemoryMeter
@@ -54,10 +54,10 @@ def _fit_frozen(data: Splits, cfg: TrainerConfig):
     from train.loop import Hooks
 
     hooks = Hooks(on_log=lambda step, metrics: logged.append((step, metrics)))
-    result = fit(
+    result = fit(Run(
         model, optimizer, constant(optimizer, num_steps), data, cfg, CPU,
         MemoryMeter(CPU, None), hooks,
-    )  # fmt: skip
+    ))  # fmt: skip
     return model, result, logged
 
 
@@ -121,10 +121,10 @@ def test_the_split_window_stays_off_the_clock_and_trains_the_same_steps():
         model = _model(data)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         _, num_steps = steps_plan(len(data.train_y), cfg)
-        result = fit(
+        result = fit(Run(
             model, optimizer, constant(optimizer, num_steps), data, cfg, CPU,
             MemoryMeter(CPU, None),
-        )  # fmt: skip
+        ))  # fmt: skip
         out += [result, [p.detach().clone() for p in model.parameters()]]
     (with_noise, params), (without, params0) = measured, unmeasured
     assert with_noise.num_steps == without.num_steps == 32

@@ -16,7 +16,8 @@ from torchmetrics.classification import MulticlassAccuracy
 from train.batches import StepSampler
 from train.config import TrainerConfig
 from train.data import Datasets, Splits, synthetic
-from train.loop import evaluate, fit, optimizer_step, steps_plan
+from train.evaluate import evaluate
+from train.loop import Run, fit, optimizer_step, steps_plan
 from train.lr import constant
 from train.memory.budget import MemoryMeter
 from train.precision import Precision
@@ -686,7 +687,7 @@ def _fit(model, data, cfg, task, lr=0.1):  # noqa: ANN001, ANN202
     num_train = len(data.train_y) if isinstance(data, Splits) else len(data.train)
     _, num_steps = steps_plan(num_train, cfg)
     scheduler = constant(optimizer, num_steps)
-    return fit(model, optimizer, scheduler, data, cfg, CPU, MemoryMeter(CPU, None), task=task)
+    return fit(Run(model, optimizer, scheduler, data, cfg, CPU, MemoryMeter(CPU, None), task=task))
 
 
 def test_a_custom_task_through_fit():

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
-from train.loop import Diverged, Hooks, RunResult, fit
+from train.loop import Diverged, Hooks, Run, RunResult, fit
 from train.memory.budget import MemoryStats, OutOfMemory
 
 STOP_GRACE_S = 30.0  # after a stop is asked, how long the ranks have before they are killed
@@ -373,8 +373,8 @@ def _train_rank(job: _Job, rank: int, world: int, device: torch.device) -> dict:
     settled = settled_collectives() if device.type == "cpu" else nullcontext()
     try:
         with settled:
-            result = fit(trained, optimizer, scheduler, pipeline, trainer, device, meter, hooks,
-                         workload.task, ranks)  # fmt: skip
+            result = fit(Run(trained, optimizer, scheduler, pipeline, trainer, device, meter,
+                             hooks, workload.task, ranks))  # fmt: skip
     except OutOfMemory as oom:
         if oom.rank is None:  # this rank's own device OOM: the others wait in a collective
             oom = OutOfMemory(
