@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from markdown.extensions.toc import slugify
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -72,6 +73,11 @@ def test_the_readme_is_short_and_links_the_guides() -> None:
     assert linked == pages, f"pages the README does not link: {pages - linked}"
     for picture in re.findall(r"\]\((docs/[\w.-]+\.png)\)", readme):
         assert (REPO / picture).is_file(), picture
+    # The README is not a page of the site, so the build does not check its anchors: here,
+    # with the slugs the site and GitHub both give a heading.
+    for page, anchor in re.findall(r"\]\(docs/([\w-]+\.md)#([\w-]+)\)", readme):
+        headings = re.findall(r"^#+ (.+)$", (DOCS / page).read_text(), re.M)
+        assert anchor in {slugify(h, "-") for h in headings}, f"docs/{page}#{anchor}"
 
 
 def test_every_path_the_docs_name_exists() -> None:
