@@ -29,12 +29,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
-import fcntl
 import hashlib
 import json
 import logging
 import os
-import random
 import re
 import socket
 import time
@@ -47,8 +45,10 @@ from typing import Any
 # optuna.storages._heartbeat and optuna.storages.journal._file are private (no public name);
 # what this module relies on (the heartbeat base class, for which Optuna beats and fails stale
 # trials; the journal lock's base class and context) is pinned by tests/test_private_apis.py.
+import filelock
 import optuna
 import sqlalchemy
+import tenacity
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
 from optuna.storages._heartbeat import BaseHeartbeat
@@ -116,7 +116,10 @@ def _pid_namespace() -> str | None:
 
 def _process_start(pid: int) -> int | None:
     """Clock ticks after boot at which `pid` started (Linux); None if it is not running or
-    is a zombie (dead, not yet reaped by its parent)."""
+    is a zombie (dead, not yet reaped by its parent). Not psutil's create_time(): that adds
+    /proc/stat's btime, which Linux recomputes from the wall clock at each read, so two
+    processes (or one, across an NTP step) can see one process start at two times
+    (psutil #2526), and a live owner would be taken for gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -336,10 +339,12 @@ def _reason(error: BaseException) -> str:
 
 
 class FlockJournalLock(BaseJournalFileLock):
-    """An exclusive flock(2) on `<journal>.flock` (or another `suffix`). The kernel releases
-    it when its holder dies, however it dies, so no stale lock is ever left behind. Local
-    filesystems, NFS (v3 with lockd, v4) and Lustre or GPFS mounted with flock support it; a
-    wait longer than `warn_s` is said, with the lock's path and `held_by`, every `warn_s`."""
+    """An exclusive flock(2) on `<journal>.flock` (or another `suffix`), through filelock's
+    UnixFileLock. The kernel releases it when its holder dies, however it dies, so no stale
+    lock is ever left behind. Local filesystems, NFS (v3 with lockd, v4) and Lustre or GPFS
+    mounted with flock support it; a wait longer than `warn_s` is said, with the lock's path
+    and `held_by`, every `warn_s`. Each thread holds it through a descriptor of its own, so
+    threads exclude each other as processes do (a thread taking it again only counts)."""
 
     def __init__(
         self,
@@ -352,38 +357,34 @@ class FlockJournalLock(BaseJournalFileLock):
         self.path = Path(f"{journal}{suffix}")
         self.held_by = held_by
         self.warn_s = warn_s
-        self._fd: int | None = None
+        self._lock = self._flock()
+
+    def _flock(self) -> filelock.UnixFileLock:
+        # No soft fallback: where flock is missing, the backend uses Optuna's symlink lock
+        # (_flock_works), as every other writer of the journal then does.
+        return filelock.UnixFileLock(
+            self.path, mode=0o644, poll_interval=0.01, fallback_to_soft=False
+        )
+
+    def __getstate__(self) -> dict[str, Any]:  # a pickled storage (a launcher's worker)
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = self._flock()
 
     def acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            started = said = time.monotonic()
-            delay = 0.001
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() - said > (self.warn_s or LOCK_WARN_S):
-                        said = time.monotonic()
-                        _log.warning(
-                            "waiting %.0f s for the lock %s: %s",
-                            said - started,
-                            self.path,
-                            self.held_by,
-                        )
-                    time.sleep(delay)
-                    delay = min(2 * delay, 0.1)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-        return True
+        started = time.monotonic()
+        while True:
+            try:
+                self._lock.acquire(timeout=self.warn_s or LOCK_WARN_S)
+                return True
+            except filelock.Timeout:
+                waited = time.monotonic() - started
+                _log.warning("waiting %.0f s for the lock %s: %s", waited, self.path, self.held_by)
 
     def release(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)  # closing the descriptor releases its flock
+        self._lock.release()
 
 
 def _flock_works(journal: Path) -> bool:
@@ -668,17 +669,20 @@ def _advisory_lock(engine: Any, study_name: str) -> Iterator[None]:
                 raise
 
 
+def _lost_creation_race(error: BaseException) -> bool:
+    return bool(re.search(r"already exists|duplicate key|UniqueViolation", str(error)))
+
+
+@tenacity.retry(
+    retry=tenacity.retry_if_exception(_lost_creation_race),
+    stop=tenacity.stop_after_attempt(5),
+    wait=tenacity.wait_random(0.2, 1.2),
+    reraise=True,
+)
 def _create_rdb(url: str, heartbeat: dict[str, Any]) -> HeartbeatRDBStorage:
     """Workers starting together on a new database all create Optuna's tables; the losers
     of that race see "already exists" or a duplicate key, and find the tables made on a
-    later try."""
-    for _ in range(4):
-        try:
-            return HeartbeatRDBStorage(url, **heartbeat)
-        except Exception as error:  # noqa: BLE001 - re-raised unless it is that race
-            if not re.search(r"already exists|duplicate key|UniqueViolation", str(error)):
-                raise
-            time.sleep(0.2 + random.random())
+    later try (five in all; the last one's error is raised as it is)."""
     return HeartbeatRDBStorage(url, **heartbeat)
 
 

@@ -4,10 +4,12 @@ SQLite databases, with real processes that are really killed."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +30,8 @@ from search.storage import (
     OWNER_ATTR,
     HeartbeatJournalStorage,
     HeartbeatRDBStorage,
+    SafeJournalFileBackend,
+    _create_rdb,
     _process_start,
     open_storage,
     owner_is_gone,
@@ -237,3 +241,121 @@ def test_a_trial_that_never_beat_is_stale_after_the_grace(url: str) -> None:
     time.sleep(2.5)
     optuna.storages.fail_stale_trials(study)
     assert [t.state for t in study.get_trials()] == [TrialState.FAIL, TrialState.WAITING]
+
+
+# A process that takes the journal lock from a pickled backend (as a launcher's worker gets
+# it), says so, holds it for a while and says when it lets go.
+_PICKLED_HOLDER = textwrap.dedent(
+    """
+    import pickle, sys, time
+    backend = pickle.loads(sys.stdin.buffer.read())
+    backend.lock.acquire()
+    print("holding", time.time(), flush=True)
+    time.sleep(1.0)
+    print("releasing", time.time(), flush=True)
+    backend.lock.release()
+    """
+)
+
+
+def test_the_journal_lock_excludes_threads_and_a_pickled_copy(tmp_path: Path) -> None:
+    """Optuna's heartbeat thread and the trial's thread append through one backend, so one
+    lock object: each thread's hold is its own flock, and no two are inside at once; a
+    pickled backend (a launcher's worker) excludes the original's writers too."""
+    backend = SafeJournalFileBackend(tmp_path / "optuna.journal")
+    inside: list[int] = []
+    overlaps: list[int] = []
+
+    def append_by_hand() -> None:
+        for _ in range(30):
+            backend.lock.acquire()
+            inside.append(1)
+            overlaps.append(len(inside) - 1)
+            time.sleep(0.002)
+            inside.pop()
+            backend.lock.release()
+
+    threads = [threading.Thread(target=append_by_hand) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(overlaps) == 120 and max(overlaps) == 0
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _PICKLED_HOLDER], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=False, cwd=REPO,
+    )  # fmt: skip
+    holder.stdin.write(pickle.dumps(backend))
+    holder.stdin.close()
+    assert holder.stdout.readline().split()[0] == b"holding"
+    backend.lock.acquire()
+    got = time.time()
+    backend.lock.release()
+    released = float(holder.stdout.readline().split()[1])
+    assert holder.wait() == 0
+    assert got >= released  # not before the other process let go
+
+
+_OPEN_AT_ONCE = textwrap.dedent(
+    """
+    import sys, time
+    from search.storage import open_storage
+    while time.time() < float(sys.argv[2]):
+        time.sleep(0.001)
+    open_storage(sys.argv[1], 60)
+    print("opened", flush=True)
+    """
+)
+
+
+def test_workers_creating_one_database_together_all_open_it(tmp_path: Path) -> None:
+    """Four processes opening a new database at the same instant race to create Optuna's
+    tables; the losers' "already exists" is tried again, and every one opens the study."""
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    start = time.time() + 8  # after the imports of all four
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _OPEN_AT_ONCE, url, str(start)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )  # fmt: skip
+        for _ in range(4)
+    ]
+    for worker in workers:
+        out, err = worker.communicate(timeout=120)
+        assert worker.returncode == 0 and out.strip() == "opened", err[-2000:]
+
+
+def test_creating_the_tables_is_tried_five_times_then_its_error_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The retry itself (the storage it retries is stood in for: a lost race cannot be made
+    to happen on demand): only the race's errors are retried, 0.2-1.2 s apart, five
+    attempts in all, and the last one's error is the one raised, as it is."""
+    calls: list[float] = []
+
+    class LosesTheRace:
+        def __init__(self, url: str, **_: object) -> None:
+            calls.append(time.monotonic())
+            raise RuntimeError(f'relation "studies" already exists (attempt {len(calls)})')
+
+    monkeypatch.setattr("search.storage.HeartbeatRDBStorage", LosesTheRace)
+    with pytest.raises(RuntimeError, match=r"already exists \(attempt 5\)"):
+        _create_rdb("postgresql://nowhere/db", {})
+    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert len(calls) == 5 and all(0.2 <= gap < 1.2 + 0.5 for gap in gaps), gaps
+
+    calls.clear()
+
+    class Refused(LosesTheRace):
+        def __init__(self, url: str, **_: object) -> None:
+            calls.append(time.monotonic())
+            raise RuntimeError("connection refused")
+
+    monkeypatch.setattr("search.storage.HeartbeatRDBStorage", Refused)
+    with pytest.raises(RuntimeError, match="connection refused"):
+        _create_rdb("postgresql://nowhere/db", {})
+    assert len(calls) == 1
