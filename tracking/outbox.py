@@ -6,6 +6,10 @@ restarting) stays queued and is tried again, with a growing delay, before the ne
 between trials and at the end of the study; the trial does not wait for it. One that meets
 a real error is dropped and recorded in `failed` (the study says so and exits 1 at the end)
 rather than raised from whichever later call happens to drain the queue.
+
+The retries are not tenacity's: tenacity sleeps in the caller until the write is made, and
+a trial must not wait for the store. Here a write that failed waits in the queue, and the
+first call after its delay tries it again.
 """
 
 from __future__ import annotations
