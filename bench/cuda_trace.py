@@ -24,16 +24,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from train.memory.allocator import (
-    AllocatorOutOfMemory,
-    AllocatorSettings,
-    CachingAllocatorModel,
-    SegmentState,
-    allocation_size,
-    expandable_slack_bytes,
-    live_peak_bytes,
-    smallest_fitting_limit,
-)
+from train.memory.allocator import AllocatorOutOfMemory, CachingAllocatorModel, SegmentState
+from train.memory.allocator_settings import AllocatorSettings, allocation_size
+from train.memory.reserve import expandable_slack_bytes, live_peak_bytes, smallest_fitting_limit
 
 GiB = 1 << 30
 _MAPS = ("segment_alloc", "segment_map")

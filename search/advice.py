@@ -41,8 +41,9 @@ from omegaconf import DictConfig, OmegaConf
 from search.space import SearchSpace, parse_space
 from tracking.config import ConfigError
 from train.memory.budget import format_bytes, parse_budget
+from train.memory.fitting import fits_budget
 from train.memory.gpus import GPUS, Gpu
-from train.memory.predict import PredictionUnsupported, fits_budget
+from train.memory.predict import PredictionUnsupported
 from train.overrides import merge_overrides
 from train.params import CHECKPOINTING_KEY, DEVICES_KEY, PRECISION_KEY, STRATEGY_KEY
 from train.precision import unsupported_reason

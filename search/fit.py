@@ -49,13 +49,8 @@ from tracking.redact import redact_logging
 from train.config import TrainerConfig
 from train.memory.budget import format_bytes
 from train.memory.device import DeviceSpec
-from train.memory.predict import (
-    MemoryPredictor,
-    PredictionUnsupported,
-    fits_budget,
-    largest_fitting_batch,
-    replays_beside,
-)
+from train.memory.fitting import fits_budget, largest_fitting_batch
+from train.memory.predict import MemoryPredictor, PredictionUnsupported, replays_beside
 from train.overrides import composed, run_checked, unknown_top_level
 from train.params import (
     ACCUM_KEY,

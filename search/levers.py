@@ -22,7 +22,8 @@ from omegaconf import DictConfig, open_dict
 
 from tracking.config import ConfigError
 from train.memory.device import DeviceSpec
-from train.memory.predict import PredictionUnsupported, fits_budget
+from train.memory.fitting import fits_budget
+from train.memory.predict import PredictionUnsupported
 from train.precision import unsupported_reason
 from train.run import plan
 from train.workload import Workloads

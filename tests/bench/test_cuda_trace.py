@@ -23,7 +23,9 @@ from bench.cuda_trace import (
     transient_events,
 )
 from search.config import SearchConfig
-from train.memory.allocator import AllocatorSettings, SegmentState, cublas_workspaces
+from train.memory.allocator import SegmentState
+from train.memory.allocator_settings import AllocatorSettings
+from train.memory.reserve import cublas_workspaces
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "cuda-traces"
 CONF = Path(__file__).parents[2] / "conf"

@@ -29,9 +29,9 @@ from search.fit import (
 )
 from search.validate import validate
 from tracking.config import ConfigError
-from train.memory.allocator import predict_reserved
 from train.memory.budget import format_bytes
 from train.memory.gpus import gpu
+from train.memory.reserve import predict_reserved
 from train.precision import unsupported_reason
 from train.run import plan, with_gpu_budget
 from train.workload import Workloads

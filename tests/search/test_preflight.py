@@ -23,7 +23,8 @@ from search.sampler import FeasibilityFilter
 from search.validate import validate
 from tracking.config import ConfigError
 from train.memory.budget import format_bytes
-from train.memory.predict import PredictionUnsupported, largest_fitting_batch
+from train.memory.fitting import largest_fitting_batch
+from train.memory.predict import PredictionUnsupported
 from train.run import plan
 from train.workload import Workloads
 

@@ -10,16 +10,9 @@ import time
 
 import pytest
 
-from train.memory.allocator import (
-    AllocatorOutOfMemory,
-    AllocatorSettings,
-    CachingAllocatorModel,
-    SegmentState,
-    cublas_workspaces,
-    predict_reserved,
-    replay,
-    smallest_limit,
-)
+from train.memory.allocator import AllocatorOutOfMemory, CachingAllocatorModel, SegmentState
+from train.memory.allocator_settings import AllocatorSettings
+from train.memory.reserve import cublas_workspaces, predict_reserved, replay, smallest_limit
 
 KiB, MiB = 2**10, 2**20
 EXPANDABLE = AllocatorSettings(expandable_segments=True)

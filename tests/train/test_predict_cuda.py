@@ -12,7 +12,7 @@ from torch import nn
 
 from tracking.config import ConfigError
 from train.config import TrainerConfig
-from train.memory.allocator import AllocatorSettings
+from train.memory.allocator_settings import AllocatorSettings
 from train.memory.budget import MemoryStats
 from train.memory.device import DeviceSpec
 from train.memory.gpus import gpu

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from train.memory.allocator import AllocatorSettings
+from train.memory.allocator_settings import AllocatorSettings
 from train.memory.budget import device_total_bytes
 from train.memory.gpus import Gpu, gpu, gpu_of_device_name
 

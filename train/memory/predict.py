@@ -8,12 +8,15 @@ and measurement are therefore the same accounting. For CUDA (a DeviceSpec of tra
 this machine's GPU, or one named by search.gpu that it may not have) the step runs on fake CPU
 tensors as CUDA runs it (train/memory/cuda_emulation.py: autocast policy, attention kernels; here:
 the optimizer's foreach implementation), and its allocations are replayed through a model of
-the caching allocator (train/memory/allocator.py), which holds more than the live tensors.
+the caching allocator (train/memory/reserve.py, train/memory/allocator.py), which holds more
+than the live tensors.
 
 Only the steady-state step is computed: a full-size step with optimizer state in place (step 0
 holds the same tensors less that state; `fit` measures this step too, see `memory_steps`). Of
 its micro-batches only the first two run: from the second on, each starts from the same state
 (gradients allocated, the previous logits alive), and a short last micro-batch peaks lower.
+Steps already computed answer others where they can (train/memory/step_events.py). The
+largest micro-batch that fits a budget is searched by train/memory/fitting.py.
 """
 
 from __future__ import annotations
@@ -37,20 +40,18 @@ from train.config import TrainerConfig
 from train.language.hf import eager_on_fakes
 from train.loop import RunResult, optimizer_step, state_tensors, step_micro_batch_sizes
 from train.measure.flops import count_flops
-from train.memory.allocator import (
-    AllocatorSettings,
-    CudaReserve,
-    cublas_workspaces,
-    live_peak_bytes,
-    predict_reserved,
-)
+from train.memory.allocator_settings import AllocatorSettings
 from train.memory.budget import MemoryStats, TensorMemoryTracker
 from train.memory.cuda_emulation import CudaEmulation
 from train.memory.device import DeviceSpec, device_spec
+from train.memory.reserve import CudaReserve, cublas_workspaces, live_peak_bytes, predict_reserved
 from train.memory.stack import DEPTHS, FSDP_DEPTHS, DepthLine, Step, find_stack, shallow_copy
+from train.memory.step_events import BatchSizeLine, Events, first_micro_batch
 from train.parallel.sharding import ddp_bucket_sizes, fake_world, shard
 from train.precision import Precision
 from train.tasks import Classification, Task, batch_size_of
+
+MAX_SINGLES = 16  # first-micro-batch steps held until asked for (a fit report asks soon)
 
 
 class PredictionUnsupported(Exception):
@@ -203,9 +204,9 @@ class MemoryPredictor:
         self._example_n = batch_size_of(example)
         self._cache: dict[tuple, Prediction | _Pending] = {}
         self._answered: set[tuple] = set()  # keys predict returned once: cached since
-        self._lines: dict[tuple, _Line] = {}  # per micro-batch pattern and precision
+        self._lines: dict[tuple, BatchSizeLine] = {}  # per micro-batch pattern and precision
         # (micro-batch, precision, clip) -> (events, first step?): a step of that
-        # micro-batch alone, derived from one of several (_first_micro_batch)
+        # micro-batch alone, derived from one of several (first_micro_batch)
         self._singles: dict[tuple, tuple[Events, bool]] = {}
         self._step_bytes: int | None = None  # optimizer.step's own peak above its start
         self._flops: dict[int, float] = {}  # micro-batch size -> FLOPs per sample
@@ -345,7 +346,7 @@ class MemoryPredictor:
     ) -> Prediction:
         started = time.perf_counter()
         pattern = (len(sizes), trainer.precision, trainer.grad_clip_norm)
-        line = self._lines.setdefault(pattern, _Line())
+        line = self._lines.setdefault(pattern, BatchSizeLine())
         uniform = all(n == sizes[0] for n in sizes)
         events = line.at(sizes[0]) if uniform else None
         single = (sizes[0], trainer.precision, trainer.grad_clip_norm)
@@ -359,7 +360,7 @@ class MemoryPredictor:
             if uniform and not first_step:  # the first has the optimizer's own events
                 line.add(sizes[0], events)
             if len(sizes) > 1:  # the step of its first micro-batch alone, for free
-                self._singles[single] = (_first_micro_batch(events, marks), first_step)
+                self._singles[single] = (first_micro_batch(events, marks), first_step)
                 while len(self._singles) > MAX_SINGLES:
                     self._singles.pop(next(iter(self._singles)))
         if self.bucket_sizes:  # allocated when DDP wraps the model, alive all along
@@ -516,9 +517,9 @@ def replays_beside() -> Iterator[None]:
     bisection: most of a large model's prediction) run in one second process, beside the
     fake steps of the predictions asked for next (`prefetch`), those of other predictors
     (a fit report's next table) included. The process is forked at the first replay (it
-    needs only train/memory/allocator.py, already imported, and no torch): a CPU prediction forks
-    nothing. Not for a process whose signal handlers and threads a child must not inherit
-    (a study's): `python -m search.fit` only."""
+    needs only train/memory/reserve.py and the allocator model, already imported, and no
+    torch): a CPU prediction forks nothing. Not for a process whose signal handlers and
+    threads a child must not inherit (a study's): `python -m search.fit` only."""
     if _BESIDE:
         yield
         return
@@ -549,121 +550,6 @@ class _Pending:
         )
 
 
-def _first_micro_batch(events: Events, marks: list[int]) -> Events:
-    """The events of a step of the first micro-batch alone, from those of a step of
-    several: everything until the second micro-batch begins, then the optimizer's part
-    (from where the last micro-batch ended). The first micro-batch's tensors are alive
-    there, as they are when it is the only one: the frees of the micro-batches between
-    are left out with their allocations. Exact: the optimizer's part allocates the same
-    whatever micro-batch came last (its tensors have the parameters' shapes)."""
-    second, end = marks[0], marks[-1]
-    between = {key for key, nbytes in events[second:end] if nbytes >= 0}
-    tail = [(key, nbytes) for key, nbytes in events[end:] if key not in between]
-    return events[:second] + tail
-
-
-MAX_SINGLES = 16  # first-micro-batch steps held until asked for (a fit report asks soon)
-
-Events = list[tuple[int, int]]  # (storage number, bytes) allocated, (number, -1) freed
-
-
-class _Line:
-    """A step's allocations as a function of the micro-batch size n. Every tensor of a step
-    has a size a + b*n (parameters and state: b = 0; activations: a = 0), so once three
-    steps computed at different n have the same sequence of allocations and frees, and the
-    third is exactly where the line through the first two puts it, any other n is read off
-    the line without computing. A sequence that changes with n between the computed sizes
-    (a model that branches on the batch size) leaves the line unused: every n is then
-    computed. A branch beyond the three computed sizes is not seen: such a model is
-    mispredicted there (none of the bundled ones branches on the batch size)."""
-
-    def __init__(self) -> None:
-        self.points: dict[int, Events] = {}
-        self.verified = False
-        self.failed = False
-
-    def add(self, n: int, events: Events) -> None:
-        if self.failed or self.verified or n in self.points:
-            return
-        self.points[n] = events
-        if len(self.points) == 3:
-            (n1, _), (n2, _), (n3, e3) = sorted(self.points.items())
-            self.verified = self._through(n1, n2, n3) == e3
-            self.failed = not self.verified
-
-    def at(self, n: int) -> Events | None:
-        if not self.verified:
-            return None
-        n1, n2 = sorted(self.points)[:2]
-        return self._through(n1, n2, n)
-
-    def _through(self, n1: int, n2: int, n: int) -> Events | None:
-        first, second = self.points[n1], self.points[n2]
-        if len(first) != len(second):
-            return None
-        events = []
-        for (key, b1), (key2, b2) in zip(first, second, strict=True):
-            if key != key2 or (b1 < 0) != (b2 < 0):
-                return None
-            if b1 < 0:
-                events.append((key, -1))
-                continue
-            step, rest = divmod((b2 - b1) * (n - n1), n2 - n1)
-            if rest or b1 + step < 0:
-                return None
-            events.append((key, b1 + step))
-        return events
-
-
 def _reason(error: BaseException) -> str:
     first = (str(error).strip().splitlines() or [""])[0][:300]
     return f"{type(error).__name__}: {first}"
-
-
-def fits_budget(peak_bytes: int, budget_bytes: int, margin: float) -> bool:
-    """Whether a predicted peak fits the budget with `margin` (a share of the peak) to spare."""
-    return peak_bytes * (1 + margin) <= budget_bytes
-
-
-def largest_fitting_batch(
-    predictor: MemoryPredictor,
-    trainer: TrainerConfig,
-    num_train: int,
-    budget_bytes: int,
-    margin: float,
-) -> tuple[int, Prediction] | None:
-    """For `trainer`'s effective batch E: the largest micro-batch b dividing E whose step is
-    predicted to fit `budget_bytes` with `margin` to spare, and its prediction; None when even
-    b = 1 does not fit. The whole batch (one micro-batch) is tried first: accumulating adds a
-    second micro-batch over live gradients, so it can peak higher than b = E. Among proper
-    divisors peak memory grows with b, so they are bisected."""
-    effective = trainer.effective_batch_size
-    # b = 1 last: that it cannot train (BatchNorm) says nothing of larger micro-batches.
-    divisors = [b for b in range(2, effective) if effective % b == 0]
-
-    def fits(b: int) -> Prediction | None:
-        geometry = replace(trainer, batch_size=b, accum_steps=effective // b)  # same effective
-        try:
-            prediction = predictor.predict(geometry, num_train, budget_bytes)
-        except PredictionUnsupported:
-            if b == 1:  # e.g. BatchNorm over a 1x1 feature map: a single sample cannot train
-                return None
-            raise
-        return prediction if fits_budget(prediction.peak_bytes, budget_bytes, margin) else None
-
-    whole = fits(effective)
-    if whole is not None:
-        return effective, whole
-    best = None
-    low, high = 0, len(divisors) - 1
-    while low <= high:
-        mid = (low + high) // 2
-        prediction = fits(divisors[mid])
-        if prediction is not None:
-            best, low = (divisors[mid], prediction), mid + 1
-        else:
-            high = mid - 1
-    if best is None and effective > 1:
-        one = fits(1)
-        best = (1, one) if one is not None else None
-    return best

@@ -14,13 +14,8 @@ from dataclasses import dataclass
 from tracking.config import ConfigError
 from train.config import TrainerConfig
 from train.memory.budget import format_bytes
-from train.memory.predict import (
-    MemoryPredictor,
-    Prediction,
-    PredictionUnsupported,
-    fits_budget,
-    largest_fitting_batch,
-)
+from train.memory.fitting import fits_budget, largest_fitting_batch
+from train.memory.predict import MemoryPredictor, Prediction, PredictionUnsupported
 
 
 @dataclass(frozen=True)
