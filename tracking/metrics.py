@@ -22,6 +22,7 @@ TRAIN_EPOCH = "train/epoch"
 TRAIN_FINAL_LOSS = "train/final_loss"  # the last logged train/loss of a run
 
 # Throughput (train/measure/throughput.py): units of the task per second of timed steps
+THROUGHPUT_PREFIX = "throughput/"
 THROUGHPUT_SAMPLES = "throughput/samples_per_sec"
 THROUGHPUT_TOKENS = "throughput/tokens_per_sec"
 THROUGHPUT_SPREAD = "throughput/spread"  # (fastest - slowest) / median of the timed windows
@@ -63,7 +64,7 @@ def val(name: str) -> str:
 
 def throughput(unit: str) -> str:
     """The throughput of a task counting `unit`: throughput('samples') == THROUGHPUT_SAMPLES."""
-    return f"throughput/{unit}_per_sec"
+    return f"{THROUGHPUT_PREFIX}{unit}_per_sec"
 
 
 def rank_peak_bytes(rank: int) -> str:
