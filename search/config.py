@@ -8,7 +8,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tracking.config import ConfigError
+from tracking.config import (
+    ConfigError,
+    choice_problems,
+    flag_problems,
+    integer_problems,
+    number_problems,
+)
 from tracking.redact import redact
 from train.run import gpu_budget_problems
 from train.tasks import Classification, Task
@@ -126,12 +132,10 @@ class RecommendRule:
                     f"search.recommend.{key}: unknown metric {name!r}; this task reports "
                     f"{', '.join(self.known)}; e.g. search.recommend.{key}={example}"
                 )
-        tol = self.tolerance
-        if isinstance(tol, bool) or not isinstance(tol, int | float) or tol < 0:
-            problems.append(
-                f"search.recommend.tolerance must be a number >= 0 (relative: 0.01 is 1%), got "
-                f"{tol!r}; override with search.recommend.tolerance=0.01"
-            )
+        problems += number_problems(
+            "search.recommend.tolerance", self.tolerance,
+            "a number >= 0 (relative: 0.01 is 1%)", at_least=0, fix=0.01,
+        )  # fmt: skip
         if problems:
             raise ConfigError(problems)
 
@@ -213,15 +217,7 @@ class SearchConfig:
 
     def __post_init__(self) -> None:
         problems = name_problems(self.study_name)
-        if (
-            isinstance(self.n_trials, bool)
-            or not isinstance(self.n_trials, int)
-            or self.n_trials < 1
-        ):
-            problems.append(
-                f"search.n_trials must be an integer >= 1, got {self.n_trials!r}; "
-                "override with search.n_trials=20"
-            )
+        problems += integer_problems("search.n_trials", self.n_trials, 1, fix=20)
         if not self.storage:
             problems.append(
                 "search.storage is empty; give an Optuna storage URL, e.g. "
@@ -242,24 +238,17 @@ class SearchConfig:
                     f"search.objectives=[{next(iter(self.known_metrics))}]"
                 )
 
-        budget = self.trial_time_budget_s
-        if budget is not None and (isinstance(budget, bool) or not budget > 0):
-            problems.append(
-                f"search.trial_time_budget_s must be > 0 or null, got {budget!r}; "
-                "e.g. search.trial_time_budget_s=120"
-            )
-        beat = self.heartbeat_interval_s
-        if beat is not None and (isinstance(beat, bool) or not isinstance(beat, int) or beat < 1):
-            problems.append(
-                f"search.heartbeat_interval_s must be an integer >= 1 or null, got {beat!r}; "
-                "override with search.heartbeat_interval_s=60"
-            )
-        timeout = self.timeout_s
-        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
-            problems.append(
-                f"search.timeout_s must be > 0 or null, got {timeout!r}; e.g. "
-                "search.timeout_s=600 (or null: until search.n_trials)"
-            )
+        problems += number_problems(
+            "search.trial_time_budget_s", self.trial_time_budget_s, "> 0", above=0,
+            or_null=True, hint="e.g. search.trial_time_budget_s=120",
+        )  # fmt: skip
+        problems += integer_problems(
+            "search.heartbeat_interval_s", self.heartbeat_interval_s, 1, or_null=True, fix=60
+        )
+        problems += number_problems(
+            "search.timeout_s", self.timeout_s, "> 0", above=0, or_null=True,
+            hint="e.g. search.timeout_s=600 (or null: until search.n_trials)",
+        )  # fmt: skip
         for key in (
             "preflight",
             "oom_constraint",
@@ -267,36 +256,22 @@ class SearchConfig:
             "fit_report_first",
             "default_space",
         ):
-            if not isinstance(getattr(self, key), bool):
-                problems.append(
-                    f"search.{key} must be true or false, got {getattr(self, key)!r}; "
-                    f"override with search.{key}=true"
-                )
-        every = self.validations_per_epoch
-        if every is not None and (
-            isinstance(every, bool) or not isinstance(every, int) or every < 1
-        ):
-            problems.append(
-                f"search.validations_per_epoch must be an integer >= 1 or null, got {every!r}; "
-                "e.g. search.validations_per_epoch=4"
-            )
-        margin = self.preflight_margin
-        if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin < 1:
-            problems.append(
-                f"search.preflight_margin must be a number in [0, 1), got {margin!r}; "
-                "override with search.preflight_margin=0.05"
-            )
-        if self.accumulation not in ACCUMULATION_MODES:
-            problems.append(
-                f"search.accumulation must be one of {', '.join(ACCUMULATION_MODES)}, got "
-                f"{self.accumulation!r}; override with search.accumulation=searched"
-            )
-        wait = self.outage_wait_s
-        if isinstance(wait, bool) or not isinstance(wait, int | float) or wait < 0:
-            problems.append(
-                f"mlflow.outage_wait_s must be a number of seconds >= 0, got {wait!r}; "
-                "override with mlflow.outage_wait_s=600"
-            )
+            problems += flag_problems(f"search.{key}", getattr(self, key))
+        problems += integer_problems(
+            "search.validations_per_epoch", self.validations_per_epoch, 1, or_null=True,
+            hint="e.g. search.validations_per_epoch=4",
+        )  # fmt: skip
+        problems += number_problems(
+            "search.preflight_margin", self.preflight_margin, "a number in [0, 1)",
+            at_least=0, below=1, fix=0.05,
+        )  # fmt: skip
+        problems += choice_problems(
+            "search.accumulation", self.accumulation, ACCUMULATION_MODES, "searched"
+        )
+        problems += number_problems(
+            "mlflow.outage_wait_s", self.outage_wait_s, "a number of seconds >= 0",
+            at_least=0, fix=600,
+        )  # fmt: skip
         problems += gpu_budget_problems(self.gpu_budget)
         problems += self._workers_problems()
         if problems:
@@ -304,11 +279,10 @@ class SearchConfig:
 
     def _workers_problems(self) -> list[str]:
         workers = self.workers
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            return [
-                f"search.workers must be an integer >= 1, got {workers!r}; e.g. "
-                "python -m search --multirun search.workers=4"
-            ]
+        if bad := integer_problems(
+            "search.workers", workers, 1, hint="e.g. python -m search --multirun search.workers=4"
+        ):
+            return bad
         if workers > 1 and isinstance(self.storage, str) and self.storage.startswith("sqlite:"):
             return [
                 f"search.storage={redact(self.storage)!r} cannot be shared by "

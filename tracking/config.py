@@ -71,3 +71,80 @@ def section_from_mapping(
     if problems:
         raise ConfigError(problems)
     return config
+
+
+# The checks every config section makes, with one wording: `KEY must be WHAT, got VALUE; FIX`,
+# where FIX is `override with KEY=VALUE` unless a check says more (`hint`). Each returns the
+# problems it found (none or one), for the caller to report with the others.
+
+
+def must_be(key: str, what: str, value: Any, fix: Any = None, hint: str | None = None) -> str:
+    """The problem with `key`: what it must be, what it is, and `override with KEY=FIX` (or
+    `hint`, when the fix takes more than a value)."""
+    return f"{key} must be {what}, got {value!r}; {hint or f'override with {key}={fix}'}"
+
+
+def is_integer(value: Any, minimum: int) -> bool:
+    """An int (not a bool, which Python counts as one) >= `minimum`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def is_number(value: Any) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def integer_problems(
+    key: str,
+    value: Any,
+    minimum: int,
+    *,
+    or_null: bool = False,
+    fix: Any = None,
+    hint: str | None = None,
+) -> list[str]:
+    """`key` must be an integer >= `minimum` (or None with `or_null`); fix: `minimum`."""
+    if (or_null and value is None) or is_integer(value, minimum):
+        return []
+    what = f"an integer >= {minimum}{' or null' if or_null else ''}"
+    return [must_be(key, what, value, minimum if fix is None else fix, hint)]
+
+
+def number_problems(
+    key: str,
+    value: Any,
+    what: str,
+    *,
+    above: float | None = None,
+    at_least: float | None = None,
+    below: float | None = None,
+    or_null: bool = False,
+    fix: Any = None,
+    hint: str | None = None,
+) -> list[str]:
+    """`key` must be a number > `above`, >= `at_least` and < `below` (those given; NaN is
+    none of them), or None with `or_null`; `what` says so in words, e.g. 'a number >= 0'."""
+    if or_null and value is None:
+        return []
+    if is_number(value) and (
+        (above is None or value > above)
+        and (at_least is None or value >= at_least)
+        and (below is None or value < below)
+    ):
+        return []
+    return [must_be(key, f"{what}{' or null' if or_null else ''}", value, fix, hint)]
+
+
+def choice_problems(key: str, value: Any, choices: Iterable[Any], fix: Any) -> list[str]:
+    """`key` must be one of `choices`, suggesting `key=fix`."""
+    choices = tuple(choices)
+    if value in choices:
+        return []
+    return [must_be(key, f"one of {', '.join(map(str, choices))}", value, fix)]
+
+
+def flag_problems(key: str, value: Any, fix: bool = True) -> list[str]:
+    """`key` must be true or false (a bool: YAML's `yes` is one, the string 'false' is not)."""
+    if isinstance(value, bool):
+        return []
+    return [must_be(key, "true or false", value, str(fix).lower())]

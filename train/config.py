@@ -6,11 +6,18 @@ themselves in `__post_init__` and report every problem at once as a `ConfigError
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tracking.config import ConfigError, section_from_mapping
+from tracking.config import (
+    ConfigError,
+    choice_problems,
+    flag_problems,
+    integer_problems,
+    must_be,
+    number_problems,
+    section_from_mapping,
+)
 from train.precision import PRECISIONS
 
 LR_SCALING_RULES = ("auto", "none", "linear", "sqrt")  # auto: by the optimizer (train/lr.py)
@@ -19,32 +26,6 @@ DEVICES = ("auto", "cpu", "cuda")
 STRATEGIES = ("none", "ddp", "fsdp")  # train/parallel/distributed.py
 FSDP_SHARDING = ("blocks", "model")  # blocks: each block and the rest; model: one unit
 FSDP_PARAM_DTYPES = ("float32", "bfloat16")
-
-
-def _check_int(problems: list[str], key: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        problems.append(
-            f"{key} must be an integer >= {minimum}, got {value!r}; override with {key}={minimum}"
-        )
-
-
-def _check_choice(
-    problems: list[str], key: str, value: Any, choices: Iterable[str], suggest: str
-) -> bool:
-    """Whether `value` is one of `choices`; if not, the problem, suggesting `key=suggest`."""
-    choices = tuple(choices)
-    if value in choices:
-        return True
-    problems.append(
-        f"{key} must be one of {', '.join(choices)}, got {value!r}; override with {key}={suggest}"
-    )
-    return False
-
-
-def _positive_or_none(value: Any) -> bool:
-    if value is None:
-        return True
-    return not isinstance(value, bool) and isinstance(value, int | float) and value > 0
 
 
 @dataclass(frozen=True)
@@ -95,9 +76,10 @@ class TrainerConfig:
                 problems += error.problems
                 fsdp = FSDPConfig()
             object.__setattr__(self, "fsdp", fsdp)
-        _check_int(problems, "trainer.devices", self.devices, 1)
-        strategy = _check_choice(problems, "trainer.strategy", self.strategy, STRATEGIES, "ddp")
-        if strategy and self.strategy == "none" and self.devices != 1:
+        problems += integer_problems("trainer.devices", self.devices, 1)
+        bad_strategy = choice_problems("trainer.strategy", self.strategy, STRATEGIES, "ddp")
+        problems += bad_strategy
+        if not bad_strategy and self.strategy == "none" and self.devices != 1:
             problems.append(
                 f"trainer.devices={self.devices!r} needs a data-parallel strategy: set "
                 "trainer.strategy=ddp or trainer.strategy=fsdp, or trainer.devices=1"
@@ -107,9 +89,9 @@ class TrainerConfig:
                 "trainer.precision=fp16 with trainer.strategy=fsdp needs a sharded gradient "
                 "scaler batchfit does not have; use trainer.precision=bf16"
             )
-        _check_int(problems, "trainer.batch_size", self.batch_size, 1)
-        _check_int(problems, "trainer.accum_steps", self.accum_steps, 1)
-        _check_int(problems, "trainer.noise_scale_window", self.noise_scale_window, 0)
+        problems += integer_problems("trainer.batch_size", self.batch_size, 1)
+        problems += integer_problems("trainer.accum_steps", self.accum_steps, 1)
+        problems += integer_problems("trainer.noise_scale_window", self.noise_scale_window, 0)
         if not problems:
             product = self.batch_size * self.accum_steps
             if self.effective_batch_size is None:
@@ -121,38 +103,34 @@ class TrainerConfig:
                     f"{self.accum_steps} = {product}; leave it null, set the two to match, or "
                     "search it with search.accumulation=derived, which sets both from it"
                 )
-        _check_int(problems, "trainer.log_every_steps", self.log_every_steps, 1)
-        _check_int(problems, "trainer.warmup_steps", self.warmup_steps, 0)
-        if self.lr_ref_batch_size is not None:
-            _check_int(problems, "trainer.lr_ref_batch_size", self.lr_ref_batch_size, 1)
-        for key in ("max_epochs", "max_steps", "val_every_steps"):
+        problems += integer_problems("trainer.log_every_steps", self.log_every_steps, 1)
+        problems += integer_problems("trainer.warmup_steps", self.warmup_steps, 0)
+        for key in ("lr_ref_batch_size", "max_epochs", "max_steps", "val_every_steps"):
             if getattr(self, key) is not None:
-                _check_int(problems, f"trainer.{key}", getattr(self, key), 1)
+                problems += integer_problems(f"trainer.{key}", getattr(self, key), 1)
         if self.max_epochs is None and self.max_steps is None:
             problems.append(
                 "trainer.max_epochs and trainer.max_steps are both null: a run needs a budget; "
                 "override with trainer.max_epochs=3"
             )
-        _check_choice(problems, "trainer.precision", self.precision, PRECISIONS, "bf16")
-        _check_choice(problems, "trainer.lr_scaling", self.lr_scaling, LR_SCALING_RULES, "linear")
-        _check_choice(problems, "trainer.device", self.device, DEVICES, "auto")
-        _check_choice(
-            problems,
+        problems += choice_problems("trainer.precision", self.precision, PRECISIONS, "bf16")
+        problems += choice_problems(
+            "trainer.lr_scaling", self.lr_scaling, LR_SCALING_RULES, "linear"
+        )
+        problems += choice_problems("trainer.device", self.device, DEVICES, "auto")
+        problems += choice_problems(
             "trainer.activation_checkpointing",
             self.activation_checkpointing,
             CHECKPOINTING_MODES,
             "blocks",
         )
-        if not _positive_or_none(self.peak_flops):
-            problems.append(
-                f"trainer.peak_flops must be FLOP/s > 0 or null, got {self.peak_flops!r}; e.g. "
-                "trainer.peak_flops=989e12 (an H100 in bf16), or null to look it up"
-            )
-        if not _positive_or_none(self.grad_clip_norm):
-            problems.append(
-                f"trainer.grad_clip_norm must be > 0 or null, got {self.grad_clip_norm!r}; "
-                "override with trainer.grad_clip_norm=1.0"
-            )
+        problems += number_problems(
+            "trainer.peak_flops", self.peak_flops, "FLOP/s > 0", above=0, or_null=True,
+            hint="e.g. trainer.peak_flops=989e12 (an H100 in bf16), or null to look it up",
+        )  # fmt: skip
+        problems += number_problems(
+            "trainer.grad_clip_norm", self.grad_clip_norm, "> 0", above=0, or_null=True, fix=1.0
+        )
         if problems:
             raise ConfigError(problems)
 
@@ -187,16 +165,10 @@ class FSDPConfig:
     param_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        problems = []
-        if not isinstance(self.reshard_after_forward, bool):
-            problems.append(
-                "trainer.fsdp.reshard_after_forward must be true or false, got "
-                f"{self.reshard_after_forward!r}; override with "
-                "trainer.fsdp.reshard_after_forward=true"
-            )
-        _check_choice(problems, "trainer.fsdp.sharding", self.sharding, FSDP_SHARDING, "blocks")
-        _check_choice(
-            problems, "trainer.fsdp.param_dtype", self.param_dtype, FSDP_PARAM_DTYPES, "bfloat16"
+        problems = flag_problems("trainer.fsdp.reshard_after_forward", self.reshard_after_forward)
+        problems += choice_problems("trainer.fsdp.sharding", self.sharding, FSDP_SHARDING, "blocks")
+        problems += choice_problems(
+            "trainer.fsdp.param_dtype", self.param_dtype, FSDP_PARAM_DTYPES, "bfloat16"
         )
         if problems:
             raise ConfigError(problems)
@@ -214,20 +186,15 @@ class LoaderConfig:
     collate_fn: Any = None  # a callable (None: torch's default_collate)
 
     def __post_init__(self) -> None:
-        problems: list[str] = []
-        _check_int(problems, "loader.num_workers", self.num_workers, 0)
+        problems = integer_problems("loader.num_workers", self.num_workers, 0)
         if self.prefetch_factor is not None:
-            _check_int(problems, "loader.prefetch_factor", self.prefetch_factor, 1)
+            problems += integer_problems("loader.prefetch_factor", self.prefetch_factor, 1)
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             problems.append(
-                f"loader.pin_memory must be true, false or null, got {self.pin_memory!r}; "
-                "override with loader.pin_memory=null (pinned on CUDA)"
-            )
-        if not isinstance(self.persistent_workers, bool):
-            problems.append(
-                f"loader.persistent_workers must be true or false, got "
-                f"{self.persistent_workers!r}; override with loader.persistent_workers=true"
-            )
+                must_be("loader.pin_memory", "true, false or null", self.pin_memory,
+                        "null (pinned on CUDA)")
+            )  # fmt: skip
+        problems += flag_problems("loader.persistent_workers", self.persistent_workers)
         if self.collate_fn is not None and not callable(self.collate_fn):
             problems.append(
                 f"loader.collate_fn must be a callable, got {self.collate_fn!r}; give "

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from tracking.config import number_problems
+
 OFFLINE_HINT = "offline alternatives: data=digits (scikit-learn's bundled digits) or data=synthetic"
 
 
@@ -72,11 +74,10 @@ class Datasets:
 
 def split(x: torch.Tensor, y: torch.Tensor, val_fraction: float, seed: int, num_classes: int):
     """Shuffle with a fixed seed and hold out `val_fraction` of the samples for validation."""
-    if not 0 < val_fraction < 1:
-        raise ValueError(
-            f"data.val_fraction must be in (0, 1), got {val_fraction!r}; "
-            "override with data.val_fraction=0.2"
-        )
+    if problems := number_problems(
+        "data.val_fraction", val_fraction, "in (0, 1)", above=0, below=1, fix=0.2
+    ):
+        raise ValueError(problems[0])
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     num_val = max(1, int(len(x) * val_fraction))
     val, train = order[:num_val], order[num_val:]

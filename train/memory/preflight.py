@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tracking.config import ConfigError
+from tracking.config import ConfigError, flag_problems, number_problems
 from train.config import TrainerConfig
 from train.memory.budget import format_bytes
 from train.memory.fitting import fits_budget, largest_fitting_batch
@@ -26,18 +26,11 @@ class PreflightConfig:
     preflight_margin: float = 0.05  # a share of the predicted peak kept free
 
     def __post_init__(self) -> None:
-        problems = []
-        if not isinstance(self.preflight, bool):
-            problems.append(
-                f"search.preflight must be true or false, got {self.preflight!r}; "
-                "override with search.preflight=true"
-            )
-        margin = self.preflight_margin
-        if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin < 1:
-            problems.append(
-                f"search.preflight_margin must be a number in [0, 1), got {margin!r}; "
-                "override with search.preflight_margin=0.05"
-            )
+        problems = flag_problems("search.preflight", self.preflight)
+        problems += number_problems(
+            "search.preflight_margin", self.preflight_margin, "a number in [0, 1)",
+            at_least=0, below=1, fix=0.05,
+        )  # fmt: skip
         if problems:
             raise ConfigError(problems)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tracking.config import ConfigError
+from tracking.config import ConfigError, is_integer, must_be
 
 KEY = "search.threads"
 
@@ -99,12 +99,13 @@ def _count(n: int, noun: str) -> str:
 
 
 def threads_problems(value: object) -> list[str]:
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+    if value is None or is_integer(value, 1):
         return []
-    return [
-        f"{KEY} must be an integer >= 1 or null (the cores this process may use, divided by "
-        f"the workers sharing them), got {value!r}; e.g. {KEY}=1"
-    ]
+    what = (
+        "an integer >= 1 or null (the cores this process may use, divided by the workers "
+        "sharing them)"
+    )
+    return [must_be(KEY, what, value, hint=f"e.g. {KEY}=1")]
 
 
 def plan_threads(
