@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from tracking.config import ConfigError, section_from_mapping
+from tracking.config import (
+    ConfigError,
+    flag_problems,
+    must_be,
+    number_problems,
+    section_from_mapping,
+)
 from tracking.redact import redact
 
 # The tracking stores MLflow 3 has (a bare path is a file store too), as URI schemes; a
@@ -47,32 +53,27 @@ class MlflowConfig:
         uri = self.tracking_uri
         scheme = urlparse(uri).scheme.split("+")[0].lower() if isinstance(uri, str) else None
         if not isinstance(uri, str) or not uri.strip():
-            problems.append(
-                f"mlflow.tracking_uri must be a tracking URI, got {uri!r}; e.g. "
-                "mlflow.tracking_uri=sqlite:///mlruns/mlflow.db"
-            )
+            hint = "e.g. mlflow.tracking_uri=sqlite:///mlruns/mlflow.db"
+            problems.append(must_be("mlflow.tracking_uri", "a tracking URI", uri, hint=hint))
         elif scheme and scheme not in tracking_schemes():
             problems.append(
                 f"mlflow.tracking_uri={redact(uri)!r}: MLflow has no tracking store for "
                 f"{scheme}://; it takes {', '.join(tracking_schemes())}; e.g. "
                 f"{TRACKING_EXAMPLES}"
             )
-        if not isinstance(self.artifact_root, str) or not self.artifact_root.strip():
+        root = self.artifact_root
+        if not isinstance(root, str) or not root.strip():
             problems.append(
-                f"mlflow.artifact_root must be a directory, got {self.artifact_root!r}; "
-                "override with mlflow.artifact_root=mlruns/artifacts"
+                must_be("mlflow.artifact_root", "a directory", root, "mlruns/artifacts")
             )
-        if not isinstance(self.system_metrics, bool):
-            problems.append(
-                f"mlflow.system_metrics must be true or false, got {self.system_metrics!r}; "
-                "override with mlflow.system_metrics=true"
-            )
-        interval = self.system_metrics_interval_s
-        if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
-            problems.append(
-                f"mlflow.system_metrics_interval_s must be a number of seconds > 0, got "
-                f"{interval!r}; override with mlflow.system_metrics_interval_s=5"
-            )
+        problems += flag_problems("mlflow.system_metrics", self.system_metrics)
+        problems += number_problems(
+            "mlflow.system_metrics_interval_s",
+            self.system_metrics_interval_s,
+            "a number of seconds > 0",
+            above=0,
+            fix=5,
+        )
         if problems:
             raise ConfigError(problems)
 
