@@ -29,7 +29,7 @@ from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_SAMPLES, TRAIN_EPOCH
+from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_PREFIX, THROUGHPUT_SAMPLES, TRAIN_EPOCH
 from tracking.mlflow_ui import VIEW_TAG, experiment_tags
 from tracking.outbox import Outbox
 from tracking.redact import redact
@@ -115,7 +115,7 @@ class RunLog:
         Figures with a curve (throughput, logged per interval) end at `last_step` instead."""
         known = {k: v for k, v in metrics.items() if v == v}
         curves = {
-            k: v for k, v in known.items() if k in CURVE_METRICS or k.startswith("throughput/")
+            k: v for k, v in known.items() if k in CURVE_METRICS or k.startswith(THROUGHPUT_PREFIX)
         }
         figures = {k: v for k, v in {**known, **mib_metrics(known)}.items() if k not in curves}
         self.metrics(figures, step=0)
