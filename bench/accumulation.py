@@ -70,20 +70,20 @@ def study(
         driver.run()
         done = records(driver.study.get_trials(deepcopy=False))
     complete = [t for t in done if t.state == "COMPLETE"]
-    best_speed = max(complete, key=lambda t: t.throughput, default=None)
-    best_acc = max(complete, key=lambda t: t.val_acc, default=None)
+    best_speed = max(complete, key=lambda t: t.outcome.throughput, default=None)
+    best_acc = max(complete, key=lambda t: t.outcome.val_acc, default=None)
 
     def geometry(t: TrialRecord | None) -> str:
         return "-" if t is None else f"{t.batch_size}x{t.accum_steps} {t.precision}"
 
     return {
-        "throughput": best_speed.throughput if best_speed else 0.0,
-        "val_acc": best_acc.val_acc if best_acc else 0.0,
+        "throughput": best_speed.outcome.throughput if best_speed else 0.0,
+        "val_acc": best_acc.outcome.val_acc if best_acc else 0.0,
         "fastest": geometry(best_speed),
         "most_accurate": geometry(best_acc),
         "complete": len(complete),
-        "oom": sum(t.reason in OOM_REASONS for t in done),
-        "slow": sum(t.reason == SLOW for t in done),
+        "oom": sum(t.outcome.reason in OOM_REASONS for t in done),
+        "slow": sum(t.outcome.reason == SLOW for t in done),
     }
 
 

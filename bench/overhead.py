@@ -233,13 +233,14 @@ def batchfit_run(
     if verbose:
         print(out.getvalue())
     trial = driver.study.trials[-1]
-    attrs = TrialRecord.of(trial)
+    record = TrialRecord.of(trial)
+    attrs = record.outcome
     assert trial.params == {"trainer.batch_size": batch_size}, trial.params
     if trial.state != optuna.trial.TrialState.COMPLETE or attrs.throughput is None:
         raise RuntimeError(f"the batchfit trial ended {trial.state.name}: {attrs.message}")
     # Read the numbers back from the MLflow run: tracking worked, and the run's step count.
     client = driver.tracker.client
-    run_id = attrs.run_id
+    run_id = record.run_id
     metrics = client.get_run(run_id).data.metrics
     # The run's last step: where its curves (train/loss, logged per interval) end.
     num_steps = max(m.step for m in client.get_metric_history(run_id, "train/loss"))

@@ -92,9 +92,9 @@ def oom_shares(
         driver.run()
         done = sorted(driver.study.get_trials(deepcopy=False), key=lambda t: t.number)
         kept = [TrialRecord.of(t) for t in done]
-        oom = [t.reason in OOM_REASONS for t in kept]
+        oom = [t.outcome.reason in OOM_REASONS for t in kept]
         # a slot that trained: counted in n_trials and not stopped by a real OOM
-        trained = sum(t.is_trained and t.reason != OOM for t in kept)
+        trained = sum(t.is_trained and t.outcome.reason != OOM for t in kept)
         sampler = driver.study.sampler
         redrawn = sampler.num_redrawn if isinstance(sampler, FeasibilityFilter) else 0
     half = len(oom) // 2

@@ -147,18 +147,18 @@ def build(path: Path, console: Console) -> None:
             a = TrialRecord.of(t)
             if a.is_repeat or t.state not in FINISHED:
                 continue
-            figures = a.metrics
+            figures = a.outcome.metrics
             row = Row(
                 batch_size=t.params["trainer.batch_size"],
                 accum_steps=t.params["trainer.accum_steps"],
                 precision=t.params["trainer.precision"],
                 lr=t.params["optimizer.lr"],
-                outcome=a.reason or t.state.name,
+                outcome=a.outcome.reason or t.state.name,
                 val_acc=figures.get("val/acc"),
                 throughput=figures.get("throughput/samples_per_sec"),
                 time_to_target_s=figures.get("time/to_target_s"),
-                peak_bytes=a.peak_bytes,
-                predicted_bytes=a.predicted_bytes,
+                peak_bytes=a.outcome.peak_bytes,
+                predicted_bytes=a.outcome.predicted_bytes,
                 trial_s=a.seconds or 0.0,
             )
             rows[row.key] = row
@@ -233,7 +233,8 @@ def samplers(two: bool) -> dict[str, Callable[[int], optuna.samplers.BaseSampler
 
 def _ended(trial: optuna.Trial, reason: str) -> None:
     """Record `trial` as pruned for `reason`, as search/outcome.py records a trial."""
-    outcome.write(trial, TrialRecord(trial.number, "PRUNED", ended="PRUNED", reason=reason))
+    ended = outcome.ended("PRUNED", reason)
+    outcome.write(trial, TrialRecord(trial.number, "PRUNED", outcome=ended))
 
 
 def replay(

@@ -169,7 +169,7 @@ def batchfit(budget: int, trials: int, epochs: int, seed: int, tmp: str) -> Choi
     best = study.best_trial
     kept = records(study.trials)
     trained = num_trained(kept)
-    predicted = sum(t.reason == PREDICTED_OOM for t in kept)
+    predicted = sum(t.outcome.reason == PREDICTED_OOM for t in kept)
     return Choice(
         "batchfit",
         dict(best.params),

@@ -96,9 +96,9 @@ def _add_trial(
     found: dict[tuple, Row], keys: list[str], trial: TrialRecord, predicted: bool
 ) -> None:
     values = _trial_values(trial)
-    batch, reason = values.get(BATCH_KEY), trial.reason
+    batch, reason = values.get(BATCH_KEY), trial.outcome.reason
     oom = reason_oom(reason)
-    trained = trial.peak_bytes is not None and not oom
+    trained = trial.outcome.peak_bytes is not None and not oom
     if batch is None or values.get(PRECISION_KEY) is None or not (oom or trained):
         return  # failed before its memory was known: no evidence either way
     key = _key_of(values, keys)

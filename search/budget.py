@@ -107,7 +107,7 @@ def known_configurations(
     a new trial would not train: settled, or predicted not to fit."""
     known = set()
     for t in trials:
-        if not (t.is_settled or (t.state == "PRUNED" and t.reason == PREDICTED_OOM)):
+        if not (t.is_settled or (t.state == "PRUNED" and t.outcome.reason == PREDICTED_OOM)):
             continue
         if set(t.params) != set(distributions) or not all(
             _within(distributions[k], v) for k, v in t.params.items()

@@ -24,6 +24,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import optuna
 from omegaconf import DictConfig, OmegaConf
@@ -31,13 +32,14 @@ from omegaconf import DictConfig, OmegaConf
 from search.budget import answer_for, study_records
 from search.config import SearchConfig
 from search.configure import Configured, Configurer
-from search.outcome import Outcome, end, failed, log, run_metrics, trial_record, write
+from search.outcome import end, ended, failed, log, run_metrics, trial_record, write
 from search.record import (
     DIVERGED,
     MISSED_TARGET,
     OOM,
     PREDICTED_OOM,
     PRUNER,
+    Outcome,
     TrialRecord,
 )
 from search.scaling import SCALING_METRIC, scaling_efficiency
@@ -50,6 +52,8 @@ from search.stopping import (
 )
 from tracking import interrupts
 from tracking.config import ConfigError
+from tracking.metrics import VAL_LOSS
+from tracking.metrics import throughput as throughput_metric
 from tracking.runs import RunLog, Tracker
 from tracking.tags import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG
 from train.batches import steps_plan
@@ -57,6 +61,7 @@ from train.loop import Diverged, Hooks, RunResult
 from train.measure.flops import MFU_NOTE_TAG
 from train.measure.noise import NOISE_TAG
 from train.memory.budget import MemoryStats, OutOfMemory, release_memory
+from train.memory.predict import Prediction
 from train.run import RunSpec, perf_figures, run
 
 
@@ -71,10 +76,8 @@ def answer_from_record(trial: optuna.Trial, earlier: TrialRecord) -> list[float]
     answer = TrialRecord(
         trial.number,
         earlier.state,
-        ended=earlier.state,
+        outcome=Outcome(earlier.state, earlier.outcome.reason if pruned else None, message),
         repeat_of=earlier.number,
-        message=message,
-        reason=earlier.reason if pruned else None,
         memory_violation=earlier.memory_violation,
     )
     write(trial, answer)
@@ -85,11 +88,13 @@ def answer_from_record(trial: optuna.Trial, earlier: TrialRecord) -> list[float]
 
 class _Watch:
     """What a trial's hooks saw while it trained: its probe, its memory past the memory
-    check, and the stopping rules they feed (search/stopping.py)."""
+    check, and the stopping rules they feed (search/stopping.py); with the prediction it
+    was configured with, what its outcome is built from."""
 
-    def __init__(self, budget: TimeBudget, target: TargetWatch):
+    def __init__(self, budget: TimeBudget, target: TargetWatch, prediction: Prediction | None):
         self.budget = budget
         self.target = target
+        self.prediction = prediction
         self.probe_s_per_sample: float | None = None
         self.memory: MemoryStats | None = None  # past the memory check: it fits
 
@@ -100,15 +105,16 @@ class _Watch:
     def memory_seen(self, stats: MemoryStats) -> None:
         self.memory = stats
 
+    def seen(self) -> dict[str, Any]:
+        """What the run left, whatever stopped it, as `ended` and `failed` take it."""
+        return {
+            "memory": self.memory,
+            "prediction": self.prediction,
+            "probe_s_per_sample": self.probe_s_per_sample,
+        }
+
     def stopped(self, reason: str, message: str, projected_s: float | None = None) -> Outcome:
-        return Outcome(
-            "PRUNED",
-            reason,
-            message,
-            memory=self.memory,
-            projected_s=projected_s,
-            probe_s_per_sample=self.probe_s_per_sample,
-        )
+        return ended("PRUNED", reason, message, projected_s=projected_s, **self.seen())
 
 
 class Objective:
@@ -152,9 +158,8 @@ class Objective:
             if configured.fits:
                 outcome = self._train(trial, configured, run_log)
             else:
-                margin = self.settings.preflight_margin
-                outcome = Outcome("PRUNED", PREDICTED_OOM, configured.misfit_message(margin))
-            outcome.prediction = configured.prediction
+                message = configured.misfit_message(self.settings.preflight_margin)
+                outcome = ended("PRUNED", PREDICTED_OOM, message, prediction=configured.prediction)
         except KeyboardInterrupt:
             interrupts.delivered()  # this trial ends here; the study's handler stops
             run_log.tags({STATE_TAG: "KILLED"})  # as a dead worker's runs are ended
@@ -162,11 +167,10 @@ class Objective:
             raise
         seconds, overhead = time.perf_counter() - started, self.overhead()
         spec = configured.spec
-        ended = trial_record(begun, outcome, spec, seconds, self.settings, overhead)
-        ended = ended.replace(run_id=run_log.run_id)
-        write(trial, ended)
-        metrics = run_metrics(ended, outcome, spec, seconds, overhead)
-        log(run_log, ended, outcome, metrics, self.settings.metrics)
+        record = trial_record(begun, outcome, spec, seconds, self.settings, overhead)
+        record = record.replace(run_id=run_log.run_id)
+        write(trial, record)
+        log(run_log, record, run_metrics(record, seconds, overhead), self.settings.metrics)
         return end(outcome, self.settings.metrics)
 
     def _start_run(self, begun: TrialRecord) -> RunLog:
@@ -186,6 +190,7 @@ class Objective:
         watch = _Watch(
             TimeBudget(self.settings.trial_time_budget_s, yardstick),
             TargetWatch(self.settings.target),
+            configured.prediction,
         )
         workload = self.configure.workloads.of(cfg)
         steps_per_epoch, num_steps = steps_plan(workload.num_train, spec.trainer)
@@ -216,8 +221,8 @@ class Objective:
                 result = run(cfg, spec, hooks, workload)
             outcome = self._completed(trial, cfg, spec, result, watch, log)
         except OutOfMemory as oom:
-            outcome = Outcome("PRUNED", OOM, str(oom), peak_bytes=oom.peak_bytes)
-            outcome.probe_s_per_sample = watch.probe_s_per_sample
+            seen = {**watch.seen(), "memory": None}  # the OOM's peak, not as far as it ran
+            outcome = ended("PRUNED", OOM, str(oom), oom_peak_bytes=oom.peak_bytes, **seen)
         except Diverged as diverged:
             outcome = watch.stopped(DIVERGED, str(diverged))
         except Prune as prune:
@@ -225,9 +230,7 @@ class Objective:
         except ConfigError:
             raise
         except Exception as error:  # noqa: BLE001 - one trial's error must not end the study
-            outcome = failed(error, traceback.format_exc())
-            outcome.memory = watch.memory
-            outcome.probe_s_per_sample = watch.probe_s_per_sample
+            outcome = failed(error, traceback.format_exc(), **watch.seen())
         # Outside the except blocks: the exception and the frames it pinned are gone.
         release_memory(spec.device)
         return outcome
@@ -246,21 +249,20 @@ class Objective:
         perf, note = self._perf(cfg, spec, result, log)
         log.tags({NOISE_TAG: result.noise_estimator})
         extra = {**perf, **watch.target.figures()}
-        throughput = result.figures().get(f"throughput/{result.unit}_per_sec")
+        throughput = result.figures().get(throughput_metric(result.unit))
         efficiency = scaling_efficiency(
             study_records(trial.study), trial.params, spec.params(), throughput
         )
         if efficiency is not None:
             extra[SCALING_METRIC] = efficiency
-        outcome = Outcome("COMPLETE", result=result, extra=extra, mfu_note=note)
+        state, reason, message = "COMPLETE", None, None
         failure = learning_failure(result)
         if watch.target.missed:  # short of search.target: whether it learned at all or not
-            outcome.state, outcome.reason = "PRUNED", MISSED_TARGET
-            outcome.message = watch.target.missed_message(result)
+            state, reason, message = "PRUNED", MISSED_TARGET, watch.target.missed_message(result)
         elif failure is not None:  # counted and shown, never recommended nor on the front
-            outcome.state, outcome.reason, outcome.message = "PRUNED", DIVERGED, failure
-        outcome.probe_s_per_sample = watch.probe_s_per_sample
-        return outcome
+            state, reason, message = "PRUNED", DIVERGED, failure
+        seen = {**watch.seen(), "memory": None}  # the whole run's, in `result`
+        return ended(state, reason, message, result=result, extra=extra, mfu_note=note, **seen)
 
     def _perf(
         self, cfg: DictConfig, spec: RunSpec, result: RunResult, log: RunLog
@@ -334,7 +336,7 @@ def learning_failure(result: RunResult) -> str | None:
     Such a run is pruned as `diverged`: its configuration and rate are no answer."""
     last = result.val_loss
     if not math.isfinite(last):
-        return f"did not learn: val/loss is {last}"
+        return f"did not learn: {VAL_LOSS} is {last}"
     chance = result.chance_loss
     if chance is not None:
         if last < chance:
@@ -348,7 +350,7 @@ def learning_failure(result: RunResult) -> str | None:
             f"did not learn: val/loss {last:.4g} is no better than a uniform guess over "
             f"{classes} classes (ln {classes} = {chance:.4g})"
         )
-    losses = [e.get("val/loss", math.nan) for e in result.evals]
+    losses = [e.get(VAL_LOSS, math.nan) for e in result.evals]
     if len(losses) > 1 and all(loss >= losses[0] for loss in losses[1:]):
         return (
             f"did not learn: val/loss {last:.4g}, no validation after its first below the "

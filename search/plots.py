@@ -105,25 +105,25 @@ class Point:
 
 
 def _point(t: TrialRecord) -> Point:
-    complete = t.state == "COMPLETE"
+    complete, outcome = t.state == "COMPLETE", t.outcome
     return Point(
         number=t.number,
         state=t.state,
-        reason=t.reason,
+        reason=outcome.reason,
         precision=str(t.precision),
         batch_size=t.batch_size,
         accum_steps=t.accum_steps,
         effective_batch_size=t.effective_batch_size,
         lr=t.lr,
-        throughput=t.throughput if complete else None,
-        unit=t.unit or "samples",
-        val_acc=t.val_acc if complete else None,
-        peak_bytes=t.peak_bytes,
-        predicted_bytes=t.predicted_bytes,
+        throughput=outcome.throughput if complete else None,
+        unit=outcome.unit or "samples",
+        val_acc=outcome.val_acc if complete else None,
+        peak_bytes=outcome.peak_bytes,
+        predicted_bytes=outcome.predicted_bytes,
         budget_bytes=t.budget_bytes,
         seq_len=t.params.get(SEQ_LEN_KEY),
-        probe_s_per_sample=t.probe_s_per_sample,
-        projected_s=t.projected_s,
+        probe_s_per_sample=outcome.probe_s_per_sample,
+        projected_s=outcome.projected_s,
         time_budget_s=t.time_budget_s,
     )
 

@@ -33,7 +33,7 @@ from train.overrides import BEST_KEY, override_key
 
 def metric_value(trial: FrozenTrial, name: str) -> float | None:
     """A completed trial's figure by metric name (search/record.py)."""
-    return TrialRecord.of(trial).figure(name)
+    return TrialRecord.of(trial).outcome.figure(name)
 
 
 def within(rule: RecommendRule, value: float, best: float) -> bool:

@@ -19,6 +19,8 @@ from typing import Any
 
 from optuna.trial import FrozenTrial
 
+from tracking.metrics import PEAK_BYTES, STEP_MS, THROUGHPUT_PREFIX, VAL_ACC, VAL_PREFIX
+from tracking.metrics import throughput as throughput_metric
 from train.params import ACCUM_KEY, BATCH_KEY, EFFECTIVE_PARAM, LR_PARAM, PRECISION_KEY
 
 # Why a trial was pruned (`reason`), besides the study pruner's "pruner".
@@ -41,7 +43,7 @@ VIOLATION_ATTR = "memory_violation"  # the same, as a user attr
 MESSAGE_CHARS = 1000  # of a message kept in the study (the MLflow run has 5000)
 
 # conf/search/default.yaml's objectives, for a run name made without the study's
-RUN_NAME_OBJECTIVES = ("val/acc",)
+RUN_NAME_OBJECTIVES = (VAL_ACC,)
 
 
 def _attr(name: str, default: Any = None) -> Any:
@@ -51,10 +53,71 @@ def _attr(name: str, default: Any = None) -> Any:
 
 
 @dataclass(frozen=True)
+class Outcome:
+    """How a trial's training ended and what it measured, built once where it ended
+    (search/outcome.py) and nested in its TrialRecord. Each figure is kept once: a completed
+    run's by metric name in `metrics` (its throughput, val/acc, step time among them); the
+    rest, known of any run that trained or was predicted, in the fields below."""
+
+    state: str | None = _attr("state")  # COMPLETE, PRUNED or FAIL; None: it has not ended
+    reason: str | None = _attr("reason")  # why it was pruned (PREDICTED_OOM...), ERROR for a FAIL
+    message: str | None = _attr("message")  # what happened, in words
+    # Memory: the measured peak (the whole run's, an OOM's, or as far as it ran past its
+    # memory check), the predicted one and the prediction's error against the measured.
+    peak_bytes: int | None = _attr("peak_bytes")
+    predicted_bytes: int | None = _attr("predicted_bytes")
+    prediction_error: float | None = _attr("prediction_error")
+    # A completed (or missed-target) run's figures by metric name, in its task's `unit`.
+    unit: str | None = _attr("unit")
+    metrics: Mapping[str, float] = _attr("metrics", dict)
+    # [optimizer step, val/loss] at each validation: time to target (search/time_to_target.py)
+    val_curve: list | None = _attr("val_curve")
+    # what the throughput clock timed (warm-up and memory-measured steps out)
+    timed_steps: int | None = _attr("timed_steps")
+    timed_samples: int | None = _attr("timed_samples")
+    mfu_note: str | None = _attr("mfu_note")  # why its perf/mfu is above 1 (train/measure/flops.py)
+    # The slow-trial probe's seconds per sample (the yardstick of later trials); a `slow`
+    # trial's projected training.
+    probe_s_per_sample: float | None = _attr("probe_s_per_sample")
+    projected_s: float | None = _attr("projected_s")
+    # For the trial's MLflow run only, not kept in the study: the steps it trained (the step
+    # of its end figures), the end figures only MLflow shows, the traceback of its error.
+    num_steps: int = field(default=0, compare=False)
+    logged: Mapping[str, float] = field(default_factory=dict, compare=False)
+    error_traceback: str | None = field(default=None, compare=False)
+
+    @property
+    def throughput(self) -> float | None:
+        """A completed run's throughput in its unit per second."""
+        return self.figure(throughput_metric(self.unit or "samples"))
+
+    @property
+    def val_acc(self) -> float | None:
+        return self.figure(VAL_ACC)
+
+    @property
+    def step_ms(self) -> float | None:
+        return self.figure(STEP_MS)
+
+    @property
+    def error(self) -> str | None:
+        """A FAIL's own exception, in words."""
+        return self.message if self.state == "FAIL" else None
+
+    def figure(self, metric: str) -> float | None:
+        """A completed run's figure by metric name (NaN and unknown: None)."""
+        value = self.metrics.get(metric)
+        return None if value is None or value != value else float(value)
+
+
+NOT_ENDED = Outcome()
+
+
+@dataclass(frozen=True)
 class TrialRecord:
     """A trial as the study recorded it. `run` holds what it trained with, as
     train/run.py's RunSpec.params names it (batch size to the scaled lr and the device);
-    the other fields are None until known."""
+    `outcome` how it ended and what it measured; the other fields are None until known."""
 
     number: int
     state: str  # Optuna's: COMPLETE, PRUNED, FAIL, RUNNING, WAITING
@@ -63,12 +126,8 @@ class TrialRecord:
     # The constraint CONSTRAINT, when known; also a user attr, which optuna-dashboard shows.
     memory_violation: float | None = None
     run: Mapping[str, Any] = field(default_factory=dict)
-    # How it ended: `ended` is the state it was recorded with (a trial that died mid-way
-    # has none), `reason` why it was pruned, `message` what happened in words.
-    ended: str | None = _attr("state")
-    reason: str | None = _attr("reason")
-    message: str | None = _attr("message")
-    error: str | None = _attr("error")  # a FAIL's own exception, in words
+    # How it ended (its state there: a trial that died mid-way has none), what it measured.
+    outcome: Outcome = NOT_ENDED
     repeat_of: int | None = _attr("repeat_of")  # the trial whose record answered this one
     surplus: bool = _attr("surplus", False)  # started past search.n_trials: never ran
     run_id: str | None = _attr("mlflow_run_id")
@@ -76,27 +135,8 @@ class TrialRecord:
     seconds: float | None = _attr("seconds")
     storage_s: float | None = _attr("storage_s")
     tracking_s: float | None = _attr("tracking_s")
-    # Memory: measured peak (past the memory check, or when it ran out), prediction, budget.
-    peak_bytes: int | None = _attr("peak_bytes")
-    predicted_bytes: int | None = _attr("predicted_bytes")
     budget_bytes: int | None = _attr("budget_bytes")
-    prediction_error: float | None = _attr("prediction_error")
-    # A completed (or missed-target) run's figures: its throughput in `unit`/s, its
-    # figures by metric name, what the throughput clock timed.
-    throughput: float | None = _attr("throughput")
-    unit: str | None = _attr("unit")
-    val_acc: float | None = _attr("val_acc")
-    metrics: Mapping[str, float] = _attr("metrics", dict)
-    step_ms: float | None = _attr("step_ms")
-    # [optimizer step, val/loss] at each validation: time to target (search/time_to_target.py)
-    val_curve: list | None = _attr("val_curve")
-    timed_steps: int | None = _attr("timed_steps")
-    timed_samples: int | None = _attr("timed_samples")
-    mfu_note: str | None = _attr("mfu_note")  # why its perf/mfu is above 1 (train/measure/flops.py)
-    # Time: the slow-trial probe's seconds per sample (the yardstick of later trials); a
-    # `slow` trial's projected training and the search.trial_time_budget_s it was held to.
-    probe_s_per_sample: float | None = _attr("probe_s_per_sample")
-    projected_s: float | None = _attr("projected_s")
+    # The search.trial_time_budget_s a `slow` trial was held to.
     time_budget_s: float | None = _attr("time_budget_s")
 
     @classmethod
@@ -116,23 +156,31 @@ class TrialRecord:
         """The record stored as user attrs `attrs` (what `to_attrs` wrote), with what Optuna
         keeps itself (`state`, `params`, `values`, `memory_violation`) given by name."""
         rest = dict(attrs)
-        stored = {
-            f.name: rest.pop(f.metadata["attr"]) for f in _STORED if f.metadata["attr"] in rest
-        }
+        ended = _pop_stored(Outcome, rest)
+        if "error" in rest:  # written for a FAIL of its own: its message
+            ended = {"state": "FAIL", "message": rest["error"], **ended}
+        outcome = Outcome(**ended)
+        stored = _pop_stored(TrialRecord, rest)
+        for name in DERIVED_ATTRS:
+            rest.pop(name, None)
         violation = rest.pop(VIOLATION_ATTR, None)
         if known.get("memory_violation") is None:
             known["memory_violation"] = violation
-        known.setdefault("state", stored.get("ended") or "RUNNING")
+        known.setdefault("state", outcome.state or "RUNNING")
         # what is left is what the objective wrote first: the run's params
-        return cls(number=number, run=rest, **known, **stored)
+        return cls(number=number, run=rest, outcome=outcome, **known, **stored)
 
     def to_attrs(self) -> dict[str, Any]:
-        """The user attrs that store this record (the run's params, then what is known)."""
-        attrs = dict(self.run)
-        for f in _STORED:
-            value = getattr(self, f.name)
-            if value is not None and value != f.default and value != {}:
-                attrs[f.metadata["attr"]] = value
+        """The user attrs that store this record: the run's params, then what is known of
+        its outcome and of the trial. A message is kept to MESSAGE_CHARS; a FAIL's is its
+        `error` too, and a completed run's throughput, val/acc and step time are also
+        written under names of their own (read by users and optuna-dashboard, not back)."""
+        outcome = self.outcome
+        if outcome.message is not None:
+            outcome = dataclasses.replace(outcome, message=outcome.message[:MESSAGE_CHARS])
+        derived = dict(zip(DERIVED_ATTRS, _derived(outcome), strict=True))
+        attrs = {**self.run, **_stored(outcome), **_stored(self)}
+        attrs.update({k: v for k, v in derived.items() if v is not None})
         if self.memory_violation is not None:
             attrs[VIOLATION_ATTR] = self.memory_violation
         return attrs
@@ -181,14 +229,14 @@ class TrialRecord:
         interrupted (Ctrl-C, or a worker that died), which is run again, nor a surplus."""
         if self.state in ("COMPLETE", "PRUNED"):
             return True
-        return self.state == "FAIL" and self.error is not None
+        return self.state == "FAIL" and self.outcome.error is not None
 
     @property
     def is_unbilled(self) -> bool:
         """A proposal answered without training: predicted not to fit (the fit report knew
         it), or a configuration already trained, answered from its record. Optuna has it,
         so the sampler learns from it; search.n_trials does not count it."""
-        return self.is_repeat or self.reason == PREDICTED_OOM
+        return self.is_repeat or self.outcome.reason == PREDICTED_OOM
 
     @property
     def is_trained(self) -> bool:
@@ -203,9 +251,9 @@ class TrialRecord:
             return False
         if self.state == "COMPLETE":
             return True
-        if self.reason == OOM:
+        if self.outcome.reason == OOM:
             return self.device == "cpu"  # exact there; a CUDA OOM may not happen again
-        return self.reason in SETTLED_REASONS
+        return self.outcome.reason in SETTLED_REASONS
 
     @property
     def infeasible(self) -> bool:
@@ -216,7 +264,8 @@ class TrialRecord:
     def trained_its_budget(self) -> bool:
         """Trained all it was to train: completed, or ended short of search.target."""
         return not self.is_repeat and (
-            self.state == "COMPLETE" or (self.state == "PRUNED" and self.reason == MISSED_TARGET)
+            self.state == "COMPLETE"
+            or (self.state == "PRUNED" and self.outcome.reason == MISSED_TARGET)
         )
 
     @property
@@ -225,13 +274,8 @@ class TrialRecord:
         if self.is_repeat:
             return "REPEAT"
         if self.state == "PRUNED":
-            return f"PRUNED ({self.reason or PRUNER})"
+            return f"PRUNED ({self.outcome.reason or PRUNER})"
         return self.state
-
-    def figure(self, metric: str) -> float | None:
-        """A completed trial's figure by metric name (NaN and unknown: None)."""
-        value = self.metrics.get(metric)
-        return None if value is None or value != value else float(value)
 
     def run_name(self, objectives: Sequence[str] = RUN_NAME_OBJECTIVES) -> str:
         """Its MLflow run name, the first thing the runs table shows: its configuration,
@@ -239,26 +283,56 @@ class TrialRecord:
         its projection) and key figures: the study's objectives, its throughput in its
         unit and its peak memory."""
         name = f"trial-{self.number} · {self.batch_size}x{self.accum_steps} {self.precision}"
-        if self.ended == "COMPLETE":
-            throughput = f"throughput/{self.unit or 'samples'}_per_sec"
+        outcome = self.outcome
+        if outcome.state == "COMPLETE":
+            throughput = throughput_metric(outcome.unit or "samples")
             metrics = [m for m in dict.fromkeys([*objectives, throughput]) if m != PEAK_METRIC]
-            figures = [(m, self.figure(m)) for m in metrics]
+            figures = [(m, outcome.figure(m)) for m in metrics]
             words = [_figure_words(m, v) for m, v in figures if v is not None]
-            if self.peak_bytes:
-                words.append(f"{mib(self.peak_bytes)} MiB")
+            if outcome.peak_bytes:
+                words.append(f"{mib(outcome.peak_bytes)} MiB")
             return " · ".join([name, *words])
-        if self.ended == "PRUNED":
-            reason = self.reason or PRUNER
-            if reason == SLOW and self.projected_s is not None and self.time_budget_s:
-                reason += f" (projected {self.projected_s:.0f} s, budget {self.time_budget_s:g} s)"
+        if outcome.state == "PRUNED":
+            reason = outcome.reason or PRUNER
+            projected = outcome.projected_s
+            if reason == SLOW and projected is not None and self.time_budget_s:
+                reason += f" (projected {projected:.0f} s, budget {self.time_budget_s:g} s)"
             return f"{name} · PRUNED {reason}"
-        if self.ended == "FAIL":
+        if outcome.state == "FAIL":
             return f"{name} · FAILED"
         return name
 
 
-_STORED = tuple(f for f in dataclasses.fields(TrialRecord) if "attr" in f.metadata)
-PEAK_METRIC = "memory/peak_bytes"  # in a run name in MiB, last
+# User attrs written from the outcome but not read back: `error` (a FAIL's message), and a
+# completed run's `throughput` (in its unit), `val_acc` and `step_ms` (of its metrics).
+DERIVED_ATTRS = ("error", "throughput", "val_acc", "step_ms")
+
+
+def _derived(outcome: Outcome) -> tuple[Any, ...]:
+    return outcome.error, outcome.throughput, outcome.val_acc, outcome.step_ms
+
+
+def _stored(value: Outcome | TrialRecord) -> dict[str, Any]:
+    """The fields of `value` stored as user attrs, by attr name; those unknown left out."""
+    stored = {}
+    for f in dataclasses.fields(value):
+        attr = f.metadata.get("attr")
+        item = getattr(value, f.name)
+        if attr and item is not None and item != f.default and item != {}:
+            stored[attr] = item
+    return stored
+
+
+def _pop_stored(cls: type, attrs: dict[str, Any]) -> dict[str, Any]:
+    """The fields of `cls` stored in `attrs`, by field name, taken out of `attrs`."""
+    return {
+        f.name: attrs.pop(f.metadata["attr"])
+        for f in dataclasses.fields(cls)
+        if "attr" in f.metadata and f.metadata["attr"] in attrs
+    }
+
+
+PEAK_METRIC = PEAK_BYTES  # in a run name in MiB, last
 
 
 def mib(num_bytes: float | None) -> str:
@@ -268,10 +342,10 @@ def mib(num_bytes: float | None) -> str:
 def _figure_words(metric: str, value: float) -> str:
     """'acc 0.951', 'loss 2.310', '412/s' (samples), '9120 tokens/s', 'mfu 0.412'."""
     name = metric.rsplit("/", 1)[-1]
-    if metric.startswith("throughput/") and name.endswith("_per_sec"):
+    if metric.startswith(THROUGHPUT_PREFIX) and name.endswith("_per_sec"):
         unit = name.removesuffix("_per_sec")
         return f"{value:.0f}/s" if unit == "samples" else f"{value:.0f} {unit}/s"
-    if metric.startswith("val/"):
+    if metric.startswith(VAL_PREFIX):
         return f"{name} {value:.3f}"
     return f"{name} {value:.4g}"
 

@@ -31,6 +31,7 @@ from search.budget import num_trained
 from search.recommend import Recommendation
 from search.record import PRUNER, TrialRecord, mib, records
 from search.space import override_value
+from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_SPREAD, TO_TARGET_S
 from tracking.redact import redact
 from train.lr import scaled_lr
 from train.memory.budget import format_bytes
@@ -62,36 +63,37 @@ STARVED_SHARE = 0.2
 def spread_note(t: TrialRecord) -> str:
     """' (±6%)': half the range of a trial's throughput over its logging intervals (how
     steady the machine was while it ran), when it has enough of them."""
-    spread = t.metrics.get("throughput/spread")
+    spread = t.outcome.metrics.get(THROUGHPUT_SPREAD)
     return "" if spread is None else f" (±{spread / 2:.0%})"
 
 
 def trial_line(trial: FrozenTrial) -> str:
     t = TrialRecord.of(trial)
+    o = t.outcome
     params = " ".join(f"{_short(k)}={_fmt(v)}" for k, v in t.params.items())
     parts = [f"#{t.number:<3} {t.label:<18} {params}"]
-    if t.throughput is not None:
-        parts.append(f"{t.throughput:.0f} {t.unit or 'samples'}/s{spread_note(t)}")
-    if t.peak_bytes is not None:
-        parts.append(f"peak {format_bytes(t.peak_bytes)}")
-    if t.predicted_bytes is not None:
-        error = t.prediction_error
+    if o.throughput is not None:
+        parts.append(f"{o.throughput:.0f} {o.unit or 'samples'}/s{spread_note(t)}")
+    if o.peak_bytes is not None:
+        parts.append(f"peak {format_bytes(o.peak_bytes)}")
+    if o.predicted_bytes is not None:
+        error = o.prediction_error
         parts.append(
-            f"predicted {format_bytes(t.predicted_bytes)}"
+            f"predicted {format_bytes(o.predicted_bytes)}"
             + (f" ({error:+.1%})" if error is not None else "")
         )
-    if t.val_acc is not None:
-        parts.append(f"val acc {t.val_acc:.3f}")
-    to_target = t.metrics.get("time/to_target_s")
+    if o.val_acc is not None:
+        parts.append(f"val acc {o.val_acc:.3f}")
+    to_target = o.metrics.get(TO_TARGET_S)
     if to_target is not None:
         parts.append(f"target in {to_target:.1f} s")
-    wait = t.metrics.get("time/data_wait_share")
+    wait = o.metrics.get(DATA_WAIT_SHARE)
     if wait is not None and wait >= STARVED_SHARE:
         parts.append(f"waiting for data {wait:.0%} of the time")
     if t.seconds is not None:
         parts.append(f"{t.seconds:.1f} s")
-    if (t.state != "COMPLETE" or t.is_repeat) and t.message is not None:
-        parts.append(f"[dim]{escape(t.message)}[/dim]")
+    if (t.state != "COMPLETE" or t.is_repeat) and o.message is not None:
+        parts.append(f"[dim]{escape(o.message)}[/dim]")
     if t.is_unbilled:
         parts.append("[dim]not counted in search.n_trials[/dim]")
     return " | ".join(parts)
@@ -254,7 +256,7 @@ def summary(
     for t in best:
         cells = [str(t.number), *(_fmt(v) for v in t.params.values())]
         cells += [_fmt(v) for v in t.values]
-        table.add_row(*cells, format_bytes(TrialRecord.of(t).peak_bytes))
+        table.add_row(*cells, format_bytes(TrialRecord.of(t).outcome.peak_bytes))
     console.print(table)
     header, cells = boundary.table(study)
     if cells:
@@ -366,7 +368,7 @@ def none_completed(trials: Sequence[FrozenTrial]) -> str:
     it trained was pruned as slow, the machine or the budget is the problem, not the
     configurations: by how much."""
     counted = [t for t in records(trials) if t.is_trained]
-    slow = [t for t in counted if t.projected_s is not None]
+    slow = [t for t in counted if t.outcome.projected_s is not None]
     if counted and len(slow) == len(counted):
         return _all_slow(slow)
     by_state = counts_by_state(trials)
@@ -388,7 +390,7 @@ def _load_words() -> str:
 
 
 def _all_slow(slow: Sequence[TrialRecord]) -> str:
-    projected = sorted(t.projected_s for t in slow)
+    projected = sorted(t.outcome.projected_s for t in slow)
     budget = slow[-1].time_budget_s
     low, high = projected[0], projected[-1]
     if len(slow) == 1:
@@ -446,19 +448,20 @@ TRIAL_COLUMNS = (
 
 def trial_columns(trials: Sequence[FrozenTrial]) -> tuple[str, ...]:
     """TRIAL_COLUMNS, the throughput in the unit the trials counted (tokens for an LM)."""
-    unit = next((t.unit for t in records(trials) if t.unit is not None), None)
+    units = (t.outcome.unit for t in records(trials))
+    unit = next((u for u in units if u is not None), None)
     return tuple(f"{unit}/s" if c == "samples/s" and unit else c for c in TRIAL_COLUMNS)
 
 
 def trial_row(trial: FrozenTrial) -> list[str]:
     t = TrialRecord.of(trial)
-    complete = t.state == "COMPLETE"
-    throughput = t.throughput if complete else None
+    complete, o = t.state == "COMPLETE", t.outcome
+    throughput = o.throughput if complete else None
     return [
         str(t.number), _fmt(t.batch_size), _fmt(t.accum_steps), _fmt(t.effective_batch_size),
-        _fmt(t.precision), _fmt(t.lr), _fmt(t.val_acc) if complete else "-",
-        f"{throughput:.0f}{spread_note(t)}" if throughput else "-", mib(t.peak_bytes),
-        mib(t.predicted_bytes),
+        _fmt(t.precision), _fmt(t.lr), _fmt(o.val_acc) if complete else "-",
+        f"{throughput:.0f}{spread_note(t)}" if throughput else "-", mib(o.peak_bytes),
+        mib(o.predicted_bytes),
     ]  # fmt: skip
 
 
@@ -510,7 +513,8 @@ def summary_markdown(
         parts += [f"## {SPEED_TITLE}", _md_table(header, rows)]
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     if pruned:
-        rows = [(t.number, *trial_row(t)[1:5], TrialRecord.of(t).reason or PRUNER) for t in pruned]
+        reasons = [TrialRecord.of(t).outcome.reason or PRUNER for t in pruned]
+        rows = [(t.number, *trial_row(t)[1:5], r) for t, r in zip(pruned, reasons, strict=True)]
         parts += [
             "## Pruned trials",
             _md_table(("trial", "batch", "accum", "effective batch", "precision", "reason"), rows),

@@ -42,10 +42,10 @@ def scaling_efficiency(
         return None
     mine = per_device({**params, **_geometry(run)})
     rates = [
-        r.throughput
+        r.outcome.throughput
         for r in records
         if r.state == "COMPLETE"
-        and r.throughput
+        and r.outcome.throughput
         and int(r.run.get(DEVICES_KEY) or 1) == 1
         and per_device({**r.params, **_geometry(r.run)}) == mine
     ]

@@ -60,7 +60,8 @@ class Yardstick:
     @classmethod
     def of(cls, trials: Iterable[TrialRecord]) -> Yardstick:
         done = [t for t in trials if t.trained_its_budget]
-        return cls(_median(t.seconds for t in done), _median(t.probe_s_per_sample for t in done))
+        probes = (t.outcome.probe_s_per_sample for t in done)
+        return cls(_median(t.seconds for t in done), _median(probes))
 
 
 def _median(values: Iterable[float | None]) -> float | None:

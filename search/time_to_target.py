@@ -168,7 +168,7 @@ def _target(records: Sequence[TrialRecord], target: float | None) -> tuple[float
     for record in records:
         batch = _batch(record)
         if batch:
-            best = min(loss for _, loss in record.val_curve)
+            best = min(loss for _, loss in record.outcome.val_curve)
             bests[batch] = min(bests.get(batch, math.inf), best)
     if not bests:
         raise Untrusted("no trial recorded the batch size it trained with")
@@ -188,19 +188,19 @@ def plan(
         for t in trials
         if t.state == TrialState.COMPLETE
         and not (record := TrialRecord.of(t)).is_repeat
-        and record.val_curve
+        and record.outcome.val_curve
     ]
     if len(done) < 2:
         raise Untrusted(f"{len(done)} completed trial(s) with a validation curve: 2 or more needed")
     loss, target_source = _target([record for _, record in done], target)
     points = []
     for t, record in done:
-        steps = steps_to(record.val_curve, loss)
+        steps = steps_to(record.outcome.val_curve, loss)
         batch = _batch(record)
-        if steps is None or not batch or not record.step_ms:
+        if steps is None or not batch or not record.outcome.step_ms:
             continue
         label = speed.label(speed.geometry(t))
-        points.append(Point(t.number, label, batch, steps, record.step_ms / 1000))
+        points.append(Point(t.number, label, batch, steps, record.outcome.step_ms / 1000))
     if len(points) < 2:
         raise Untrusted(
             f"{len(points)} trial(s) crossed val/loss {loss:.4g} between two validations: 2 or "
@@ -210,7 +210,7 @@ def plan(
     for p in points:
         best_steps[p.batch] = min(best_steps.get(p.batch, math.inf), p.steps)
     # (a negative reading, its variance estimate below zero, says nothing of B_crit)
-    noises = [v for _, r in done if (v := r.figure(NOISE_METRIC)) is not None and v > 0]
+    noises = [v for _, r in done if (v := r.outcome.figure(NOISE_METRIC)) is not None and v > 0]
     noise = statistics.median(noises) if noises else None
     model, source = _model(best_steps, noises, noise)
     keys = _family_keys(cells)
@@ -268,9 +268,10 @@ def _trained(trials: Sequence[FrozenTrial], keys: Sequence[str]) -> dict[str, _T
         g = found.setdefault(label, _Trained(label, family, micro, accum, batch, geometry, [], []))
         if t.state == TrialState.COMPLETE:
             g.trials.append(t.number)  # those that support it: complete
-        if record.step_ms:
-            g.step_s.append(record.step_ms / 1000)
-        g.complete |= t.state == TrialState.COMPLETE and bool(record.step_ms)
+        step_ms = record.outcome.step_ms
+        if step_ms:
+            g.step_s.append(step_ms / 1000)
+        g.complete |= t.state == TrialState.COMPLETE and bool(step_ms)
     return found
 
 

@@ -12,8 +12,9 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
 from search.config import SearchConfig
-from search.outcome import Outcome, trial_record, write
-from search.record import TrialRecord
+from search.outcome import trial_record, write
+from search.record import VIOLATION_ATTR, Outcome, TrialRecord
+from tracking.metrics import STEP_MS, THROUGHPUT_TOKENS, VAL_ACC
 from train.config import TrainerConfig
 from train.memory.device import DeviceSpec
 from train.params import ACCUM_KEY, BATCH_KEY, PRECISION_KEY
@@ -23,39 +24,48 @@ RUN = {BATCH_KEY: 64, ACCUM_KEY: 2, PRECISION_KEY: "bf16", "device": "cpu"}
 
 
 def _full(number: int) -> TrialRecord:
-    """A record with every field set to something other than its default."""
+    """A record with every stored field, its outcome's too, set to something other than
+    its default."""
+    outcome = Outcome(
+        "PRUNED",
+        reason="slow",
+        message="steps 4-6 took 3 s each",
+        peak_bytes=1_000_000,
+        predicted_bytes=1_100_000,
+        prediction_error=0.1,
+        unit="tokens",
+        metrics={VAL_ACC: 0.9, THROUGHPUT_TOKENS: 912.4, STEP_MS: 40.0},
+        val_curve=[[10, 0.5]],
+        timed_steps=10,
+        timed_samples=640,
+        mfu_note="peak below the truth",
+        probe_s_per_sample=0.02,
+        projected_s=412.0,
+    )
     return TrialRecord(
         number,
         "PRUNED",
         params={BATCH_KEY: 64},
         memory_violation=-0.25,
         run=RUN,
-        ended="PRUNED",
-        reason="slow",
-        message="steps 4-6 took 3 s each",
-        error="boom",
+        outcome=outcome,
         repeat_of=7,
         surplus=True,
         run_id="abc123",
         seconds=12.5,
         storage_s=0.01,
         tracking_s=0.02,
-        peak_bytes=1_000_000,
-        predicted_bytes=1_100_000,
         budget_bytes=2_000_000,
-        prediction_error=0.1,
-        throughput=912.4,
-        unit="tokens",
-        val_acc=0.9,
-        metrics={"val/acc": 0.9, "throughput/tokens_per_sec": 912.4},
-        step_ms=40.0,
-        timed_steps=10,
-        timed_samples=640,
-        mfu_note="peak below the truth",
-        probe_s_per_sample=0.02,
-        projected_s=412.0,
         time_budget_s=60.0,
     )
+
+
+def test_every_stored_field_is_set_in_the_full_record() -> None:
+    full = _full(0)
+    for value in (full, full.outcome):
+        stored = [f for f in dataclasses.fields(value) if "attr" in f.metadata]
+        unset = [f.name for f in stored if getattr(value, f.name) == f.default]
+        assert stored and not unset
 
 
 def test_a_record_written_to_a_trial_reads_back_the_same(tmp_path) -> None:
@@ -71,7 +81,11 @@ def test_a_record_written_to_a_trial_reads_back_the_same(tmp_path) -> None:
     # optuna-dashboard shows the constraint only as this user attr (its constraint view reads
     # Optuna 4's attribute): it is written beside the constraint.
     assert read.memory_violation == -0.25 and study.trials[0].constraints == {"memory": -0.25}
-    assert study.trials[0].user_attrs["memory_violation"] == -0.25
+    assert study.trials[0].user_attrs[VIOLATION_ATTR] == -0.25
+    # a figure is stored once, in the record; a completed run's throughput, val/acc and step
+    # time are written under names of their own too, for users and optuna-dashboard
+    attrs = study.trials[0].user_attrs
+    assert (attrs["throughput"], attrs["val_acc"], attrs["step_ms"]) == (912.4, 0.9, 40.0)
 
 
 def test_a_failure_counts_as_finished_whatever_its_reason() -> None:
@@ -84,7 +98,8 @@ def test_a_failure_counts_as_finished_whatever_its_reason() -> None:
     for reason in ("error", None):
         outcome = Outcome("FAIL", reason, "RuntimeError: boom")
         ended = trial_record(started, outcome, spec, 1.0, settings, {})
-        assert ended.error == "RuntimeError: boom" and ended.is_finished and ended.is_trained
+        assert ended.outcome.error == "RuntimeError: boom"
+        assert ended.is_finished and ended.is_trained
     assert not TrialRecord(3, "FAIL", run=RUN).is_finished  # died: no error of its own
 
 

@@ -10,7 +10,7 @@ from optuna.trial import TrialState, create_trial
 
 from search.budget import answer_for, known_configurations, study_records
 from search.objective import answer_from_record
-from search.record import TrialRecord
+from search.record import Outcome, TrialRecord
 from search.sampler import FeasibilityFilter
 
 B = "trainer.batch_size"
@@ -131,7 +131,7 @@ def test_a_repeat_is_answered_with_the_earlier_state_values_reason_and_constrain
             state=state,
             value=None if pruned else 0.9,
             user_attrs=TrialRecord(
-                0, state.name, ended=state.name, reason="diverged" if pruned else None
+                0, state.name, outcome=Outcome(state.name, "diverged" if pruned else None)
             ).to_attrs(),
             system_attrs={"constraints:memory": -0.25},
         )
@@ -150,6 +150,6 @@ def test_a_repeat_is_answered_with_the_earlier_state_values_reason_and_constrain
     answer = TrialRecord.of(study.trials[1])
     assert answer.state == state.name and answer.repeat_of == 0
     assert answer.memory_violation == -0.25  # the constraint is copied
-    assert answer.reason == ("diverged" if pruned else None)
+    assert answer.outcome.reason == ("diverged" if pruned else None)
     assert answer.values == (None if pruned else (0.9,))
     assert answer.is_unbilled and not answer.is_trained and not answer.is_settled

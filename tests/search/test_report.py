@@ -18,6 +18,7 @@ from search.report import (
     summary_markdown,
     trial_line,
 )
+from tracking.metrics import THROUGHPUT_SAMPLES, THROUGHPUT_SPREAD
 
 
 def _trial(batch: int, precision: str, state: TrialState, **attrs) -> optuna.trial.FrozenTrial:
@@ -51,7 +52,7 @@ def test_rerun_overrides_replace_sampled_keys_and_drop_study_settings() -> None:
 def test_trial_line_puts_the_spread_next_to_the_throughput() -> None:
     trial = _trial(
         64, "fp32", TrialState.COMPLETE, throughput=412.0, unit="samples", peak_bytes=1,
-        metrics={"throughput/spread": 0.12},
+        metrics={THROUGHPUT_SAMPLES: 412.0, THROUGHPUT_SPREAD: 0.12},
     )  # fmt: skip
     assert "412 samples/s (±6%)" in trial_line(trial)
 

@@ -12,7 +12,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 from rich.console import Console
 
-from search.record import TrialRecord
+from search.record import Outcome, TrialRecord
 from search.report import none_completed, summary
 from search.stopping import (
     PROBE_MARGIN,
@@ -113,9 +113,7 @@ def _slow(number: int, projected_s: float) -> optuna.trial.FrozenTrial:
         user_attrs=TrialRecord(
             number,
             "PRUNED",
-            ended="PRUNED",
-            reason="slow",
-            projected_s=projected_s,
+            outcome=Outcome("PRUNED", "slow", projected_s=projected_s),
             time_budget_s=60.0,
         ).to_attrs(),
     )

@@ -14,8 +14,9 @@ from search.plots import time_to_target_plot
 from search.recommend import best_document, recommend
 from search.report import lr_plan
 from search.time_to_target import Untrusted, plan, steps_to
+from tracking.metrics import STEP_MS, THROUGHPUT_SAMPLES, VAL_ACC
 
-ACC, SPEED = "val/acc", "throughput/samples_per_sec"
+ACC, SPEED = VAL_ACC, THROUGHPUT_SAMPLES
 S_MIN, B_CRIT = 100.0, 64.0
 
 
@@ -50,7 +51,7 @@ def _trial(
         "lr_reference": 32,
         "step_ms": step_ms,
         "val_curve": _curve(steps, every=max(1.0, steps / 5)),
-        "metrics": {ACC: acc, SPEED: batch / step_ms * 1000}
+        "metrics": {ACC: acc, SPEED: batch / step_ms * 1000, STEP_MS: step_ms}
         | ({"stats/grad_noise_scale": noise} if noise else {}),
     }
     return create_trial(
