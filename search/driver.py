@@ -35,6 +35,7 @@ from search.tracking_state import TrackingState
 from search.validate import Checked, validate
 from search.worker import TrialLoop
 from tracking.config import ConfigError
+from tracking.metrics import STORAGE_S, TRACKING_S, VAL_LOSS
 from tracking.mlflow_ui import ui_link
 from tracking.overhead import CallClock, Lap, storage_methods
 from tracking.redact import redact
@@ -225,7 +226,7 @@ SETUP_TAG = "batchfit.setup"  # on the parent run once its params and reports ar
 
 def _loss_target(target: Target | None) -> float | None:
     """search.target's val/loss to reach (time to target), if it is one."""
-    if target is not None and target.metric == "val/loss" and target.op == "<=":
+    if target is not None and target.metric == VAL_LOSS and target.op == "<=":
         return float(target.value)
     return None
 
@@ -419,7 +420,7 @@ class StudyDriver:
             self.tracker,
             self.parent.log.run_id,
             notify=self._note,
-            overhead=lambda: {"time/storage_s": storage_lap(), "time/tracking_s": tracking_lap()},
+            overhead=lambda: {STORAGE_S: storage_lap(), TRACKING_S: tracking_lap()},
             on_epoch=progress.epoch,
         )
         with progress:

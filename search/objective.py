@@ -42,7 +42,7 @@ from search.record import (
     Outcome,
     TrialRecord,
 )
-from search.scaling import SCALING_METRIC, scaling_efficiency
+from search.scaling import scaling_efficiency
 from search.stopping import (
     TARGET_VALIDATIONS_PER_EPOCH,
     Prune,
@@ -52,7 +52,7 @@ from search.stopping import (
 )
 from tracking import interrupts
 from tracking.config import ConfigError
-from tracking.metrics import VAL_LOSS
+from tracking.metrics import SCALING_EFFICIENCY, VAL_LOSS
 from tracking.metrics import throughput as throughput_metric
 from tracking.runs import RunLog, Tracker
 from tracking.tags import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG
@@ -254,7 +254,7 @@ class Objective:
             study_records(trial.study), trial.params, spec.params(), throughput
         )
         if efficiency is not None:
-            extra[SCALING_METRIC] = efficiency
+            extra[SCALING_EFFICIENCY] = efficiency
         state, reason, message = "COMPLETE", None, None
         failure = learning_failure(result)
         if watch.target.missed:  # short of search.target: whether it learned at all or not

@@ -42,6 +42,7 @@ from optuna.trial import FrozenTrial, TrialState
 from search import time_to_target
 from search.recommend import metric_value
 from search.record import OOM_REASONS, SLOW, TrialRecord
+from tracking.metrics import MEMORY_PREFIX, THROUGHPUT_PREFIX
 from train.params import (
     ACCUM_KEY,
     BATCH_KEY,
@@ -60,7 +61,7 @@ SEQ_LEN_KEY = "data.seq_len"  # a language model's sequence length, a trial para
 GEOMETRY_PARAMS = (
     BATCH_KEY, ACCUM_KEY, EFFECTIVE_KEY, PRECISION_KEY, SEQ_LEN_KEY, CHECKPOINTING_KEY,
 )  # fmt: skip
-GEOMETRY_METRICS = ("throughput/", "memory/")
+GEOMETRY_METRICS = (THROUGHPUT_PREFIX, MEMORY_PREFIX)
 # OOM crosses of several precisions at one batch size are pulled apart by this share of an
 # octave each (the batch axis is log2): about a cross's width at 4 octaves across the plot.
 DODGE_OCTAVES = 0.12

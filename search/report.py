@@ -31,7 +31,7 @@ from search.budget import num_trained
 from search.recommend import Recommendation
 from search.record import PRUNER, TrialRecord, mib, records
 from search.space import override_value
-from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_SPREAD, TO_TARGET_S
+from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_SPREAD, TO_TARGET_S, VAL_PREFIX
 from tracking.redact import redact
 from train.lr import scaled_lr
 from train.memory.budget import format_bytes
@@ -172,7 +172,9 @@ class StudyProgress:
             return
         epoch, total = metrics.get("epoch", 0.0), metrics.get("num_epochs")
         of = f"/{total:g}" if total else ""
-        figures = ", ".join(f"{k} {_fmt(v)}" for k, v in metrics.items() if k.startswith("val/"))
+        figures = ", ".join(
+            f"{k} {_fmt(v)}" for k, v in metrics.items() if k.startswith(VAL_PREFIX)
+        )
         text = f"#{number} epoch {epoch:.2f}{of}: {figures} ({elapsed_s:.0f} s)"
         if not self.live:
             self.print(f"  {text}")

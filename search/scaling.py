@@ -12,7 +12,6 @@ from search.record import TrialRecord
 from search.speed import GEOMETRY_KEYS
 from train.params import DEVICES_KEY, STRATEGY_KEY
 
-SCALING_METRIC = "throughput/scaling_efficiency"
 # Keys that say how a configuration is spread, not what each device runs
 LAYOUT_KEYS = (STRATEGY_KEY, DEVICES_KEY)
 # Keys that do not change a step's speed

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from optuna.trial import FrozenTrial
 
 from search.record import TrialRecord
+from tracking.metrics import THROUGHPUT_SAMPLES, THROUGHPUT_TOKENS
 from train.measure.speed import ROUNDS, Speed, measure
 from train.params import (
     ACCUM_KEY,
@@ -44,7 +45,7 @@ MAX_GEOMETRIES = 4  # candidates timed side by side: a few seconds each, ROUNDS 
 # Searched keys under these whose values are numbers do not change a step's speed.
 SPEED_NEUTRAL = ("optimizer.", "scheduler.")
 GEOMETRY_KEYS = (BATCH_KEY, ACCUM_KEY, PRECISION_KEY, CHECKPOINTING_KEY, STRATEGY_KEY, DEVICES_KEY)
-THROUGHPUT_UNITS = {"throughput/samples_per_sec": "samples", "throughput/tokens_per_sec": "tokens"}
+THROUGHPUT_UNITS = {THROUGHPUT_SAMPLES: "samples", THROUGHPUT_TOKENS: "tokens"}
 
 Geometry = tuple[tuple[str, Any], ...]
 

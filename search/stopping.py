@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from search.config import TO_TARGET, Target
 from search.record import SLOW, TrialRecord
+from tracking.metrics import TRAIN_S
 from train.loop import RunResult
 
 # What is slow, on evidence that survives a busy machine: every trial of a study is slowed
@@ -99,7 +100,7 @@ class TargetWatch:
         if value is not None and (self.best is None or self.target.met_better(value, self.best)):
             self.best = value
         if self.target.met(value):
-            self.seconds = metrics["time/train_s"]
+            self.seconds = metrics[TRAIN_S]
             return True
         return False
 

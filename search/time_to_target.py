@@ -43,12 +43,11 @@ from optuna.trial import FrozenTrial, TrialState
 from search import speed
 from search.critical_batch import NoFit, StepsModel, fit_samples, fit_steps
 from search.record import TrialRecord
+from tracking.metrics import GRAD_NOISE_SCALE, VAL_LOSS
 from train.params import ACCUM_KEY, BATCH_KEY, CHECKPOINTING_KEY, GLOBAL_PARAM
 
 FIT_TOLERANCE = 0.25  # the fit's worst relative error in steps over its points
 NOISE_SPREAD = 3.0  # the largest / smallest trial noise scale, for B_simple to be trusted
-NOISE_METRIC = "stats/grad_noise_scale"
-LOSS = "val/loss"
 MEASURED = "measured"  # a Predicted's seconds per step: the trials' own
 CELL_COLUMNS = ("fits", "peak_bytes")  # a fit report cell's figures, not its coordinates
 
@@ -111,7 +110,7 @@ class Plan:
             constants = f"E_min {m.e_min:.4g} samples, B_crit unbounded"
         else:
             constants = f"S_min {m.s_min:.3g} steps, B_crit {m.b_crit:.3g} samples"
-        target = f"val/loss <= {self.target:.4g} ({self.target_source})"
+        target = f"{VAL_LOSS} <= {self.target:.4g} ({self.target_source})"
         return f"{target}: {constants} ({self.source}{noise})"
 
 
@@ -210,7 +209,7 @@ def plan(
     for p in points:
         best_steps[p.batch] = min(best_steps.get(p.batch, math.inf), p.steps)
     # (a negative reading, its variance estimate below zero, says nothing of B_crit)
-    noises = [v for _, r in done if (v := r.outcome.figure(NOISE_METRIC)) is not None and v > 0]
+    noises = [v for _, r in done if (v := r.outcome.figure(GRAD_NOISE_SCALE)) is not None and v > 0]
     noise = statistics.median(noises) if noises else None
     model, source = _model(best_steps, noises, noise)
     keys = _family_keys(cells)

@@ -29,6 +29,7 @@ THROUGHPUT_SPREAD = "throughput/spread"  # (fastest - slowest) / median of the t
 SCALING_EFFICIENCY = "throughput/scaling_efficiency"  # search/scaling.py
 
 # Memory (train/memory/): bytes; the MiB copies are for the MLflow runs table
+MEMORY_PREFIX = "memory/"
 PEAK_BYTES = "memory/peak_bytes"
 RESERVED_BYTES = "memory/reserved_bytes"
 BUDGET_BYTES = "memory/budget_bytes"
@@ -49,6 +50,11 @@ STORAGE_S = "time/storage_s"  # its Optuna storage calls (tracking/overhead.py)
 TRACKING_S = "time/tracking_s"  # its MLflow calls
 PREDICTION_S = "time/prediction_s"  # its memory prediction
 PROJECTED_S = "time/projected_s"  # a `slow` trial's projected training
+
+# The gradient noise scale (train/measure/noise.py): B_simple and its two parts
+GRAD_NOISE_SCALE = "stats/grad_noise_scale"
+GRAD_SQ_NORM = "stats/grad_sq_norm"
+GRAD_VARIANCE = "stats/grad_variance"
 
 # Performance (train/measure/flops.py)
 FLOPS_PER_SAMPLE = "perf/flops_per_sample"

@@ -34,6 +34,7 @@ from rich.markup import escape  # messages carry [...]: not markup
 
 from tracking.config import ConfigError
 from tracking.console import config_error, crashed
+from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_PREFIX, THROUGHPUT_SPREAD, VAL_PREFIX
 from tracking.mlflow_config import MlflowConfig
 from tracking.mlflow_setup import http_defaults, quiet_logging
 from tracking.outputs import cannot_create
@@ -319,7 +320,7 @@ def _fit_logged(
 
     def on_eval(step: int, metrics: dict) -> None:
         log.validation(step, metrics)
-        values = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val/"))
+        values = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith(VAL_PREFIX))
         console.print(f"step {step} epoch {metrics['epoch']:.2f}: {values}")
 
     trained: list[torch.nn.Module] = []
@@ -358,19 +359,19 @@ def _logged_figures(ready: Prepared, log: RunLog, result: RunResult, console: Co
     log.tags({NOISE_TAG: result.noise_estimator})
     log.end_figures({**result.metrics(), **extra, **perf}, result.num_steps)
     figures = result.figures()
-    spread = figures.get("throughput/spread")
+    spread = figures.get(THROUGHPUT_SPREAD)
     steady = "" if spread is None else f" (±{spread / 2:.0%})"  # over the logging intervals
     speeds = [
         f"{v:.0f} {k.split('/')[1].removesuffix('_per_sec')}/s{steady}"
         for k, v in figures.items()
-        if k.startswith("throughput/") and k.endswith("_per_sec")
+        if k.startswith(THROUGHPUT_PREFIX) and k.endswith("_per_sec")
     ]
     return " | ".join(
         [
             *(f"{k} {v:.4f}" for k, v in result.val.items()),
             *speeds,
             f"{result.step_ms:.0f} ms/step",
-            f"waiting for data {figures.get('time/data_wait_share', 0):.0%}",
+            f"waiting for data {figures.get(DATA_WAIT_SHARE, 0):.0%}",
             f"peak {format_bytes(result.peak_bytes)}",
         ]
     )

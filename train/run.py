@@ -19,6 +19,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tracking.config import ConfigError, number_problems
+from tracking.metrics import (
+    BUDGET_BYTES,
+    PREDICTED_BYTES,
+    PREDICTED_RESERVED_BYTES,
+    PREDICTION_ERROR,
+)
 from train.batches import Pipeline
 from train.build import COMPONENTS, build_model, build_optimizer, build_scheduler, unknown_settings
 from train.config import TrainerConfig
@@ -451,13 +457,13 @@ def memory_figures(
     those known."""
     figures: dict[str, float] = {}
     if spec.budget_bytes is not None:
-        figures["memory/budget_bytes"] = spec.budget_bytes
+        figures[BUDGET_BYTES] = spec.budget_bytes
     if prediction is not None:
-        figures["memory/predicted_bytes"] = prediction.peak_bytes
+        figures[PREDICTED_BYTES] = prediction.peak_bytes
         if prediction.reserved_bytes is not None:  # CUDA: beside memory/reserved_bytes
-            figures["memory/predicted_reserved_bytes"] = prediction.reserved_bytes
+            figures[PREDICTED_RESERVED_BYTES] = prediction.reserved_bytes
         if measured is not None:
-            figures["memory/prediction_error"] = prediction.error(measured)
+            figures[PREDICTION_ERROR] = prediction.error(measured)
     return figures
 
 

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanAbsoluteError, MeanSquaredError, Metric
 
+from tracking.metrics import VAL_LOSS, val
+
 MAXIMIZE, MINIMIZE = "maximize", "minimize"
 
 
@@ -164,9 +166,9 @@ class Task:
                     f"task metric {name!r} ({type(metric).__name__}) has higher_is_better=None;"
                     " set it on the metric class so a study knows which way is better"
                 )
-            found[f"val/{name}"] = MAXIMIZE if metric.higher_is_better else MINIMIZE
-        found["val/loss"] = MINIMIZE
-        found.update({f"val/{name}": d for name, d in self.derived.items()})
+            found[val(name)] = MAXIMIZE if metric.higher_is_better else MINIMIZE
+        found[VAL_LOSS] = MINIMIZE
+        found.update({val(name): d for name, d in self.derived.items()})
         return found
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch.utils import flop_counter
 
+from tracking.metrics import ACHIEVED_FLOPS, FLOPS_PER_SAMPLE, MFU, PEAK_FLOPS
 from train.memory.gpus import gpu_of_device_name
 
 CPU_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
@@ -227,8 +228,8 @@ def mfu_metrics(
 ) -> dict[str, float]:
     """perf/* figures of a run: FLOPs per sample, achieved FLOP/s and, with a peak, MFU."""
     achieved = flops_per_sample * samples_per_sec
-    figures = {"perf/flops_per_sample": flops_per_sample, "perf/achieved_flops": achieved}
+    figures = {FLOPS_PER_SAMPLE: flops_per_sample, ACHIEVED_FLOPS: achieved}
     if peak:
-        figures["perf/peak_flops"] = peak
-        figures["perf/mfu"] = achieved / peak
+        figures[PEAK_FLOPS] = peak
+        figures[MFU] = achieved / peak
     return figures

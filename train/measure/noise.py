@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tracking.metrics import GRAD_NOISE_SCALE, GRAD_SQ_NORM, GRAD_VARIANCE
+
 if TYPE_CHECKING:
     from train.parallel.ranks import Ranks
 
@@ -60,9 +62,9 @@ class NoiseReading:
 
     def metrics(self) -> dict[str, float]:
         values = {
-            "stats/grad_noise_scale": self.noise_scale,
-            "stats/grad_sq_norm": self.grad_sq_norm,
-            "stats/grad_variance": self.grad_variance,
+            GRAD_NOISE_SCALE: self.noise_scale,
+            GRAD_SQ_NORM: self.grad_sq_norm,
+            GRAD_VARIANCE: self.grad_variance,
         }
         return {k: v for k, v in values.items() if math.isfinite(v)}
 

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_SAMPLES, throughput
+
 
 class Stopwatch:
     """Seconds between start() and stop(), summed; synchronises the device before reading."""
@@ -126,10 +128,10 @@ class ThroughputClock:
             self._last_read = (self.timed_samples, seconds)
         if seconds <= 0:
             return {}
-        figures = {"throughput/samples_per_sec": self.timed_samples / seconds}
+        figures = {THROUGHPUT_SAMPLES: self.timed_samples / seconds}
         if self.unit != "samples":
-            figures[f"throughput/{self.unit}_per_sec"] = self.timed_units / seconds
-        figures["time/data_wait_share"] = self.data_wait_s / seconds
+            figures[throughput(self.unit)] = self.timed_units / seconds
+        figures[DATA_WAIT_SHARE] = self.data_wait_s / seconds
         return figures
 
     def pause(self) -> None:
