@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from search.space import SearchSpace, parse_space
 from tracking.config import ConfigError
+from train.config import RunSpec
 from train.memory.budget import format_bytes, parse_budget
 from train.memory.fitting import fits_budget
 from train.memory.gpus import GPUS, Gpu
@@ -47,7 +48,7 @@ from train.memory.predict import PredictionUnsupported
 from train.overrides import merge_overrides
 from train.params import CHECKPOINTING_KEY, DEVICES_KEY, PRECISION_KEY, STRATEGY_KEY
 from train.precision import unsupported_reason
-from train.run import GPU_KEY, RunSpec, budget_source, plan, with_gpu_budget
+from train.run import GPU_KEY, budget_source, plan, with_gpu_budget
 from train.workload import Workloads
 
 FOUND = 2  # levers that fit, printed; the search stops there

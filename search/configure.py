@@ -19,11 +19,12 @@ from omegaconf import DictConfig
 from search.config import SearchConfig
 from search.space import SearchSpace
 from tracking.config import ConfigError
+from train.config import RunSpec
 from train.memory.budget import format_bytes
 from train.memory.fitting import fits_budget, largest_fitting_batch
 from train.memory.predict import Prediction, PredictionUnsupported
 from train.params import ACCUM_KEY, BATCH_KEY
-from train.run import RunSpec, plan
+from train.run import plan
 from train.workload import Workloads
 
 

@@ -46,7 +46,7 @@ from search.space import SearchSpace, parse_space
 from tracking.config import ConfigError
 from tracking.console import config_error, crashed, stopped
 from tracking.redact import redact_logging
-from train.config import TrainerConfig
+from train.config import RunSpec, TrainerConfig
 from train.memory.budget import format_bytes
 from train.memory.device import DeviceSpec
 from train.memory.fitting import fits_budget, largest_fitting_batch
@@ -62,7 +62,7 @@ from train.params import (
     STRATEGY_KEY,
 )
 from train.precision import unsupported_reason
-from train.run import OverBudget, RunSpec, budget_source, with_gpu_budget
+from train.run import OverBudget, budget_source, with_gpu_budget
 from train.workload import Workloads
 
 

@@ -28,6 +28,7 @@ from optuna.trial import FrozenTrial
 
 from search.record import TrialRecord
 from tracking.metrics import THROUGHPUT_SAMPLES, THROUGHPUT_TOKENS
+from train.config import RunSpec
 from train.measure.speed import ROUNDS, Speed, measure
 from train.params import (
     ACCUM_KEY,
@@ -37,7 +38,6 @@ from train.params import (
     PRECISION_KEY,
     STRATEGY_KEY,
 )
-from train.run import RunSpec
 from train.workload import Workloads
 
 SPEED_ATTR = "speed_check"

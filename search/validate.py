@@ -40,6 +40,7 @@ from search.storage import open_storage
 from tracking.config import ConfigError, unknown_keys
 from tracking.mlflow_config import MlflowConfig
 from train.build import build_task
+from train.config import RunSpec
 from train.params import (
     ACCUM_KEY,
     BATCH_KEY,
@@ -49,7 +50,7 @@ from train.params import (
     STRATEGY_KEY,
 )
 from train.precision import unsupported_reason
-from train.run import OverBudget, RunSpec, check_builds, plan, resolve_device
+from train.run import OverBudget, check_builds, plan, resolve_device
 from train.workload import Workloads
 
 _MISSING = object()

@@ -1,13 +1,16 @@
-"""Typed, validated settings of one training run (the non-`_target_` part of the config).
+"""Typed, validated settings of one training run (the non-`_target_` part of the config), and
+the RunSpec derived from them: what a run will do, before anything is built.
 
 YAML holds the values; the entry points turn them into these frozen dataclasses, which check
 themselves in `__post_init__` and report every problem at once as a `ConfigError`.
+`train.run.plan` derives the RunSpec (device, budget, scaled learning rate); it lives here,
+not in train/run.py, so that train/workload.py, which train/run.py imports, can take one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tracking.config import (
     ConfigError,
@@ -18,7 +21,25 @@ from tracking.config import (
     number_problems,
     section_from_mapping,
 )
+from train.params import (
+    ACCUM_KEY,
+    BATCH_KEY,
+    CHECKPOINTING_KEY,
+    DEVICES_KEY,
+    EFFECTIVE_PARAM,
+    GLOBAL_PARAM,
+    LR_PARAM,
+    LR_REF_PARAM,
+    LR_RULE_PARAM,
+    PRECISION_KEY,
+    STRATEGY_KEY,
+)
 from train.precision import PRECISIONS
+
+if TYPE_CHECKING:
+    import torch
+
+    from train.memory.device import DeviceSpec
 
 LR_SCALING_RULES = ("auto", "none", "linear", "sqrt")  # auto: by the optimizer (train/lr.py)
 CHECKPOINTING_MODES = ("none", "blocks")  # train/checkpointing.py
@@ -206,3 +227,40 @@ class LoaderConfig:
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> LoaderConfig:
         return section_from_mapping(cls, "loader", values)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a run will do, derived from the config before anything is built."""
+
+    trainer: TrainerConfig
+    device: torch.device  # where it trains
+    target: DeviceSpec  # what its memory is predicted for: that device, or search.gpu's
+    budget_bytes: int | None
+    base_lr: float
+    lr: float  # base_lr scaled to the global batch size by lr_rule from lr_ref
+    lr_rule: str = "none"  # trainer.lr_scaling, `auto` resolved by the optimizer (train/lr.py)
+    lr_ref: int | None = None  # trainer.lr_ref_batch_size, None resolved to the global batch
+
+    def params(self) -> dict[str, Any]:
+        """What the run trains with, searched or not, and what follows from it."""
+        return {
+            BATCH_KEY: self.trainer.batch_size,
+            ACCUM_KEY: self.trainer.accum_steps,
+            PRECISION_KEY: self.trainer.precision,
+            CHECKPOINTING_KEY: self.trainer.activation_checkpointing,
+            "optimizer.lr": self.base_lr,
+            EFFECTIVE_PARAM: self.trainer.effective_batch_size,
+            STRATEGY_KEY: self.trainer.strategy,
+            DEVICES_KEY: self.trainer.devices,
+            GLOBAL_PARAM: self.trainer.global_batch_size,
+            LR_PARAM: self.lr,
+            LR_RULE_PARAM: self.lr_rule,
+            LR_REF_PARAM: self.lr_ref,
+            "device": str(self.device),
+        }
+
+    @property
+    def limit_bytes(self) -> int:
+        """The memory the run may use: its budget, or the whole device without one."""
+        return self.budget_bytes or self.target.total_bytes

@@ -1,6 +1,6 @@
 """The names of a run's batch geometry, precision and what follows from them.
 
-`train.run.RunSpec.params` gives a run's values under these names; a trial's user attrs and
+`train.config.RunSpec.params` gives a run's values under these names; a trial's user attrs and
 its MLflow params carry them, and search/ reads them back by them. Plain strings, no torch:
 importing this module costs nothing.
 """

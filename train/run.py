@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from tracking.metrics import (
 )
 from train.batches import Pipeline
 from train.build import COMPONENTS, build_model, build_optimizer, build_scheduler, unknown_settings
-from train.config import TrainerConfig
+from train.config import RunSpec, TrainerConfig
 from train.loop import Hooks, Run, RunResult, fit, steps_plan
 from train.lr import rule_for, scaled_lr
 from train.measure.flops import perf_metrics
@@ -42,59 +41,9 @@ from train.memory.device import DeviceSpec, device_spec
 from train.memory.predict import MemoryPredictor, Prediction, PredictionUnsupported, fake_first
 from train.models import param_bytes
 from train.overrides import override_key
-from train.params import (
-    ACCUM_KEY,
-    BATCH_KEY,
-    CHECKPOINTING_KEY,
-    DEVICES_KEY,
-    EFFECTIVE_PARAM,
-    GLOBAL_PARAM,
-    LR_PARAM,
-    LR_REF_PARAM,
-    LR_RULE_PARAM,
-    PRECISION_KEY,
-    STRATEGY_KEY,
-)
 from train.precision import unsupported_reason
 from train.tasks import Task
 from train.workload import Workload, Workloads, workload_key
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What a run will do, derived from the config before anything is built."""
-
-    trainer: TrainerConfig
-    device: torch.device  # where it trains
-    target: DeviceSpec  # what its memory is predicted for: that device, or search.gpu's
-    budget_bytes: int | None
-    base_lr: float
-    lr: float  # base_lr scaled to the global batch size by lr_rule from lr_ref
-    lr_rule: str = "none"  # trainer.lr_scaling, `auto` resolved by the optimizer (train/lr.py)
-    lr_ref: int | None = None  # trainer.lr_ref_batch_size, None resolved to the global batch
-
-    def params(self) -> dict[str, Any]:
-        """What the run trains with, searched or not, and what follows from it."""
-        return {
-            BATCH_KEY: self.trainer.batch_size,
-            ACCUM_KEY: self.trainer.accum_steps,
-            PRECISION_KEY: self.trainer.precision,
-            CHECKPOINTING_KEY: self.trainer.activation_checkpointing,
-            "optimizer.lr": self.base_lr,
-            EFFECTIVE_PARAM: self.trainer.effective_batch_size,
-            STRATEGY_KEY: self.trainer.strategy,
-            DEVICES_KEY: self.trainer.devices,
-            GLOBAL_PARAM: self.trainer.global_batch_size,
-            LR_PARAM: self.lr,
-            LR_RULE_PARAM: self.lr_rule,
-            LR_REF_PARAM: self.lr_ref,
-            "device": str(self.device),
-        }
-
-    @property
-    def limit_bytes(self) -> int:
-        """The memory the run may use: its budget, or the whole device without one."""
-        return self.budget_bytes or self.target.total_bytes
 
 
 def resolve_device(name: str) -> torch.device:

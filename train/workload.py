@@ -48,7 +48,7 @@ from train.memory.predict import MemoryPredictor, Prediction, PredictionUnsuppor
 from train.tasks import Task
 
 if TYPE_CHECKING:
-    from train.run import RunSpec
+    from train.config import RunSpec
 
 SECTIONS = ("model", "data", "task", "loader")  # what a Workload is of
 MAX_DATA = 2  # data sets held (CIFAR-10: 180 MB of tensors each)
