@@ -39,11 +39,44 @@ ERROR = "error"  # the reason of a FAIL: an exception of its own
 # the other trials), failures and a CUDA OOM (fragmentation, other processes) train again.
 SETTLED_REASONS = (DIVERGED, MISSED_TARGET)
 CONSTRAINT = "memory"  # the Optuna constraint: (peak - budget) / budget, > 0 did not fit
-VIOLATION_ATTR = "memory_violation"  # the same, as a user attr
 MESSAGE_CHARS = 1000  # of a message kept in the study (the MLflow run has 5000)
 
 # conf/search/default.yaml's objectives, for a run name made without the study's
 RUN_NAME_OBJECTIVES = (VAL_ACC,)
+
+
+class Attr:
+    """The user attr names a trial's record is stored under (`TrialRecord.to_attrs`), one
+    constant each: what users, optuna-dashboard and the tests read a trial by."""
+
+    STATE = "state"
+    REASON = "reason"
+    MESSAGE = "message"
+    PEAK_BYTES = "peak_bytes"
+    PREDICTED_BYTES = "predicted_bytes"
+    PREDICTION_ERROR = "prediction_error"
+    UNIT = "unit"
+    METRICS = "metrics"
+    VAL_CURVE = "val_curve"
+    TIMED_STEPS = "timed_steps"
+    TIMED_SAMPLES = "timed_samples"
+    MFU_NOTE = "mfu_note"
+    PROBE_S_PER_SAMPLE = "probe_s_per_sample"
+    PROJECTED_S = "projected_s"
+    REPEAT_OF = "repeat_of"
+    SURPLUS = "surplus"
+    RUN_ID = "mlflow_run_id"
+    SECONDS = "seconds"
+    STORAGE_S = "storage_s"
+    TRACKING_S = "tracking_s"
+    BUDGET_BYTES = "budget_bytes"
+    TIME_BUDGET_S = "time_budget_s"
+    # written, not read back (DERIVED_ATTRS)
+    ERROR = "error"
+    THROUGHPUT = "throughput"
+    VAL_ACC = "val_acc"
+    STEP_MS = "step_ms"
+    VIOLATION = "memory_violation"  # the constraint CONSTRAINT, for optuna-dashboard
 
 
 def _attr(name: str, default: Any = None) -> Any:
@@ -59,27 +92,27 @@ class Outcome:
     run's by metric name in `metrics` (its throughput, val/acc, step time among them); the
     rest, known of any run that trained or was predicted, in the fields below."""
 
-    state: str | None = _attr("state")  # COMPLETE, PRUNED or FAIL; None: it has not ended
-    reason: str | None = _attr("reason")  # why it was pruned (PREDICTED_OOM...), ERROR for a FAIL
-    message: str | None = _attr("message")  # what happened, in words
+    state: str | None = _attr(Attr.STATE)  # COMPLETE, PRUNED or FAIL; None: it has not ended
+    reason: str | None = _attr(Attr.REASON)  # why it was pruned (PREDICTED_OOM...); a FAIL: ERROR
+    message: str | None = _attr(Attr.MESSAGE)  # what happened, in words
     # Memory: the measured peak (the whole run's, an OOM's, or as far as it ran past its
     # memory check), the predicted one and the prediction's error against the measured.
-    peak_bytes: int | None = _attr("peak_bytes")
-    predicted_bytes: int | None = _attr("predicted_bytes")
-    prediction_error: float | None = _attr("prediction_error")
+    peak_bytes: int | None = _attr(Attr.PEAK_BYTES)
+    predicted_bytes: int | None = _attr(Attr.PREDICTED_BYTES)
+    prediction_error: float | None = _attr(Attr.PREDICTION_ERROR)
     # A completed (or missed-target) run's figures by metric name, in its task's `unit`.
-    unit: str | None = _attr("unit")
-    metrics: Mapping[str, float] = _attr("metrics", dict)
+    unit: str | None = _attr(Attr.UNIT)
+    metrics: Mapping[str, float] = _attr(Attr.METRICS, dict)
     # [optimizer step, val/loss] at each validation: time to target (search/time_to_target.py)
-    val_curve: list | None = _attr("val_curve")
+    val_curve: list | None = _attr(Attr.VAL_CURVE)
     # what the throughput clock timed (warm-up and memory-measured steps out)
-    timed_steps: int | None = _attr("timed_steps")
-    timed_samples: int | None = _attr("timed_samples")
-    mfu_note: str | None = _attr("mfu_note")  # why its perf/mfu is above 1 (train/measure/flops.py)
+    timed_steps: int | None = _attr(Attr.TIMED_STEPS)
+    timed_samples: int | None = _attr(Attr.TIMED_SAMPLES)
+    mfu_note: str | None = _attr(Attr.MFU_NOTE)  # why perf/mfu is above 1 (train/measure/flops.py)
     # The slow-trial probe's seconds per sample (the yardstick of later trials); a `slow`
     # trial's projected training.
-    probe_s_per_sample: float | None = _attr("probe_s_per_sample")
-    projected_s: float | None = _attr("projected_s")
+    probe_s_per_sample: float | None = _attr(Attr.PROBE_S_PER_SAMPLE)
+    projected_s: float | None = _attr(Attr.PROJECTED_S)
     # For the trial's MLflow run only, not kept in the study: the steps it trained (the step
     # of its end figures), the end figures only MLflow shows, the traceback of its error.
     num_steps: int = field(default=0, compare=False)
@@ -128,16 +161,16 @@ class TrialRecord:
     run: Mapping[str, Any] = field(default_factory=dict)
     # How it ended (its state there: a trial that died mid-way has none), what it measured.
     outcome: Outcome = NOT_ENDED
-    repeat_of: int | None = _attr("repeat_of")  # the trial whose record answered this one
-    surplus: bool = _attr("surplus", False)  # started past search.n_trials: never ran
-    run_id: str | None = _attr("mlflow_run_id")
+    repeat_of: int | None = _attr(Attr.REPEAT_OF)  # the trial whose record answered this one
+    surplus: bool = _attr(Attr.SURPLUS, False)  # started past search.n_trials: never ran
+    run_id: str | None = _attr(Attr.RUN_ID)
     # Seconds of the whole trial, and of its storage and MLflow calls (tracking/overhead.py).
-    seconds: float | None = _attr("seconds")
-    storage_s: float | None = _attr("storage_s")
-    tracking_s: float | None = _attr("tracking_s")
-    budget_bytes: int | None = _attr("budget_bytes")
+    seconds: float | None = _attr(Attr.SECONDS)
+    storage_s: float | None = _attr(Attr.STORAGE_S)
+    tracking_s: float | None = _attr(Attr.TRACKING_S)
+    budget_bytes: int | None = _attr(Attr.BUDGET_BYTES)
     # The search.trial_time_budget_s a `slow` trial was held to.
-    time_budget_s: float | None = _attr("time_budget_s")
+    time_budget_s: float | None = _attr(Attr.TIME_BUDGET_S)
 
     @classmethod
     def of(cls, trial: FrozenTrial) -> TrialRecord:
@@ -157,13 +190,13 @@ class TrialRecord:
         keeps itself (`state`, `params`, `values`, `memory_violation`) given by name."""
         rest = dict(attrs)
         ended = _pop_stored(Outcome, rest)
-        if "error" in rest:  # written for a FAIL of its own: its message
-            ended = {"state": "FAIL", "message": rest["error"], **ended}
+        if Attr.ERROR in rest:  # written for a FAIL of its own: its message
+            ended = {"state": "FAIL", "message": rest[Attr.ERROR], **ended}
         outcome = Outcome(**ended)
         stored = _pop_stored(TrialRecord, rest)
         for name in DERIVED_ATTRS:
             rest.pop(name, None)
-        violation = rest.pop(VIOLATION_ATTR, None)
+        violation = rest.pop(Attr.VIOLATION, None)
         if known.get("memory_violation") is None:
             known["memory_violation"] = violation
         known.setdefault("state", outcome.state or "RUNNING")
@@ -182,7 +215,7 @@ class TrialRecord:
         attrs = {**self.run, **_stored(outcome), **_stored(self)}
         attrs.update({k: v for k, v in derived.items() if v is not None})
         if self.memory_violation is not None:
-            attrs[VIOLATION_ATTR] = self.memory_violation
+            attrs[Attr.VIOLATION] = self.memory_violation
         return attrs
 
     def replace(self, **changes: Any) -> TrialRecord:
@@ -305,7 +338,7 @@ class TrialRecord:
 
 # User attrs written from the outcome but not read back: `error` (a FAIL's message), and a
 # completed run's `throughput` (in its unit), `val_acc` and `step_ms` (of its metrics).
-DERIVED_ATTRS = ("error", "throughput", "val_acc", "step_ms")
+DERIVED_ATTRS = (Attr.ERROR, Attr.THROUGHPUT, Attr.VAL_ACC, Attr.STEP_MS)
 
 
 def _derived(outcome: Outcome) -> tuple[Any, ...]:

@@ -20,7 +20,9 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 
+from search.record import Attr
 from search.storage import OWNER_ATTR
+from tracking.metrics import STORAGE_S, TRACKING_S, TRIAL_S, VAL_ACC
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,7 +44,7 @@ def check_stores(
     trials = study.get_trials()
     finished = [t for t in trials if t.state in FINISHED]
     assert len(finished) == n_trials, [(t.number, t.state.name) for t in trials]
-    killed = [t for t in trials if t.state == TrialState.FAIL and "surplus" not in t.user_attrs]
+    killed = [t for t in trials if t.state == TrialState.FAIL and Attr.SURPLUS not in t.user_attrs]
     retried = [t for t in trials if "failed_trial" in t.system_attrs]
     assert sorted(r.system_attrs["failed_trial"] for r in retried) == [t.number for t in killed]
     for retry in retried:
@@ -66,21 +68,21 @@ def check_stores(
         run = by_trial[t.number]
         assert run.info.status == "FINISHED"
         assert run.data.tags["batchfit.state"] == t.state.name
-        assert run.data.metrics["time/trial_s"] > 0
+        assert run.data.metrics[TRIAL_S] > 0
         # Every trial reads the study (sampler) and writes MLflow records.
-        assert run.data.metrics["time/storage_s"] > 0
-        tracking_s = run.data.metrics["time/tracking_s"]
+        assert run.data.metrics[STORAGE_S] > 0
+        tracking_s = run.data.metrics[TRACKING_S]
         assert tracking_s > 0 or (outage and tracking_s == 0)
         if t.state == TrialState.COMPLETE:
-            history = client.get_metric_history(run.info.run_id, "val/acc")
+            history = client.get_metric_history(run.info.run_id, VAL_ACC)
             assert len(history) == num_epochs
         assert "worker" not in run.data.params and "worker" not in t.params
     for t in killed:
-        if t.number in by_trial or "mlflow_run_id" in t.user_attrs:
+        if t.number in by_trial or Attr.RUN_ID in t.user_attrs:
             assert by_trial[t.number].info.status == "KILLED"
             assert by_trial[t.number].data.tags["batchfit.state"] == "KILLED"
     assert parents[0].data.metrics["trials/trained"] == n_trials
-    assert sum(by_trial[t.number].data.metrics["time/tracking_s"] for t in finished) > 0
+    assert sum(by_trial[t.number].data.metrics[TRACKING_S] for t in finished) > 0
 
 
 def training(first: int) -> Callable[[FrozenTrial], bool]:
@@ -90,7 +92,7 @@ def training(first: int) -> Callable[[FrozenTrial], bool]:
         t.number >= first
         and t.state == TrialState.RUNNING
         and OWNER_ATTR in t.system_attrs
-        and "mlflow_run_id" in t.user_attrs
+        and Attr.RUN_ID in t.user_attrs
     )
 
 

@@ -18,7 +18,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
+from search.driver import PARENT_ATTR
+from search.record import Attr
 from tests.sweeps import MlflowServer, run_module
+from tracking.metrics import PEAK_MIB, THROUGHPUT_SAMPLES, VAL_ACC
 from tracking.mlflow_ui import RECOMMENDED_COLUMN
 from tracking.tags import RECOMMENDED_TAG
 
@@ -26,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 N_TRIALS = 10  # with the proposals predicted not to fit, more runs than MLflow's first 10
-OBJECTIVES = ["val/acc", "throughput/samples_per_sec"]
+OBJECTIVES = [VAL_ACC, THROUGHPUT_SAMPLES]
 STUDY = [
     "model=small_cnn",
     "model.width=4",
@@ -108,9 +111,7 @@ def test_the_runs_table_shows_the_study_its_trials_and_their_figures(
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     assert pruned and complete  # the seed gives both; the checks below need both
-    recommended = int(
-        client.get_run(study.user_attrs["mlflow_parent_run_id"]).data.tags[RECOMMENDED_TAG]
-    )
+    recommended = int(client.get_run(study.user_attrs[PARENT_ATTR]).data.tags[RECOMMENDED_TAG])
     page = browser.new_page(viewport={"width": 1920, "height": 1000})
     page.goto(link)
     # The experiment opens on its training runs (not the GenAI overview), in batchfit's view.
@@ -133,7 +134,7 @@ def test_the_runs_table_shows_the_study_its_trials_and_their_figures(
     assert [m for m in marks.all_inner_texts() if m == "true"] == ["true"]
     # The view's columns are there without column picking; memory in MiB, not bytes.
     header = page.locator(".ag-header").inner_text()
-    for column in ("val/acc", "throughput/samples_per_sec", "memory/peak_mib", "batch_size"):
+    for column in (VAL_ACC, THROUGHPUT_SAMPLES, PEAK_MIB, "batch_size"):
         assert column in header, header
     assert "peak_bytes" not in header, header
     for t in pruned:  # pruned trials say so in their name, with the reason
@@ -146,7 +147,7 @@ def test_the_runs_table_shows_the_study_its_trials_and_their_figures(
         assert f"{t.user_attrs['peak_bytes'] / 2**20:.1f} MiB" in text, text
         index = texts[t.number].get_attribute("row-index")
         cell = _cell(page, index, "metrics.`val/acc`")
-        assert float(cell.inner_text()) == pytest.approx(t.user_attrs["val_acc"], abs=1e-3)
+        assert float(cell.inner_text()) == pytest.approx(t.user_attrs[Attr.VAL_ACC], abs=1e-3)
         peak = _cell(page, index, "metrics.`memory/peak_mib`").inner_text()
         assert peak == f"{t.user_attrs['peak_bytes'] / 2**20:.1f}", peak
     _shoot(page, tmp_path, "mlflow-runs.png")
@@ -185,7 +186,7 @@ def test_the_chart_view_starts_with_the_objectives_of_every_trial(
 def test_a_pruned_trials_page_says_why(browser, study_in_mlflow, tmp_path: Path) -> None:
     study, _, server, client = study_in_mlflow
     trial = next(t for t in study.get_trials() if t.state == TrialState.PRUNED)
-    run = client.get_run(trial.user_attrs["mlflow_run_id"])
+    run = client.get_run(trial.user_attrs[Attr.RUN_ID])
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(
         f"{server.url}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
@@ -210,7 +211,7 @@ def test_a_trials_page_charts_the_objectives_first(
 ) -> None:
     study, _, server, client = study_in_mlflow
     trial = next(t for t in study.get_trials() if t.state == TrialState.COMPLETE)
-    run = client.get_run(trial.user_attrs["mlflow_run_id"])
+    run = client.get_run(trial.user_attrs[Attr.RUN_ID])
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(
         f"{server.url}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
@@ -227,7 +228,7 @@ def test_the_parent_run_shows_the_summary_and_a_plot_renders(
     browser, study_in_mlflow, tmp_path: Path
 ) -> None:
     study, link, server, client = study_in_mlflow
-    parent_id = study.user_attrs["mlflow_parent_run_id"]
+    parent_id = study.user_attrs[PARENT_ATTR]
     experiment = client.get_run(parent_id).info.experiment_id
     run_url = f"{server.url}/#/experiments/{experiment}/runs/{parent_id}"
     page = browser.new_page(viewport={"width": 1400, "height": 1000})

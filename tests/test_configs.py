@@ -13,6 +13,7 @@ from search.sampler import build_sampler
 from search.space import parse_space
 from search.validate import validate
 from tracking.config import ConfigError
+from tracking.metrics import VAL_LOSS
 from train.build import (
     build_data,
     build_model,
@@ -76,7 +77,7 @@ def test_every_option_composes_and_instantiates(hydra_conf, group: str, option: 
     pipeline = build_pipeline(cfg, CPU)
     assert pipeline.num_train > 0
     task = build_task(cfg)
-    assert task.directions()["val/loss"] == "minimize"
+    assert task.directions()[VAL_LOSS] == "minimize"
     if group == "task" and (group, option) not in PARTNERS:
         return  # regression: a task for data and a model of one's own (tests/train/)
     if group == "search/sampler":

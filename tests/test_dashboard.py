@@ -27,6 +27,7 @@ import optuna
 import pytest
 
 from tests.sweeps import free_port, run_module
+from tracking.metrics import PEAK_BYTES, VAL_ACC
 
 pytestmark = pytest.mark.slow
 
@@ -139,7 +140,7 @@ def test_dashboard_serves_the_journal_study(served: tuple[Dashboard, Path]) -> N
     (summary,) = _get(f"{dashboard.url}/api/studies")["study_summaries"]
     with urllib.request.urlopen(f"{dashboard.url}/csv/{summary['study_id']}", timeout=10) as answer:
         header = answer.read().decode().splitlines()[0].split(",")
-    assert header[:4] == ["Number", "State", "val/acc", "memory/peak_bytes"], header
+    assert header[:4] == ["Number", "State", VAL_ACC, PEAK_BYTES], header
     assert len(detail["trials"]) == len(trials) == 2
     states = [t["state"] for t in detail["trials"]]
     assert states == [t.state.name.capitalize() for t in trials]

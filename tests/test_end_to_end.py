@@ -11,7 +11,24 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
+from search.driver import PARENT_ATTR
+from search.record import Attr
 from tests.sweeps import run_module
+from tracking.metrics import (
+    ACHIEVED_FLOPS,
+    BUDGET_BYTES,
+    FLOPS_PER_SAMPLE,
+    MFU,
+    PEAK_BYTES,
+    PEAK_FLOPS,
+    PREDICTED_BYTES,
+    PREDICTION_ERROR,
+    STEP_MS,
+    THROUGHPUT_SAMPLES,
+    TRAIN_LOSS,
+    VAL_ACC,
+)
+from train.params import EFFECTIVE_PARAM, PRECISION_KEY
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +60,7 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
     trials = study.get_trials()
     # Predicted before training (search.preflight): batch 256 needs ~2.6 MB, over 1 MiB. Such
     # proposals take no trial slot: all 6 of search.n_trials train.
-    oom = [t for t in trials if t.user_attrs.get("reason") == "oom_predicted"]
+    oom = [t for t in trials if t.user_attrs.get(Attr.REASON) == "oom_predicted"]
     assert oom and all(t.params["trainer.batch_size"] == 256 for t in oom)
     assert len(trials) == 6 + len(oom)
     assert all(t.state == TrialState.COMPLETE for t in trials if t not in oom)
@@ -52,9 +69,9 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
     )
     for t in oom:
         assert t.state == TrialState.PRUNED
-        assert t.user_attrs["predicted_bytes"] > t.user_attrs["budget_bytes"] == 2**20
+        assert t.user_attrs[Attr.PREDICTED_BYTES] > t.user_attrs[Attr.BUDGET_BYTES] == 2**20
         assert t.constraints["memory"] > 0
-        assert "trainer.precision" in t.user_attrs and "effective_batch_size" in t.user_attrs
+        assert PRECISION_KEY in t.user_attrs and EFFECTIVE_PARAM in t.user_attrs
 
     client = MlflowClient(mlflow_url)
     experiment = client.get_experiment_by_name("e2e")
@@ -63,7 +80,7 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
     assert len(parent) == 1
     parent = parent[0]
     nested = {f"trial-{r.data.tags['batchfit.trial']}": r for r in runs if r is not parent}
-    assert parent.info.run_id == study.user_attrs["mlflow_parent_run_id"]
+    assert parent.info.run_id == study.user_attrs[PARENT_ATTR]
     assert parent.data.params["model.width"] == "4"
     assert parent.data.metrics["trials/trained"] == 6
     assert parent.data.metrics["trials/pruned_oom_predicted"] == len(oom)
@@ -71,7 +88,7 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
     assert sorted(nested) == sorted(f"trial-{t.number}" for t in trials)
     for t in trials:
         run = nested[f"trial-{t.number}"]
-        assert run.info.run_id == t.user_attrs["mlflow_run_id"]
+        assert run.info.run_id == t.user_attrs[Attr.RUN_ID]
         assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert run.data.tags["batchfit.trial"] == str(t.number)
         assert run.data.tags["batchfit.state"] == t.state.name
@@ -85,29 +102,29 @@ def test_study_then_resume_then_rerun_the_winner(tmp_path: Path) -> None:
         assert (params["lr_rule"], params["lr_reference"]) == ("linear", "32")
         assert float(params["lr_scaled"]) == pytest.approx(t.params["optimizer.lr"] * eff / 32)
         metrics = run.data.metrics
-        assert metrics["memory/budget_bytes"] == 2**20
-        assert metrics["memory/predicted_bytes"] > 0  # every trial is predicted first
+        assert metrics[BUDGET_BYTES] == 2**20
+        assert metrics[PREDICTED_BYTES] > 0  # every trial is predicted first
         if t.state == TrialState.COMPLETE:  # and a trained one measured too: same accounting
-            assert metrics["memory/peak_bytes"] == metrics["memory/predicted_bytes"]
-            assert metrics["memory/prediction_error"] == 0
+            assert metrics[PEAK_BYTES] == metrics[PREDICTED_BYTES]
+            assert metrics[PREDICTION_ERROR] == 0
         artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
         assert "config.yaml" in artifacts
         if t.state == TrialState.COMPLETE:
-            assert metrics["throughput/samples_per_sec"] > 0 and metrics["time/step_ms"] > 0
-            history = client.get_metric_history(run.info.run_id, "val/acc")
+            assert metrics[THROUGHPUT_SAMPLES] > 0 and metrics[STEP_MS] > 0
+            history = client.get_metric_history(run.info.run_id, VAL_ACC)
             assert len(history) == 2  # one per epoch, with the step
             assert history[0].step < history[1].step
-            assert client.get_metric_history(run.info.run_id, "train/loss")
-            assert t.values[0] == pytest.approx(metrics["val/acc"])
+            assert client.get_metric_history(run.info.run_id, TRAIN_LOSS)
+            assert t.values[0] == pytest.approx(metrics[VAL_ACC])
         else:
-            assert run.data.tags["batchfit.prune_reason"] == t.user_attrs["reason"]
+            assert run.data.tags["batchfit.prune_reason"] == t.user_attrs[Attr.REASON]
 
     # The same command with a larger n_trials resumes: same study, same parent run.
     run_module("search", [*STUDY, "search.n_trials=8"], tmp_path)
     study = optuna.load_study(study_name="e2e", storage=journal)
     trials = study.get_trials()
     assert [t.number for t in trials] == list(range(len(trials)))
-    assert sum(t.user_attrs.get("reason") != "oom_predicted" for t in trials) == 8
+    assert sum(t.user_attrs.get(Attr.REASON) != "oom_predicted" for t in trials) == 8
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 1 + len(trials)
     assert [r for r in runs if r.data.tags.get("batchfit.role") == "study"][0].info.run_id == (
@@ -142,12 +159,12 @@ def test_train_entry_point_with_the_issue_command(tmp_path: Path) -> None:
     assert run.data.params["effective_batch_size"] == "128"
     # lr_scaling=linear with reference 128 in the resnet experiment: 0.05 x 128/128
     assert float(run.data.params["lr_scaled"]) == pytest.approx(0.05)
-    assert run.data.metrics["memory/budget_bytes"] == 150 * 2**20
+    assert run.data.metrics[BUDGET_BYTES] == 150 * 2**20
     # MFU as a trial logs it: counted FLOPs x measured speed over the device's peak.
     metrics = run.data.metrics
-    achieved = metrics["perf/flops_per_sample"] * metrics["throughput/samples_per_sec"]
-    assert metrics["perf/achieved_flops"] == pytest.approx(achieved)
-    assert metrics["perf/mfu"] == pytest.approx(achieved / metrics["perf/peak_flops"])
+    achieved = metrics[FLOPS_PER_SAMPLE] * metrics[THROUGHPUT_SAMPLES]
+    assert metrics[ACHIEVED_FLOPS] == pytest.approx(achieved)
+    assert metrics[MFU] == pytest.approx(achieved / metrics[PEAK_FLOPS])
 
 
 def test_fit_report_entry_point(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 from PIL import Image
 
 from tests.sweeps import run_module
+from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_SAMPLES
 
 pytestmark = pytest.mark.slow
 
@@ -55,5 +56,5 @@ def test_image_folder_trains_through_loader_workers(tmp_path: Path) -> None:
     assert "waiting for data" in last
     client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     run = client.search_runs([client.get_experiment_by_name("train").experiment_id])[0]
-    assert 0 <= run.data.metrics["time/data_wait_share"] < 1
-    assert run.data.metrics["throughput/samples_per_sec"] > 0
+    assert 0 <= run.data.metrics[DATA_WAIT_SHARE] < 1
+    assert run.data.metrics[THROUGHPUT_SAMPLES] > 0

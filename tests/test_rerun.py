@@ -24,11 +24,14 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
 from optuna.trial import FrozenTrial
 
+from search.record import Attr
 from tests.sweeps import run_module
+from tracking.metrics import VAL_ACC
 from train.build import build_pipeline, build_task
 from train.evaluate import evaluate
 from train.memory.fitting import fits_budget
 from train.model_file import load, rebuild
+from train.params import EFFECTIVE_PARAM, LR_PARAM, LR_REF_PARAM, LR_RULE_PARAM
 from train.precision import Precision
 from train.run import plan
 from train.workload import Workloads
@@ -181,7 +184,7 @@ def test_study_with_a_user_config_dir_prints_and_writes_its_rerun(study: Study) 
     assert logged == (conf.root / study.best_path).read_text()
     # The trials composed the user's groups: the package's small_cnn is width 32.
     trial_config = _artifact(
-        client, trial.user_attrs["mlflow_run_id"], "config.yaml", conf.root / "trial"
+        client, trial.user_attrs[Attr.RUN_ID], "config.yaml", conf.root / "trial"
     )
     assert yaml.safe_load(trial_config)["model"]["width"] == 4
 
@@ -197,21 +200,21 @@ def test_train_best_yaml_trains_the_recommended_trial_again(study: Study, tmp_pa
     assert run.data.tags["batchfit.trial"] == str(trial.number)
     # The study's lr_scaling is auto: linear for SGD, from the reference batch the study
     # fixed at its command line's (trainer.batch_size=32): the rate the trial trained with.
-    lr, effective = trial.params["optimizer.lr"], trial.user_attrs["effective_batch_size"]
-    assert trial.user_attrs["lr_scaled"] == pytest.approx(lr * effective / 32)
-    assert trial.user_attrs["lr_rule"] == "linear" and trial.user_attrs["lr_reference"] == 32
+    lr, effective = trial.params["optimizer.lr"], trial.user_attrs[EFFECTIVE_PARAM]
+    assert trial.user_attrs[LR_PARAM] == pytest.approx(lr * effective / 32)
+    assert trial.user_attrs[LR_RULE_PARAM] == "linear" and trial.user_attrs[LR_REF_PARAM] == 32
     assert (
         f"lr {lr * effective / 32:.4g} (optimizer.lr={lr:g} scaled linear (auto: the "
         f"optimizer's) to effective batch {effective} from trainer.lr_ref_batch_size=32)"
     ) in done.stdout
     trial_config = yaml.safe_load(
-        _artifact(conf.client, trial.user_attrs["mlflow_run_id"], "config.yaml", tmp_path)
+        _artifact(conf.client, trial.user_attrs[Attr.RUN_ID], "config.yaml", tmp_path)
     )
     assert {s: config[s] for s in SECTIONS} == {s: trial_config[s] for s in SECTIONS}
     # Seeded (model init, split and batch order) and the same code path as the trial: the
     # same accuracy, not merely a close one (observed: identical to the last digit on CPU).
-    assert run.data.metrics["val/acc"] == pytest.approx(
-        trial.user_attrs["metrics"]["val/acc"], abs=1e-6
+    assert run.data.metrics[VAL_ACC] == pytest.approx(
+        trial.user_attrs[Attr.METRICS][VAL_ACC], abs=1e-6
     )
 
 
@@ -247,8 +250,8 @@ def test_printed_command_trains_it_from_another_directory(study: Study, tmp_path
         Precision(cfg.trainer.precision, "cpu"),
         torch.device("cpu"),
         build_task(cfg),
-    )["val/acc"]
-    assert acc == pytest.approx(run.data.metrics["val/acc"], abs=1e-6)
+    )[VAL_ACC]
+    assert acc == pytest.approx(run.data.metrics[VAL_ACC], abs=1e-6)
 
 
 def test_a_relative_searchpath_reaches_the_trials_and_best_yaml(user_conf: UserConf) -> None:
@@ -287,7 +290,7 @@ def test_command_line_overrides_after_best_win(study: Study, tmp_path: Path) -> 
     assert run.data.params["trainer.batch_size"] == str(study.trial.params["trainer.batch_size"])
     # The scaled rate, said with its rule and both batches (the study's is unscaled).
     base = study.trial.params["optimizer.lr"]
-    effective = study.trial.user_attrs["effective_batch_size"]
+    effective = study.trial.user_attrs[EFFECTIVE_PARAM]
     scaled = base * effective / 128
     assert float(run.data.params["lr_scaled"]) == pytest.approx(scaled)
     assert (

@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
 from search.decision import DECISION_ATTR
+from search.record import Attr
 from search.speed import SPEED_ATTR
 from search.storage import OWNER_ATTR
 from tests.sweeps import (
@@ -108,9 +109,7 @@ def test_single_process_killed_mid_trial_resumes_and_reruns_that_trial(tmp_path:
     first = search_process(args, tmp_path)
     victim = wait_for_trial(
         lambda: journal_study(journal, "w"),
-        lambda t: (
-            t.number == 2 and t.state == TrialState.RUNNING and "mlflow_run_id" in t.user_attrs
-        ),
+        lambda t: t.number == 2 and t.state == TrialState.RUNNING and Attr.RUN_ID in t.user_attrs,
         alive=lambda: first.poll() is None,
     )
     first.send_signal(signal.SIGKILL)
@@ -125,7 +124,7 @@ def test_single_process_killed_mid_trial_resumes_and_reruns_that_trial(tmp_path:
     assert study.trials[2].state == TrialState.FAIL
     (retry,) = [t for t in study.trials if t.system_attrs.get("failed_trial") == 2]
     assert retry.params == victim.params
-    assert client.get_run(victim.user_attrs["mlflow_run_id"]).info.status == "KILLED"
+    assert client.get_run(victim.user_attrs[Attr.RUN_ID]).info.status == "KILLED"
 
 
 def test_submitit_local_worker_killed_mid_trial(tmp_path: Path) -> None:

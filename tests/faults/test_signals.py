@@ -12,6 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
+from search.record import Attr
 from tests.faults.forkserver import Process
 from tests.faults.study import NAME, STUDY, journal_of, run_study, start_study
 from tests.sweeps import journal_study, training, wait_for_trial
@@ -65,7 +66,7 @@ def test_a_stop_signal_ends_the_trial_queues_it_again_and_the_study_resumes(
 
     study = journal_of(tmp_path)
     killed, queued = study.trials[running.number], study.trials[-1]
-    assert killed.state == TrialState.FAIL and "error" not in killed.user_attrs
+    assert killed.state == TrialState.FAIL and Attr.ERROR not in killed.user_attrs
     assert queued.state == TrialState.WAITING and queued.params == killed.params
     runs = _runs(tmp_path)
     assert runs[str(running.number)].info.status == "KILLED"

@@ -19,7 +19,15 @@ import yaml
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
+from search.record import Attr
 from tests.sweeps import REPO, clean_env
+from tracking.metrics import (
+    PEAK_BYTES,
+    PREDICTION_ERROR,
+    SCALING_EFFICIENCY,
+    THROUGHPUT_SAMPLES,
+    VAL_ACC,
+)
 from train.run import plan
 from train.workload import Workloads
 
@@ -93,8 +101,8 @@ def test_a_study_searches_strategy_and_devices_and_logs_global_figures(
     ]
     assert len(over) == 2
     for t in over:  # predicted to fit (rank 0), over on rank 1: every rank stopped
-        assert t.state == TrialState.PRUNED and t.user_attrs["reason"] == "oom", t.user_attrs
-        assert "rank 1 of 2" in t.user_attrs["message"]
+        assert t.state == TrialState.PRUNED and t.user_attrs[Attr.REASON] == "oom", t.user_attrs
+        assert "rank 1 of 2" in t.user_attrs[Attr.MESSAGE]
         assert t.constraints["memory"] > 0  # the sampler learns it did not fit
     done = [t for t in trials if t not in over]
     assert all(t.state == TrialState.COMPLETE for t in done), [t.user_attrs for t in done]
@@ -114,12 +122,12 @@ def test_a_study_searches_strategy_and_devices_and_logs_global_figures(
         assert params["trainer.strategy"] == t.params["trainer.strategy"]
         assert params["global_batch_size"] == str(batch * devices)
         # Validation ran once per epoch over the whole split, not once per rank.
-        assert len(client.get_metric_history(run.info.run_id, "val/acc")) == 2
-        assert metrics["throughput/samples_per_sec"] > 0
-        assert metrics["memory/prediction_error"] == 0.0  # the per-rank prediction is exact
+        assert len(client.get_metric_history(run.info.run_id, VAL_ACC)) == 2
+        assert metrics[THROUGHPUT_SAMPLES] > 0
+        assert metrics[PREDICTION_ERROR] == 0.0  # the per-rank prediction is exact
         if devices == 2:
             ranks = [metrics["memory/rank_0/peak_bytes"], metrics["memory/rank_1/peak_bytes"]]
-            assert metrics["memory/peak_bytes"] == max(ranks)
+            assert metrics[PEAK_BYTES] == max(ranks)
             one = [
                 s
                 for s in done
@@ -129,12 +137,12 @@ def test_a_study_searches_strategy_and_devices_and_logs_global_figures(
             ]
             if one:  # the same per-device configuration on one device, trained before
                 efficiencies += 1
-                expected = metrics["throughput/samples_per_sec"] / (
-                    2 * max(runs[s.number].data.metrics["throughput/samples_per_sec"] for s in one)
+                expected = metrics[THROUGHPUT_SAMPLES] / (
+                    2 * max(runs[s.number].data.metrics[THROUGHPUT_SAMPLES] for s in one)
                 )
-                assert metrics["throughput/scaling_efficiency"] == pytest.approx(expected)
+                assert metrics[SCALING_EFFICIENCY] == pytest.approx(expected)
             else:
-                assert "throughput/scaling_efficiency" not in metrics
+                assert SCALING_EFFICIENCY not in metrics
         else:
             assert "memory/rank_0/peak_bytes" not in metrics
     assert efficiencies >= 1
@@ -159,8 +167,8 @@ def test_a_study_searches_strategy_and_devices_and_logs_global_figures(
     ]  # fmt: skip
     assert len(retrained) == 1
     assert retrained[0].data.params["trainer.devices"] == str(devices)
-    assert retrained[0].data.metrics["val/acc"] == pytest.approx(
-        runs[winner.number].data.metrics["val/acc"]
+    assert retrained[0].data.metrics[VAL_ACC] == pytest.approx(
+        runs[winner.number].data.metrics[VAL_ACC]
     )
 
 
@@ -228,7 +236,7 @@ def test_a_rank_killed_mid_trial_fails_the_trial_in_bounded_time_and_the_study_g
     trials = _journal(tmp_path, "killed").get_trials()
     first = trials[0]
     assert first.state == TrialState.FAIL
-    message = first.user_attrs["message"]
+    message = first.user_attrs[Attr.MESSAGE]
     assert "rank" in message and "SIGKILL" in message, message
     assert first.datetime_complete.timestamp() - killed_at < 30  # bounded: not a hang
     assert len(trials) == 2  # a trial that failed with an error counts as one of n_trials

@@ -13,8 +13,10 @@ from optuna.trial import TrialState
 from rich.console import Console
 
 from search.driver import PARENT_ATTR, StudyDriver, located
+from search.record import Attr
 from search.stopping import PROBE_MARGIN, Prune, TimeBudget
 from tracking.config import ConfigError
+from tracking.metrics import BUDGET_BYTES, PEAK_BYTES, THROUGHPUT_SAMPLES, VAL_ACC
 
 FAST = [
     "model=small_cnn",
@@ -65,30 +67,30 @@ def test_oom_trials_are_pruned_with_reason_and_memory_figures(hydra_conf, stores
     )
     driver.run()
     study = driver.study
-    repeats = [t for t in study.get_trials() if "repeat_of" in t.user_attrs]
-    trials = [t for t in study.get_trials() if "repeat_of" not in t.user_attrs]
+    repeats = [t for t in study.get_trials() if Attr.REPEAT_OF in t.user_attrs]
+    trials = [t for t in study.get_trials() if Attr.REPEAT_OF not in t.user_attrs]
     assert sorted(t.params["trainer.batch_size"] for t in trials) == [16, 64, 256, 512]
     # The seeded random sampler (seed 0) draws a configuration again before it has drawn all
     # 4: without a repeat the loop below checks nothing.
     assert repeats, "no trial repeated an earlier configuration: the repeat path went untested"
     for repeat in repeats:  # same configuration, same outcome, nothing trained
-        earlier = study.trials[repeat.user_attrs["repeat_of"]]
+        earlier = study.trials[repeat.user_attrs[Attr.REPEAT_OF]]
         assert earlier.params == repeat.params and earlier.state == repeat.state
         assert earlier.values == repeat.values and earlier.constraints == repeat.constraints
-        assert "peak_bytes" not in repeat.user_attrs and "mlflow_run_id" not in repeat.user_attrs
+        assert Attr.PEAK_BYTES not in repeat.user_attrs and Attr.RUN_ID not in repeat.user_attrs
     by_batch = {}
     for t in trials:
         batch = t.params["trainer.batch_size"]
         by_batch.setdefault(batch, set()).add(t.state)
         if batch >= 256:
             assert t.state == TrialState.PRUNED
-            assert t.user_attrs["reason"] == "oom"
-            assert t.user_attrs["peak_bytes"] > t.user_attrs["budget_bytes"] == 2**20
+            assert t.user_attrs[Attr.REASON] == "oom"
+            assert t.user_attrs[Attr.PEAK_BYTES] > t.user_attrs[Attr.BUDGET_BYTES] == 2**20
             assert t.user_attrs["trainer.precision"] == "fp32"
             assert t.user_attrs["trainer.accum_steps"] == 1
         else:
             assert t.state == TrialState.COMPLETE
-            assert t.user_attrs["peak_bytes"] <= 2**20
+            assert t.user_attrs[Attr.PEAK_BYTES] <= 2**20
     assert any(b >= 256 for b in by_batch) and any(b < 256 for b in by_batch)
 
     runs = {
@@ -105,17 +107,17 @@ def test_oom_trials_are_pruned_with_reason_and_memory_figures(hydra_conf, stores
     for t in trials:
         run = runs[f"trial-{t.number}"]
         assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
-        assert run.info.run_id == t.user_attrs["mlflow_run_id"]
+        assert run.info.run_id == t.user_attrs[Attr.RUN_ID]
         assert run.data.params["trainer.batch_size"] == str(t.params["trainer.batch_size"])
-        assert run.data.metrics["memory/budget_bytes"] == 2**20
-        assert "memory/peak_bytes" in run.data.metrics
+        assert run.data.metrics[BUDGET_BYTES] == 2**20
+        assert PEAK_BYTES in run.data.metrics
         assert run.data.tags["batchfit.state"] == t.state.name
         if t.state == TrialState.PRUNED:
             assert run.data.tags["batchfit.prune_reason"] == "oom"
-            assert "val/acc" not in run.data.metrics
+            assert VAL_ACC not in run.data.metrics
         else:
-            assert 0 <= run.data.metrics["val/acc"] <= 1
-            assert run.data.metrics["throughput/samples_per_sec"] > 0
+            assert 0 <= run.data.metrics[VAL_ACC] <= 1
+            assert run.data.metrics[THROUGHPUT_SAMPLES] > 0
 
 
 def _live_tensor_bytes() -> int:
@@ -149,7 +151,7 @@ def test_twenty_oom_trials_in_a_row_leave_memory_at_baseline(hydra_conf, stores)
     baseline = {}
 
     def check(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        assert trial.user_attrs["reason"] == "oom"
+        assert trial.user_attrs[Attr.REASON] == "oom"
         live = _live_tensor_bytes()
         baseline.setdefault("bytes", live)
         seen.append(live)
@@ -187,11 +189,11 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(hydra_conf, stores) -
     failed = [t for t in trials if t.params["model.width"] == 0]
     ok = [t for t in trials if t.params["model.width"] == 4]
     assert failed and ok
-    assert all(t.state == TrialState.FAIL and "error" in t.user_attrs for t in failed)
+    assert all(t.state == TrialState.FAIL and Attr.ERROR in t.user_attrs for t in failed)
     assert all(t.state == TrialState.COMPLETE for t in ok)
     runs = {r.info.run_id: r for r in _mlflow_runs(stores, "fail")}
     for t in failed:
-        run = runs[t.user_attrs["mlflow_run_id"]]
+        run = runs[t.user_attrs[Attr.RUN_ID]]
         assert run.info.status == "FAILED"
         assert run.data.tags["batchfit.state"] == "FAIL"
 
@@ -211,10 +213,9 @@ def test_diverged_and_slow_trials_are_pruned_with_their_reason(hydra_conf, store
     driver.run()
     (trial, *_) = driver.study.get_trials()
     assert trial.state == TrialState.PRUNED
-    assert trial.user_attrs["reason"] == "diverged"
-    assert (
-        "train loss is nan" in trial.user_attrs["message"] or "inf" in trial.user_attrs["message"]
-    )
+    assert trial.user_attrs[Attr.REASON] == "diverged"
+    message = trial.user_attrs[Attr.MESSAGE]
+    assert "train loss is nan" in message or "inf" in message
 
     slow = _driver(
         hydra_conf,
@@ -223,12 +224,12 @@ def test_diverged_and_slow_trials_are_pruned_with_their_reason(hydra_conf, store
     )
     slow.run()
     (trial,) = slow.study.get_trials()
-    assert trial.state == TrialState.PRUNED and trial.user_attrs["reason"] == "slow"
-    assert "search.trial_time_budget_s" in trial.user_attrs["message"]
+    assert trial.state == TrialState.PRUNED and trial.user_attrs[Attr.REASON] == "slow"
+    assert "search.trial_time_budget_s" in trial.user_attrs[Attr.MESSAGE]
     # Stopped by the probe, before its first step: not by the per-step check, which would
     # also say `slow` after paying for a step (its memory check sets peak_bytes).
-    assert trial.user_attrs["message"].startswith("a probe step projects")
-    assert "peak_bytes" not in trial.user_attrs
+    assert trial.user_attrs[Attr.MESSAGE].startswith("a probe step projects")
+    assert Attr.PEAK_BYTES not in trial.user_attrs
 
 
 @pytest.mark.study
@@ -242,8 +243,8 @@ def test_a_trial_that_trained_without_learning_is_pruned_as_diverged(hydra_conf,
     driver.run()
     (trial,) = driver.study.get_trials()
     assert trial.state == TrialState.PRUNED
-    assert trial.user_attrs["reason"] == "diverged"
-    message = trial.user_attrs["message"]
+    assert trial.user_attrs[Attr.REASON] == "diverged"
+    message = trial.user_attrs[Attr.MESSAGE]
     # the seeded initial weights' loss: 2.318 on digits, above ln 10 = 2.303
     assert message.startswith("did not learn: val/loss"), message
     assert "no better than a uniform guess over 10 classes (ln 10 = 2.303)" in message
@@ -307,7 +308,7 @@ def test_group_choices_are_searched_by_recomposing(hydra_conf, stores) -> None:
     client = MlflowClient(stores["mlflow"])
     for t in driver.study.get_trials():
         assert t.state == TrialState.COMPLETE
-        path = client.download_artifacts(t.user_attrs["mlflow_run_id"], "config.yaml")
+        path = client.download_artifacts(t.user_attrs[Attr.RUN_ID], "config.yaml")
         target = "torch.optim.SGD" if t.params["optimizer"] == "sgd" else "torch.optim.AdamW"
         assert f"_target_: {target}" in Path(path).read_text()
 
@@ -331,7 +332,7 @@ def test_single_objective_studies_use_the_pruner_on_val_acc(hydra_conf, stores) 
     )
     driver.run()
     for t in driver.study.get_trials():
-        assert t.state == TrialState.PRUNED and t.user_attrs["reason"] == "pruner"
+        assert t.state == TrialState.PRUNED and t.user_attrs[Attr.REASON] == "pruner"
         assert len(t.intermediate_values) == 1  # stopped at the first of two validations
 
 

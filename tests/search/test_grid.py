@@ -13,6 +13,7 @@ from optuna.trial import TrialState
 from rich.console import Console
 
 from search.driver import StudyDriver
+from search.record import Attr
 from search.sampler import build_sampler, grid_of
 from search.space import parse_space
 from search.validate import validate
@@ -114,7 +115,7 @@ def test_a_study_runs_with_the_sampler_from_config(hydra_conf, stores, sampler: 
         # Random proposes repeats; each configuration trains once all the same, and the study
         # ends when all 4 are known, below search.n_trials=7.
         trained = [
-            c for c, t in zip(configs, trials, strict=True) if "repeat_of" not in t.user_attrs
+            c for c, t in zip(configs, trials, strict=True) if Attr.REPEAT_OF not in t.user_attrs
         ]
         assert sorted(trained) == sorted(itertools.product([16, 64], [1, 2]))
         assert "every one of the 4 configurations of search.params has been tried" in text

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from search.objective import learning_failure
+from tracking.metrics import VAL_ACC, VAL_LOSS
 from train.loop import RunResult
 from train.tasks import CausalLM, Classification, Regression, Task
 
 
 def _result(*losses: float, chance: float | None = math.log(10), acc: float = 0.1) -> RunResult:
-    evals = [{"val/loss": loss, "val/acc": acc} for loss in losses]
+    evals = [{VAL_LOSS: loss, VAL_ACC: acc} for loss in losses]
     return RunResult(
         num_steps=10, num_samples=100, throughput_samples_per_sec=1.0, step_ms=1.0,
         peak_bytes=0, reserved_bytes=None, train_loss=losses[-1], val=evals[-1], evals=evals,

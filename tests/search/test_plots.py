@@ -15,10 +15,11 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from search import plots
+from tracking.metrics import THROUGHPUT_SAMPLES, VAL_ACC
 
 MIB = 2**20
 BUDGET = 64 * MIB
-METRICS = ["val/acc", "throughput/samples_per_sec"]
+METRICS = [VAL_ACC, THROUGHPUT_SAMPLES]
 DISTRIBUTIONS = {
     "trainer.batch_size": CategoricalDistribution([8, 16, 32, 64, 128, 256, 512, 1024]),
     "trainer.accum_steps": CategoricalDistribution([1, 2, 4]),
@@ -80,7 +81,7 @@ def _complete(
         val_acc=acc,
         peak_bytes=peak,
         predicted_bytes=peak,
-        metrics={"val/acc": acc, f"throughput/{unit}_per_sec": speed},
+        metrics={VAL_ACC: acc, f"throughput/{unit}_per_sec": speed},
         **kw,
     )
 
@@ -214,7 +215,7 @@ def test_front_puts_objective_0_on_x_as_optunas_pareto_plot_does() -> None:
             html_front.layout.xaxis.title.text,
             html_front.layout.yaxis.title.text,
         )
-        == ("val/acc", "throughput/samples_per_sec")
+        == (VAL_ACC, THROUGHPUT_SAMPLES)
     )
     assert _lines(ax, "*") == [([0.945], [900.0])]  # trial 1: x its accuracy, y its speed
 
@@ -347,7 +348,7 @@ def test_throughput_importances_are_over_the_batch_geometry_only() -> None:
     bars = _bars(fig)
     geometry = bars["throughput/samples_per_sec (geometry only)"]
     assert geometry["optimizer.lr"] == 0.0 and geometry["trainer.batch_size"] > 0
-    assert bars["val/acc"]["optimizer.lr"] > 0  # other objectives: every param, as before
+    assert bars[VAL_ACC]["optimizer.lr"] > 0  # other objectives: every param, as before
     assert fig.axes[0].get_title() == (
         "Parameter importances per objective (Optuna's default evaluator)\n"
         "throughput/samples_per_sec: over the batch geometry only, not the lr"

@@ -19,12 +19,15 @@ from search import budget as budget_module
 from search.budget import num_trained, study_records
 from search.driver import StudyDriver
 from search.fit import fit_report
+from search.record import Attr
 from search.sampler import FeasibilityFilter
 from search.validate import validate
 from tracking.config import ConfigError
+from tracking.metrics import PREDICTED_BYTES, PREDICTION_ERROR, PREDICTION_S
 from train.memory.budget import format_bytes
 from train.memory.fitting import largest_fitting_batch
 from train.memory.predict import PredictionUnsupported
+from train.params import EFFECTIVE_PARAM
 from train.run import plan
 from train.workload import Workloads
 
@@ -98,7 +101,7 @@ def test_trials_predicted_not_to_fit_are_pruned_before_training(hydra_conf, stor
     # 4 configurations, 2 predicted not to fit (again at each proposal, taking no slot): the
     # 2 that fit train once each (a repeat is answered from the record) and are the study's
     # only billed trials; it ends when all 4 are known, short of search.n_trials=6.
-    trials = [t for t in driver.study.get_trials() if "repeat_of" not in t.user_attrs]
+    trials = [t for t in driver.study.get_trials() if Attr.REPEAT_OF not in t.user_attrs]
     assert {t.params["trainer.batch_size"] for t in trials} == {16, 64, 256, 512}
     predicted_oom = [t for t in trials if t.params["trainer.batch_size"] >= 256]
     trained = [t for t in trials if t.params["trainer.batch_size"] < 256]
@@ -109,33 +112,31 @@ def test_trials_predicted_not_to_fit_are_pruned_before_training(hydra_conf, stor
     assert "2 trials trained of search.n_trials=6" in shown
     for t in predicted_oom:
         assert t.state == TrialState.PRUNED
-        assert t.user_attrs["reason"] == "oom_predicted"
-        assert t.user_attrs["predicted_bytes"] > t.user_attrs["budget_bytes"] == MiB
-        assert "peak_bytes" not in t.user_attrs  # never ran
-        assert "predicted to need" in t.user_attrs["message"]
+        assert t.user_attrs[Attr.REASON] == "oom_predicted"
+        assert t.user_attrs[Attr.PREDICTED_BYTES] > t.user_attrs[Attr.BUDGET_BYTES] == MiB
+        assert Attr.PEAK_BYTES not in t.user_attrs  # never ran
+        assert "predicted to need" in t.user_attrs[Attr.MESSAGE]
         # the excess with the margin that pruned it (search.preflight_margin, 5%)
-        excess = t.user_attrs["predicted_bytes"] * 1.05 / MiB - 1
+        excess = t.user_attrs[Attr.PREDICTED_BYTES] * 1.05 / MiB - 1
         assert t.constraints["memory"] == pytest.approx(excess) and excess > 0
     for t in trained:
         assert _trained(t)
-        assert abs(t.user_attrs["prediction_error"]) < 0.01
-        assert t.user_attrs["peak_bytes"] <= MiB
+        assert abs(t.user_attrs[Attr.PREDICTION_ERROR]) < 0.01
+        assert t.user_attrs[Attr.PEAK_BYTES] <= MiB
         assert t.constraints["memory"] <= 0
-        assert t.constraints["memory"] == pytest.approx((t.user_attrs["peak_bytes"] - MiB) / MiB)
+        assert t.constraints["memory"] == pytest.approx((t.user_attrs[Attr.PEAK_BYTES] - MiB) / MiB)
     assert isinstance(driver.study.sampler, FeasibilityFilter)
 
     runs = _runs(stores, "t")
     parent = runs.pop("t")
     for t in trials:
         metrics = runs[f"trial-{t.number}"].data.metrics
-        assert metrics["memory/predicted_bytes"] == t.user_attrs["predicted_bytes"]
-        assert metrics["time/prediction_s"] == 0  # the fit report at study start predicted it
+        assert metrics[PREDICTED_BYTES] == t.user_attrs[Attr.PREDICTED_BYTES]
+        assert metrics[PREDICTION_S] == 0  # the fit report at study start predicted it
         if _trained(t):
-            assert metrics["memory/prediction_error"] == pytest.approx(
-                t.user_attrs["prediction_error"]
-            )
+            assert metrics[PREDICTION_ERROR] == pytest.approx(t.user_attrs[Attr.PREDICTION_ERROR])
         else:
-            assert "memory/prediction_error" not in metrics
+            assert PREDICTION_ERROR not in metrics
             assert runs[f"trial-{t.number}"].data.tags["batchfit.prune_reason"] == "oom_predicted"
     client = MlflowClient(stores["mlflow"])
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
@@ -166,16 +167,16 @@ def test_without_preflight_the_oom_is_measured(hydra_conf, stores) -> None:
     trials = driver.study.get_trials()
     assert {t.params["trainer.batch_size"] for t in trials} == {64, 512}
     for t in trials:
-        assert "predicted_bytes" not in t.user_attrs
-        assert "prediction_error" not in t.user_attrs
+        assert Attr.PREDICTED_BYTES not in t.user_attrs
+        assert Attr.PREDICTION_ERROR not in t.user_attrs
         if t.params["trainer.batch_size"] == 512:
-            assert t.state == TrialState.PRUNED and t.user_attrs["reason"] == "oom"
-            assert t.user_attrs["peak_bytes"] > MiB
+            assert t.state == TrialState.PRUNED and t.user_attrs[Attr.REASON] == "oom"
+            assert t.user_attrs[Attr.PEAK_BYTES] > MiB
             assert t.constraints["memory"] > 0
         else:
             assert _trained(t) and t.constraints["memory"] <= 0
     for name, run in _runs(stores, "measured").items():
-        assert "memory/predicted_bytes" not in run.data.metrics, name
+        assert PREDICTED_BYTES not in run.data.metrics, name
 
 
 @pytest.mark.study
@@ -198,10 +199,10 @@ def test_without_the_oom_constraint_the_sampler_is_not_told(hydra_conf, stores) 
     assert {t.params["trainer.batch_size"] for t in trials} == {16, 512}
     for t in trials:
         assert t.constraints == {}
-        assert "memory_violation" not in t.user_attrs
-        assert "predicted_bytes" in t.user_attrs  # still predicted, still pruned
+        assert Attr.VIOLATION not in t.user_attrs
+        assert Attr.PREDICTED_BYTES in t.user_attrs  # still predicted, still pruned
     (oom,) = [t for t in trials if t.params["trainer.batch_size"] == 512]
-    assert oom.user_attrs["reason"] == "oom_predicted"
+    assert oom.user_attrs[Attr.REASON] == "oom_predicted"
 
 
 class ItemModel(nn.Module):
@@ -240,8 +241,8 @@ def test_a_model_that_cannot_be_predicted_is_measured(hydra_conf, stores) -> Non
     assert len(trials) == 2
     for t in trials:
         assert _trained(t)
-        assert 0 < t.user_attrs["peak_bytes"] <= MiB
-        assert "predicted_bytes" not in t.user_attrs
+        assert 0 < t.user_attrs[Attr.PEAK_BYTES] <= MiB
+        assert Attr.PREDICTED_BYTES not in t.user_attrs
         assert t.constraints["memory"] <= 0  # measured memory still reaches the sampler
     shown = driver.console.export_text()
     assert shown.count(NOT_PREDICTED) == 1, shown
@@ -286,10 +287,10 @@ def test_derived_accumulation_splits_the_effective_batch_to_fit(hydra_conf, stor
     for t in trials:
         effective = t.params["trainer.effective_batch_size"]
         batch, accum = t.user_attrs["trainer.batch_size"], t.user_attrs["trainer.accum_steps"]
-        assert batch * accum == effective == t.user_attrs["effective_batch_size"]
+        assert batch * accum == effective == t.user_attrs[EFFECTIVE_PARAM]
         assert _trained(t)
-        assert t.user_attrs["peak_bytes"] <= MiB
-        assert abs(t.user_attrs["prediction_error"]) < 0.01
+        assert t.user_attrs[Attr.PEAK_BYTES] <= MiB
+        assert abs(t.user_attrs[Attr.PREDICTION_ERROR]) < 0.01
         # The largest divisor predicted to fit, as train.memory.predict finds it.
         cfg = hydra_conf(
             [*FAST, *overrides, f"trainer.batch_size={effective}", "trainer.accum_steps=1"]
@@ -299,7 +300,7 @@ def test_derived_accumulation_splits_the_effective_batch_to_fit(hydra_conf, stor
         predictor = workload.predictor(spec, cfg.optimizer)
         found = largest_fitting_batch(predictor, spec.trainer, workload.num_train, MiB, 0.05)
         assert found is not None and found[0] == batch
-        assert t.user_attrs["predicted_bytes"] == found[1].peak_bytes
+        assert t.user_attrs[Attr.PREDICTED_BYTES] == found[1].peak_bytes
         if effective == 64:
             assert (batch, accum) == (64, 1)
         else:
@@ -378,7 +379,7 @@ def _trained(t: optuna.trial.FrozenTrial) -> bool:
     are the same either way."""
     if t.state == TrialState.COMPLETE:
         return True
-    return t.user_attrs.get("reason") == "diverged" and t.user_attrs["message"].startswith(
+    return t.user_attrs.get(Attr.REASON) == "diverged" and t.user_attrs[Attr.MESSAGE].startswith(
         "did not learn"
     )
 
@@ -399,7 +400,7 @@ def test_proposals_predicted_not_to_fit_take_no_trial_slot(hydra_conf, stores) -
     )
     driver.run()
     trials = driver.study.get_trials()
-    unbilled = [t for t in trials if t.user_attrs.get("reason") == "oom_predicted"]
+    unbilled = [t for t in trials if t.user_attrs.get(Attr.REASON) == "oom_predicted"]
     trained = [t for t in trials if t not in unbilled]
     # All 5 of search.n_trials trained; the proposals predicted not to fit came on top, and
     # still reached the sampler as infeasible.
@@ -431,7 +432,7 @@ def test_a_space_where_nothing_fits_ends_with_a_message(hydra_conf, stores, monk
     driver.run()
     trials = driver.study.get_trials()
     assert len(trials) == 6 and num_trained(study_records(driver.study)) == 0
-    assert all(t.user_attrs["reason"] == "oom_predicted" for t in trials)
+    assert all(t.user_attrs[Attr.REASON] == "oom_predicted" for t in trials)
     shown = driver.console.export_text()
     assert "the last 6 proposals were all predicted not to fit or trained before" in shown
     assert "0 trials trained of search.n_trials=3" in shown

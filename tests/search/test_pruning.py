@@ -9,6 +9,8 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
 from search.driver import StudyDriver
+from search.record import Attr
+from tracking.metrics import PEAK_BYTES, PREDICTED_BYTES, PREDICTION_ERROR
 
 pytestmark = pytest.mark.study
 
@@ -61,7 +63,7 @@ def test_the_pruner_never_prunes_at_a_trials_only_validation(prepare_study, stor
     # Trained to its end: complete, or (at lr 1e-6 it stays at chance level) pruned by the
     # learning check as diverged, never by the pruner.
     assert list(bad.intermediate_values) == [0]
-    assert bad.state == TrialState.COMPLETE or bad.user_attrs["reason"] == "diverged"
+    assert bad.state == TrialState.COMPLETE or bad.user_attrs[Attr.REASON] == "diverged"
 
 
 def test_the_pruner_prunes_after_the_first_validation_before_the_last(prepare_study, stores):
@@ -69,9 +71,9 @@ def test_the_pruner_prunes_after_the_first_validation_before_the_last(prepare_st
     # is never reached.
     good, bad = _trials(_study(prepare_study, stores, "three", epochs=3))
     assert list(good.intermediate_values) == [0, 1, 2]  # steps count validations from 0
-    assert bad.state == TrialState.PRUNED and bad.user_attrs["reason"] == "pruner"
+    assert bad.state == TrialState.PRUNED and bad.user_attrs[Attr.REASON] == "pruner"
     assert list(bad.intermediate_values) == [0, 1]
-    assert "at validation 2 " in bad.user_attrs["message"]
+    assert "at validation 2 " in bad.user_attrs[Attr.MESSAGE]
 
 
 def test_a_pruned_trial_records_its_memory_in_mlflow(prepare_study, stores) -> None:
@@ -80,9 +82,9 @@ def test_a_pruned_trial_records_its_memory_in_mlflow(prepare_study, stores) -> N
     assert bad.state == TrialState.PRUNED  # by the pruner, after its memory check
     client = MlflowClient(stores["mlflow"])
     for trial in (good, bad):
-        metrics = client.get_run(trial.user_attrs["mlflow_run_id"]).data.metrics
-        peak, predicted = trial.user_attrs["peak_bytes"], trial.user_attrs["predicted_bytes"]
-        assert metrics["memory/peak_bytes"] == peak > 0
-        assert metrics["memory/predicted_bytes"] == predicted
-        assert metrics["memory/prediction_error"] == pytest.approx((predicted - peak) / peak)
-        assert trial.user_attrs["prediction_error"] == pytest.approx((predicted - peak) / peak)
+        metrics = client.get_run(trial.user_attrs[Attr.RUN_ID]).data.metrics
+        peak, predicted = trial.user_attrs[Attr.PEAK_BYTES], trial.user_attrs[Attr.PREDICTED_BYTES]
+        assert metrics[PEAK_BYTES] == peak > 0
+        assert metrics[PREDICTED_BYTES] == predicted
+        assert metrics[PREDICTION_ERROR] == pytest.approx((predicted - peak) / peak)
+        assert trial.user_attrs[Attr.PREDICTION_ERROR] == pytest.approx((predicted - peak) / peak)

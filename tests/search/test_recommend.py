@@ -15,12 +15,14 @@ from optuna.trial import FrozenTrial, TrialState, create_trial
 from search import speed
 from search.config import RecommendRule
 from search.recommend import best_document, metric_value, recommend
+from search.record import Attr
 from search.validate import recommend_rule, search_config
 from tracking.config import ConfigError
+from tracking.metrics import PEAK_BYTES, THROUGHPUT_SAMPLES, VAL_ACC, VAL_LOSS
 from train.measure.speed import Speed
 from train.overrides import load_overrides, merge_overrides
 
-ACC, LOSS, SPEED, PEAK = "val/acc", "val/loss", "throughput/samples_per_sec", "memory/peak_bytes"
+ACC, LOSS, SPEED, PEAK = VAL_ACC, VAL_LOSS, THROUGHPUT_SAMPLES, PEAK_BYTES
 BATCHES = CategoricalDistribution([16, 32, 64, 128, 256, 512])
 
 
@@ -314,7 +316,7 @@ def test_a_trial_without_a_prefer_value_does_not_move_the_best() -> None:
     # its objective value stands in as 0): the 1% window is still measured from its 0.95,
     # so trial 1 (0.80) is not within it; trial 2 (0.946) is.
     no_speed = _complete(64, acc=0.95, speed=0.0)
-    no_speed.user_attrs["metrics"][SPEED] = float("nan")
+    no_speed.user_attrs[Attr.METRICS][SPEED] = float("nan")
     trials = _numbered(
         [
             no_speed,
@@ -393,5 +395,5 @@ def test_the_learning_rate_is_not_part_of_a_geometry() -> None:
     assert speed.geometry(trials[0]) == speed.geometry(trials[2])  # lr 0.05 and 0.2
     assert speed.label(speed.geometry(trials[1])) == "128x1 fp32"
     # One trial per geometry is timed: the fastest geometries first, by the trials' own.
-    checked = speed.to_check([(t, t.user_attrs["throughput"]) for t in trials])
+    checked = speed.to_check([(t, t.user_attrs[Attr.THROUGHPUT]) for t in trials])
     assert [t.number for t in checked] == [1, 2]

@@ -13,7 +13,7 @@ from optuna.trial import TrialState, create_trial
 
 from search.config import SearchConfig
 from search.outcome import trial_record, write
-from search.record import VIOLATION_ATTR, Outcome, TrialRecord
+from search.record import Attr, Outcome, TrialRecord
 from tracking.metrics import STEP_MS, THROUGHPUT_TOKENS, VAL_ACC
 from train.config import TrainerConfig
 from train.memory.device import DeviceSpec
@@ -81,18 +81,18 @@ def test_a_record_written_to_a_trial_reads_back_the_same(tmp_path) -> None:
     # optuna-dashboard shows the constraint only as this user attr (its constraint view reads
     # Optuna 4's attribute): it is written beside the constraint.
     assert read.memory_violation == -0.25 and study.trials[0].constraints == {"memory": -0.25}
-    assert study.trials[0].user_attrs[VIOLATION_ATTR] == -0.25
+    assert study.trials[0].user_attrs[Attr.VIOLATION] == -0.25
     # a figure is stored once, in the record; a completed run's throughput, val/acc and step
     # time are written under names of their own too, for users and optuna-dashboard
     attrs = study.trials[0].user_attrs
-    assert (attrs["throughput"], attrs["val_acc"], attrs["step_ms"]) == (912.4, 0.9, 40.0)
+    assert (attrs[Attr.THROUGHPUT], attrs[Attr.VAL_ACC], attrs[Attr.STEP_MS]) == (912.4, 0.9, 40.0)
 
 
 def test_a_failure_counts_as_finished_whatever_its_reason() -> None:
     """A FAIL with an error of its own is finished (not run again); a FAIL without one was
     interrupted."""
     started = TrialRecord(3, "RUNNING", run=RUN)
-    settings = SearchConfig("s", "sqlite://", 4, None, ("val/acc",), None, None)
+    settings = SearchConfig("s", "sqlite://", 4, None, (VAL_ACC,), None, None)
     cpu = torch.device("cpu")
     spec = RunSpec(TrainerConfig(), cpu, DeviceSpec("cpu", 2**30), None, 0.1, 0.1)
     for reason in ("error", None):

@@ -18,7 +18,7 @@ from search.report import (
     summary_markdown,
     trial_line,
 )
-from tracking.metrics import THROUGHPUT_SAMPLES, THROUGHPUT_SPREAD
+from tracking.metrics import THROUGHPUT_SAMPLES, THROUGHPUT_SPREAD, VAL_ACC
 
 
 def _trial(batch: int, precision: str, state: TrialState, **attrs) -> optuna.trial.FrozenTrial:
@@ -76,7 +76,7 @@ def test_a_trial_reason_is_printed_whole_wrapped_in_a_terminal() -> None:
     for terminal in (True, False):
         out = io.StringIO()
         console = Console(file=out, width=80, force_terminal=terminal, color_system=None)
-        with StudyProgress(console, n_trials=4, done=0, metric="val/acc") as progress:
+        with StudyProgress(console, n_trials=4, done=0, metric=VAL_ACC) as progress:
             progress.print(trial_line(trial))
         text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
         lines = [line for line in re.split(r"[\r\n]", text) if line.strip()]
@@ -102,6 +102,6 @@ def test_a_study_whose_only_repeat_is_of_a_pruned_oom_is_summarised() -> None:
         "training: 1 REPEAT"
     )
     console = Console(record=True, width=200)
-    summary(console, study, ["val/acc"], None)
+    summary(console, study, [VAL_ACC], None)
     assert "1 REPEAT" in console.export_text()
-    assert "1 REPEAT" in summary_markdown(study, ["val/acc"], None)
+    assert "1 REPEAT" in summary_markdown(study, [VAL_ACC], None)

@@ -24,11 +24,12 @@ from search.recommend import recommend
 from search.record import TrialRecord
 from search.report import EPOCH_LINES_AFTER_S, StudyProgress, summary_markdown
 from search.results import PUBLISH_EVERY_S, RECOMMENDED_TAG, Results
+from tracking.metrics import PEAK_BYTES, THROUGHPUT_SAMPLES, TRAIN_LOSS, VAL_ACC, VAL_LOSS
 from tracking.runs import Tracker
 from tracking.tags import NOTE_TAG
 from train.overrides import load_overrides
 
-METRICS = ["val/acc", "throughput/samples_per_sec"]
+METRICS = [VAL_ACC, THROUGHPUT_SAMPLES]
 MIB = 2**20
 BUDGET = 64 * MIB
 DISTRIBUTIONS = {
@@ -64,10 +65,10 @@ def _complete(
         "predicted_bytes": round(peak * 1.081),
         "state": "COMPLETE",
         "metrics": {
-            "val/acc": acc,
-            "val/loss": 1 - acc,
-            "throughput/samples_per_sec": speed,
-            "memory/peak_bytes": float(peak),
+            VAL_ACC: acc,
+            VAL_LOSS: 1 - acc,
+            THROUGHPUT_SAMPLES: speed,
+            PEAK_BYTES: float(peak),
         },
     }
     return create_trial(
@@ -262,7 +263,7 @@ CONFIG = {"trainer.batch_size": 64, "trainer.accum_steps": 2, "trainer.precision
             {
                 "state": "COMPLETE",
                 "peak_bytes": 678996,
-                "metrics": {"val/acc": 0.9456, "throughput/samples_per_sec": 912.4},
+                "metrics": {VAL_ACC: 0.9456, THROUGHPUT_SAMPLES: 912.4},
             },
             "trial-3 · 64x2 bf16 · acc 0.946 · 912/s · 0.6 MiB",
         ),
@@ -303,7 +304,7 @@ def test_progress_in_plain_lines(clock: list[float]) -> None:
     trials = _trials()
     study = optuna.create_study(directions=["maximize", "maximize"])
     console = _plain()
-    progress = StudyProgress(console, n_trials=4, done=0, metric="val/acc")
+    progress = StudyProgress(console, n_trials=4, done=0, metric=VAL_ACC)
     # finished at (s):  60      90      120 (oom_predicted: not counted)  200
     for trial, at in zip(
         [trials[0], trials[1], trials[4], trials[2]], [60, 90, 120, 200], strict=True
@@ -331,7 +332,7 @@ def test_progress_of_a_resumed_study_counts_only_new_trials_for_time_left(
     study.add_trial(trials[0])
     study.add_trial(trials[1])
     console = _plain()
-    progress = StudyProgress(console, n_trials=4, done=2, metric="val/acc")
+    progress = StudyProgress(console, n_trials=4, done=2, metric=VAL_ACC)
     study.add_trial(trials[2])
     clock[0] += 30
     progress.trial_finished(study, study.get_trials()[-1])
@@ -343,8 +344,8 @@ def test_progress_of_a_resumed_study_counts_only_new_trials_for_time_left(
 
 def test_epoch_lines_only_for_a_trial_running_long(clock: list[float]) -> None:
     console = _plain()
-    progress = StudyProgress(console, n_trials=4, done=0, metric="val/acc")
-    metrics = {"epoch": 1.0, "num_epochs": 3, "val/acc": 0.9, "val/loss": 0.25, "train/loss": 1.0}
+    progress = StudyProgress(console, n_trials=4, done=0, metric=VAL_ACC)
+    metrics = {"epoch": 1.0, "num_epochs": 3, VAL_ACC: 0.9, VAL_LOSS: 0.25, TRAIN_LOSS: 1.0}
     progress.epoch(3, metrics, elapsed_s=EPOCH_LINES_AFTER_S - 0.1)
     assert console.file.getvalue() == ""
     assert EPOCH_LINES_AFTER_S < 6.0
@@ -357,8 +358,8 @@ def test_live_progress_in_a_terminal_shows_the_trial_and_its_epochs() -> None:
     long trial's epoch line, which is gone when the trial ends."""
     console = Console(file=io.StringIO(), force_terminal=True, width=200)
     study = optuna.create_study(directions=["maximize", "maximize"])
-    metrics = {"epoch": 1.0, "num_epochs": 3, "val/acc": 0.9, "val/loss": 0.25}
-    with StudyProgress(console, n_trials=4, done=0, metric="val/acc") as progress:
+    metrics = {"epoch": 1.0, "num_epochs": 3, VAL_ACC: 0.9, VAL_LOSS: 0.25}
+    with StudyProgress(console, n_trials=4, done=0, metric=VAL_ACC) as progress:
         progress.epoch(0, metrics, elapsed_s=6.0)
         shown = progress._progress.get_renderable()
         text = Console(file=io.StringIO(), width=200, record=True)

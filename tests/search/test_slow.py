@@ -12,7 +12,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 from rich.console import Console
 
-from search.record import Outcome, TrialRecord
+from search.record import Attr, Outcome, TrialRecord
 from search.report import none_completed, summary
 from search.stopping import (
     PROBE_MARGIN,
@@ -23,6 +23,7 @@ from search.stopping import (
 )
 from search.storage import RetryStaleTrial
 from tests.conftest import FAST
+from tracking.metrics import VAL_ACC
 
 # ResNet-18/digits on a 2-core AVX2 CPU, 2876 samples (2 epochs), a 60 s budget. fp32 trials
 # train in 10-28 s on an idle machine; their 8-sample probes projected 279-543 s beside two
@@ -149,7 +150,7 @@ def test_when_every_trial_is_slow_the_summary_blames_the_machine_or_the_budget()
     for number, projected in enumerate((279.0, 412.0, 543.0)):
         study.add_trial(_slow(number, projected))
     console = Console(record=True, width=400)
-    summary(console, study, ["val/acc"], None)
+    summary(console, study, [VAL_ACC], None)
     text = console.export_text()
     assert re.search(
         r"All 3 trials were pruned as slow: they projected 279-543 s \(4.7-9.1x\) against "
@@ -162,7 +163,7 @@ def test_when_every_trial_is_slow_the_summary_blames_the_machine_or_the_budget()
     alone = optuna.create_study(study_name="alone", directions=["maximize"])
     alone.add_trial(_slow(0, 318.0))
     console = Console(record=True, width=400)
-    summary(console, alone, ["val/acc"], None)
+    summary(console, alone, [VAL_ACC], None)
     assert re.search(
         r"The only trial was pruned as slow: it projected 318 s \(5.3x\) against "
         r"search.trial_time_budget_s=60; this machine's load is \d+\.\d on the \d+ cores? this "
@@ -195,12 +196,12 @@ def test_a_study_of_slow_trials_records_their_projection_and_says_so(prepare_stu
     ]
     driver = prepare_study(overrides, width=400)
     driver.run()
-    trials = [t for t in driver.study.get_trials() if "repeat_of" not in t.user_attrs]
-    assert trials and all(t.user_attrs["reason"] == "slow" for t in trials)
+    trials = [t for t in driver.study.get_trials() if Attr.REPEAT_OF not in t.user_attrs]
+    assert trials and all(t.user_attrs[Attr.REASON] == "slow" for t in trials)
     for t in trials:
-        assert t.user_attrs["projected_s"] > PROBE_MARGIN * 0.0001
-        assert t.user_attrs["probe_s_per_sample"] > 0
-        assert t.user_attrs["time_budget_s"] == 0.0001
+        assert t.user_attrs[Attr.PROJECTED_S] > PROBE_MARGIN * 0.0001
+        assert t.user_attrs[Attr.PROBE_S_PER_SAMPLE] > 0
+        assert t.user_attrs[Attr.TIME_BUDGET_S] == 0.0001
     text = driver.console.export_text()
     assert f"All {len(trials)} trials were pruned as slow: they projected" in text
     assert "against search.trial_time_budget_s=0.0001" in text
@@ -229,6 +230,6 @@ def test_a_trial_queued_again_after_a_stop_goes_through_the_probe(prepare_study,
     driver.run()
     (rerun,) = [t for t in study.get_trials() if t.system_attrs.get("failed_trial") is not None]
     assert rerun.system_attrs["failed_trial"] == interrupted.number
-    assert rerun.state == TrialState.PRUNED and rerun.user_attrs["reason"] == "slow"
-    assert rerun.user_attrs["message"].startswith("a probe step projects")
-    assert "peak_bytes" not in rerun.user_attrs  # stopped before its first step
+    assert rerun.state == TrialState.PRUNED and rerun.user_attrs[Attr.REASON] == "slow"
+    assert rerun.user_attrs[Attr.MESSAGE].startswith("a probe step projects")
+    assert Attr.PEAK_BYTES not in rerun.user_attrs  # stopped before its first step

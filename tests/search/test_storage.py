@@ -25,6 +25,7 @@ from search.budget import (
     study_records,
 )
 from search.config import SearchConfig
+from search.record import Attr
 from search.storage import (
     BEAT_ATTR,
     OWNER_ATTR,
@@ -38,6 +39,7 @@ from search.storage import (
     this_owner,
 )
 from tracking.config import ConfigError
+from tracking.metrics import VAL_ACC
 
 REPO = Path(__file__).resolve().parents[2]
 # These tests drive the heartbeat by hand (ask, record_heartbeat), not through optimize.
@@ -127,7 +129,7 @@ def test_a_killed_workers_trial_is_failed_at_once_and_queued_with_its_params(url
     optuna.storages.fail_stale_trials(study)
     assert time.monotonic() - started < 5
     dead, retry = study.get_trials()
-    assert dead.state == TrialState.FAIL and "error" not in dead.user_attrs
+    assert dead.state == TrialState.FAIL and Attr.ERROR not in dead.user_attrs
     assert retry.state == TrialState.WAITING
     assert retry.params == running.params
     assert retry.user_attrs == {}  # the dead run's MLflow id is not the retry's
@@ -209,7 +211,7 @@ def _settings(**changes: object) -> SearchConfig:
         storage="journal:mlruns/optuna.journal",
         n_trials=4,
         memory_budget=None,
-        objectives=("val/acc",),
+        objectives=(VAL_ACC,),
         trial_time_budget_s=None,
         heartbeat_interval_s=60,
     )

@@ -11,7 +11,9 @@ from rich.console import Console
 
 from search.config import OBJECTIVE_METRICS, SearchConfig, Target
 from search.driver import StudyDriver
+from search.record import Attr
 from tracking.config import ConfigError
+from tracking.metrics import TO_TARGET_S, TRAIN_S, VAL_ACC
 from train.config import TrainerConfig
 from train.data import Splits
 from train.loop import Hooks, Run, fit
@@ -23,7 +25,7 @@ CPU = torch.device("cpu")
 
 def test_a_target_is_parsed_and_checked_against_the_task() -> None:
     target = Target.parse("val/acc >= 0.95", OBJECTIVE_METRICS)
-    assert (target.metric, target.op, target.value) == ("val/acc", ">=", 0.95)
+    assert (target.metric, target.op, target.value) == (VAL_ACC, ">=", 0.95)
     assert target.met(0.95) and not target.met(0.9499) and not target.met(None)
     assert Target.parse("val/loss<=0.3", OBJECTIVE_METRICS).met(0.29)
     with pytest.raises(ConfigError, match="val/loss is minimized, .* write val/loss<=0.3"):
@@ -38,7 +40,7 @@ def test_a_target_is_parsed_and_checked_against_the_task() -> None:
 
 def test_time_to_target_as_an_objective_needs_a_target() -> None:
     with pytest.raises(ConfigError, match="time/to_target_s needs search.target"):
-        SearchConfig("s", "sqlite://", 1, None, ("time/to_target_s",), None, None)
+        SearchConfig("s", "sqlite://", 1, None, (TO_TARGET_S,), None, None)
 
 
 def test_a_validation_hook_can_end_the_run() -> None:
@@ -55,7 +57,7 @@ def test_a_validation_hook_can_end_the_run() -> None:
     seen = []
 
     def on_eval(step: int, metrics: dict) -> bool:
-        seen.append((step, metrics["time/train_s"]))
+        seen.append((step, metrics[TRAIN_S]))
         return step == 9
 
     result = fit(Run(
@@ -93,17 +95,17 @@ def test_a_study_stops_each_trial_at_the_target_and_prunes_those_that_miss(
     console = Console(record=True, width=200)
     driver = StudyDriver.prepare(cfg, overrides, {"model": "small_cnn", "data": "digits"}, console)
     driver.run()
-    trials = [t for t in driver.study.get_trials() if "repeat_of" not in t.user_attrs]
+    trials = [t for t in driver.study.get_trials() if Attr.REPEAT_OF not in t.user_attrs]
     assert len(trials) == 4  # the 4 configurations, each trained once
     assert {t.params["optimizer.lr"] for t in trials} == {0.001, 0.3}
     for t in trials:
         if t.params["optimizer.lr"] == 0.001:
-            assert t.state == TrialState.PRUNED and t.user_attrs["reason"] == "missed_target"
-            assert "short of search.target val/acc>=0.85" in t.user_attrs["message"]
+            assert t.state == TrialState.PRUNED and t.user_attrs[Attr.REASON] == "missed_target"
+            assert "short of search.target val/acc>=0.85" in t.user_attrs[Attr.MESSAGE]
         else:
             assert t.state == TrialState.COMPLETE
-            figures = t.user_attrs["metrics"]
-            assert figures["val/acc"] >= 0.85  # stopped at the validation that reached it
-            assert t.values[0] == figures["time/to_target_s"] > 0
+            figures = t.user_attrs[Attr.METRICS]
+            assert figures[VAL_ACC] >= 0.85  # stopped at the validation that reached it
+            assert t.values[0] == figures[TO_TARGET_S] > 0
     text = console.export_text()
     assert "target in" in text

@@ -12,9 +12,11 @@ from optuna.trial import FrozenTrial, TrialState, create_trial
 from search.config import RecommendRule
 from search.plots import time_to_target_plot
 from search.recommend import best_document, recommend
+from search.record import Attr
 from search.report import lr_plan
 from search.time_to_target import Untrusted, plan, steps_to
-from tracking.metrics import STEP_MS, THROUGHPUT_SAMPLES, VAL_ACC
+from tracking.metrics import GRAD_NOISE_SCALE, STEP_MS, THROUGHPUT_SAMPLES, VAL_ACC
+from train.params import LR_PARAM
 
 ACC, SPEED = VAL_ACC, THROUGHPUT_SAMPLES
 S_MIN, B_CRIT = 100.0, 64.0
@@ -52,7 +54,7 @@ def _trial(
         "step_ms": step_ms,
         "val_curve": _curve(steps, every=max(1.0, steps / 5)),
         "metrics": {ACC: acc, SPEED: batch / step_ms * 1000, STEP_MS: step_ms}
-        | ({"stats/grad_noise_scale": noise} if noise else {}),
+        | ({GRAD_NOISE_SCALE: noise} if noise else {}),
     }
     return create_trial(
         state=TrialState.COMPLETE,
@@ -99,7 +101,7 @@ def test_the_model_is_fitted_and_the_fastest_geometry_is_recommended():
     # Without the prediction (one validation each: no crossing between two), the rule.
     flat = [_trial(b, _on_model(b), ms[b], acc=0.95 if b == 32 else 0.9) for b in ms]
     for t in flat:
-        t.user_attrs["val_curve"] = [[400, 0.5]]
+        t.user_attrs[Attr.VAL_CURVE] = [[400, 0.5]]
     by_rule = recommend(_study(flat), RecommendRule(ACC, 0.01, SPEED), loss_target=1.0)
     assert by_rule.by_time is None and by_rule.trial.number == 0
     assert "crossed val/loss 1 between two validations" in by_rule.by_time_note
@@ -137,10 +139,10 @@ def test_steps_that_do_not_fall_with_the_batch_are_no_fit():
 def test_without_a_target_the_loss_every_batch_size_reached_is_one():
     trials = [_trial(b, _on_model(b), 50.0, noise=64) for b in (32, 64, 128)]
     trials.append(_trial(64, 2 * _on_model(64), 50.0, noise=64))  # slower: not the batch's best
-    trials[1].user_attrs["val_curve"][-1][1] = 0.1  # 64's best trial reached 0.1
+    trials[1].user_attrs[Attr.VAL_CURVE][-1][1] = 0.1  # 64's best trial reached 0.1
     p = plan(_study(trials))
     assert p.target_source == "the loss every batch size reached"
-    bests = [min(v for _, v in t.user_attrs["val_curve"]) for t in trials[:3]]
+    bests = [min(v for _, v in t.user_attrs[Attr.VAL_CURVE]) for t in trials[:3]]
     assert p.target == max(bests) and max(bests) > 0.1
     assert {x.batch for x in p.points} == {32, 64, 128}
 
@@ -153,7 +155,7 @@ def test_the_learning_rate_plan_scales_by_the_studys_rule():
     assert "32 -> 0.01, 128 -> 0.04" in text
     sqrt = _trial(16, 100, 50)
     sqrt.user_attrs.update({"lr_rule": "sqrt", "lr_reference": 16, "optimizer.lr": 2e-5})
-    sqrt.user_attrs["lr_scaled"] = 2e-5
+    sqrt.user_attrs[LR_PARAM] = 2e-5
     assert "8 -> 1.41e-05, 32 -> 2.83e-05" in lr_plan(sqrt)
 
 

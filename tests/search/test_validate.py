@@ -13,6 +13,7 @@ import pytest
 from rich.console import Console
 
 from search.driver import StudyDriver
+from search.record import Attr
 from tests.sweeps import run_module
 from tracking.config import ConfigError
 
@@ -242,7 +243,7 @@ def test_bad_input_loses_nothing_already_recorded(hydra_conf, stores) -> None:
     # n_trials of the fit report's first trials.
     # (complete, or pruned as diverged where its one epoch left it at chance level)
     assert [t.state.name for t in study.trials] in (["COMPLETE"], ["PRUNED"])
-    assert all(t.user_attrs.get("reason") in (None, "diverged") for t in study.trials)
+    assert all(t.user_attrs.get(Attr.REASON) in (None, "diverged") for t in study.trials)
 
 
 def _run_search(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:

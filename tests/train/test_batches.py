@@ -20,6 +20,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.transforms import ToTensor
 
 from tracking.config import ConfigError
+from tracking.metrics import DATA_WAIT_SHARE, VAL_ACC, VAL_LOSS
 from train.batches import SHAPE_SAMPLES, Pipeline, StepSampler, steps_plan
 from train.build import build_data, build_loader
 from train.config import LoaderConfig, TrainerConfig
@@ -225,8 +226,8 @@ def test_datasets_train_exactly_like_in_memory_splits(workers):
 
     assert not _same_params(_params(memory_model), before)  # it trained
     assert _same_params(_params(dataset_model), _params(memory_model))
-    assert read.val == in_memory.val and "val/acc" in read.val and "val/loss" in read.val
-    assert [e["val/loss"] for e in read.evals] == [e["val/loss"] for e in in_memory.evals]
+    assert read.val == in_memory.val and VAL_ACC in read.val and VAL_LOSS in read.val
+    assert [e[VAL_LOSS] for e in read.evals] == [e[VAL_LOSS] for e in in_memory.evals]
     assert len(read.evals) == 2
     assert read.train_loss == in_memory.train_loss
     assert (read.num_steps, read.num_samples) == (10, 2 * 152)
@@ -427,8 +428,8 @@ def test_a_custom_collate_function_pads_variable_length_samples(workers):
 
     assert not _same_params(_params(model), before)
     assert math.isfinite(result.train_loss)
-    assert 0.0 <= result.val["val/acc"] <= 1.0 and len(result.evals) == 4
-    assert result.evals[-1]["val/loss"] < result.evals[0]["val/loss"]  # it learns
+    assert 0.0 <= result.val[VAL_ACC] <= 1.0 and len(result.evals) == 4
+    assert result.evals[-1][VAL_LOSS] < result.evals[0][VAL_LOSS]  # it learns
     _, num_steps = steps_plan(90, cfg)
     micro_batches = len(StepSampler(90, cfg, num_steps))
     if workers == 0:  # collated in this process: every train and val batch went through it
@@ -546,7 +547,7 @@ def test_data_wait_share_shows_a_slow_dataset_and_what_workers_hide():
     for name, result in (("memory", in_memory), ("0", no_workers), ("2", workers)):
         assert result.timed_steps == 10 and result.timed_samples == 80, name
         assert 0.0 <= result.data_wait_s <= result.timed_seconds, name
-        shares[name] = result.metrics()["time/data_wait_share"]
+        shares[name] = result.metrics()[DATA_WAIT_SHARE]
         assert shares[name] == pytest.approx(result.data_wait_s / result.timed_seconds)
         # The timed steps took at least their forward passes' sleeps.
         assert result.timed_seconds >= 10 * STEP_S, name
@@ -734,7 +735,7 @@ def test_an_image_folder_trains_through_workers_like_in_memory(tmp_path):
     result = _fit(model, pipeline, cfg, lr=0.05)
 
     assert result.num_steps == 9 and result.num_samples == 72
-    assert 0.0 <= result.val["val/acc"] <= 1.0 and math.isfinite(result.val["val/loss"])
-    assert "val/acc" in result.figures()
+    assert 0.0 <= result.val[VAL_ACC] <= 1.0 and math.isfinite(result.val[VAL_LOSS])
+    assert VAL_ACC in result.figures()
     assert _same_params(_params(model), _params(reference))
     assert result.val == expected.val

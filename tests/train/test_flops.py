@@ -11,8 +11,9 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch import nn
 
-from search.record import TrialRecord
+from search.record import Attr, TrialRecord
 from tests.conftest import FAST
+from tracking.metrics import ACHIEVED_FLOPS, FLOPS_PER_SAMPLE, MFU, PEAK_FLOPS, THROUGHPUT_SAMPLES
 from train.measure import flops as flops_module
 from train.measure.flops import (
     PROBE_BURSTS,
@@ -120,12 +121,12 @@ def test_a_contradicted_cpu_peak_is_measured_again_and_cached(tmp_path, monkeypa
     # peak is probed again (here a fake probe: 4e9), and the cache keeps the new one.
     _cache(tmp_path, monkeypatch, 4e8)
     figures, note = perf_metrics(1e6, 1000.0, CPU, "fp32", probe=lambda precision: 4e9)
-    assert figures["perf/peak_flops"] == 4e9 and figures["perf/mfu"] == 0.25
+    assert figures[PEAK_FLOPS] == 4e9 and figures[MFU] == 0.25
     assert note is None
     assert _cached() == 4e9
     # Not contradicted: not probed again.
     figures, note = perf_metrics(1e6, 1000.0, CPU, "fp32", probe=pytest.fail)
-    assert figures["perf/mfu"] == 0.25 and note is None
+    assert figures[MFU] == 0.25 and note is None
 
 
 def test_an_mfu_still_above_one_is_logged_with_why(tmp_path, monkeypatch) -> None:
@@ -133,25 +134,25 @@ def test_an_mfu_still_above_one_is_logged_with_why(tmp_path, monkeypatch) -> Non
     # higher 4e8, and MFU 2.5 is logged as measured, with a note, not clamped to 1.
     _cache(tmp_path, monkeypatch, 4e8)
     figures, note = perf_metrics(1e6, 1000.0, CPU, "fp32", probe=lambda precision: 2e8)
-    assert figures["perf/mfu"] == 2.5
+    assert figures[MFU] == 2.5
     assert note is not None
     assert re.search(r"perf/mfu=2.50 is above 1.*underestimate.*set trainer.peak_flops", note)
     assert _cached() == 4e8
     # A peak the user set is not probed: the note says to raise it.
     figures, note = perf_metrics(1e6, 1000.0, CPU, "fp32", override=5e8, probe=pytest.fail)
-    assert figures["perf/mfu"] == 2.0
+    assert figures[MFU] == 2.0
     assert note is not None and "over trainer.peak_flops=5e+08; raise trainer.peak_flops" in note
 
 
 def test_mfu_is_achieved_over_peak() -> None:
     figures = mfu_metrics(2e6, 500.0, 4e9)
     assert figures == {
-        "perf/flops_per_sample": 2e6,
-        "perf/achieved_flops": 1e9,
-        "perf/peak_flops": 4e9,
-        "perf/mfu": 0.25,
+        FLOPS_PER_SAMPLE: 2e6,
+        ACHIEVED_FLOPS: 1e9,
+        PEAK_FLOPS: 4e9,
+        MFU: 0.25,
     }
-    assert "perf/mfu" not in mfu_metrics(2e6, 500.0, None)  # an unknown GPU: no MFU
+    assert MFU not in mfu_metrics(2e6, 500.0, None)  # an unknown GPU: no MFU
 
 
 @pytest.mark.study
@@ -178,11 +179,11 @@ def test_trials_log_mfu_and_it_can_be_an_objective(prepare_study, stores) -> Non
         if repeat_of is not None:
             assert t.values == driver.study.trials[repeat_of].values
     for t in trained:
-        figures = t.user_attrs["metrics"]
-        achieved = figures["perf/flops_per_sample"] * figures["throughput/samples_per_sec"]
-        assert figures["perf/achieved_flops"] == pytest.approx(achieved)
-        assert figures["perf/mfu"] == pytest.approx(achieved / 2e11)
-        assert t.values[0] == figures["perf/mfu"] > 0
+        figures = t.user_attrs[Attr.METRICS]
+        achieved = figures[FLOPS_PER_SAMPLE] * figures[THROUGHPUT_SAMPLES]
+        assert figures[ACHIEVED_FLOPS] == pytest.approx(achieved)
+        assert figures[MFU] == pytest.approx(achieved / 2e11)
+        assert t.values[0] == figures[MFU] > 0
 
 
 @pytest.mark.study
@@ -205,10 +206,10 @@ def test_a_trial_whose_mfu_stays_above_one_says_why_in_mlflow(
     driver = prepare_study(overrides, width=300)
     driver.run()
     (trial,) = driver.study.get_trials()
-    run = MlflowClient(stores["mlflow"]).get_run(trial.user_attrs["mlflow_run_id"])
-    assert run.data.metrics["perf/peak_flops"] == 2.0 == _cached()
-    assert run.data.metrics["perf/mfu"] > 1
+    run = MlflowClient(stores["mlflow"]).get_run(trial.user_attrs[Attr.RUN_ID])
+    assert run.data.metrics[PEAK_FLOPS] == 2.0 == _cached()
+    assert run.data.metrics[MFU] > 1
     note = run.data.tags["batchfit.mfu_note"]
     assert "is above 1" in note and "underestimate" in note
-    assert trial.user_attrs["mfu_note"] == note
+    assert trial.user_attrs[Attr.MFU_NOTE] == note
     assert "is above 1" in driver.console.export_text()

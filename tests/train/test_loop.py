@@ -10,6 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tracking.metrics import (
+    THROUGHPUT_SAMPLES,
+    THROUGHPUT_SPREAD,
+    TRAIN_LOSS,
+    TRAIN_LR,
+    TRAIN_S,
+    VAL_ACC,
+    VAL_LOSS,
+)
 from train import loop
 from train.config import TrainerConfig
 from train.data import Splits, synthetic
@@ -317,29 +326,29 @@ def test_fit_end_to_end_results_and_hooks():
     logs = rec.of("log")
     assert [s[1] for s in logs] == [4, 8, 12, 15]
     for _, _, metrics in logs:
-        assert math.isfinite(metrics["train/loss"])
-        assert metrics["train/lr"] == pytest.approx(0.1)
+        assert math.isfinite(metrics[TRAIN_LOSS])
+        assert metrics[TRAIN_LR] == pytest.approx(0.1)
         # Logged steps are past the untimed first steps, so throughput is reported.
-        assert metrics["throughput/samples_per_sec"] > 0
-    assert logs[-1][2]["train/loss"] == result.train_loss
+        assert metrics[THROUGHPUT_SAMPLES] > 0
+    assert logs[-1][2][TRAIN_LOSS] == result.train_loss
 
     # on_eval at the end of each epoch, with the validation metrics.
     evals = rec.of("eval")
     assert [s[1] for s in evals] == [5, 10, 15]
     for (_, step, metrics), epoch in zip(evals, [1.0, 2.0, 3.0], strict=True):
-        assert 0.0 <= metrics["val/acc"] <= 1.0
-        assert metrics["val/loss"] > 0
+        assert 0.0 <= metrics[VAL_ACC] <= 1.0
+        assert metrics[VAL_LOSS] > 0
         assert metrics["step"] == step
         assert metrics["epoch"] == pytest.approx(epoch)
     assert result.evals == [e[2] for e in evals]
-    assert result.val_acc == evals[-1][2]["val/acc"]
-    assert result.val_loss == evals[-1][2]["val/loss"]
+    assert result.val_acc == evals[-1][2][VAL_ACC]
+    assert result.val_loss == evals[-1][2][VAL_LOSS]
     # The last evaluation is of the final model.
     again = evaluate(model, data, 7, Precision("fp32", "cpu"), CPU)
-    assert again["val/acc"] == result.val_acc
-    assert again["val/loss"] == pytest.approx(result.val_loss, rel=1e-5)
+    assert again[VAL_ACC] == result.val_acc
+    assert again[VAL_LOSS] == pytest.approx(result.val_loss, rel=1e-5)
     # Training helped.
-    assert evals[-1][2]["val/loss"] < evals[0][2]["val/loss"]
+    assert evals[-1][2][VAL_LOSS] < evals[0][2][VAL_LOSS]
 
 
 def test_fit_max_steps_cuts_an_epoch():
@@ -370,9 +379,7 @@ def test_fit_is_deterministic_for_a_seed():
     results = [_fit(m, data, cfg) for m in models]
     assert results[0].train_loss == results[1].train_loss
     # Every figure of every validation but the seconds it took to get there.
-    untimed = [
-        [{k: v for k, v in e.items() if k != "time/train_s"} for e in r.evals] for r in results
-    ]
+    untimed = [[{k: v for k, v in e.items() if k != TRAIN_S} for e in r.evals] for r in results]
     assert untimed[0] == untimed[1] and len(untimed[0]) == 1
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
@@ -489,9 +496,9 @@ def test_evaluate_counts_accuracy_over_ragged_batches():
     data = Splits(torch.zeros(1, 1, 1, 1), torch.zeros(1, dtype=torch.int64),
                   torch.zeros(7, 1, 1, 1), val_y, 3)  # fmt: skip
     metrics = evaluate(Fixed(), data, 3, Precision("fp32", "cpu"), CPU)
-    assert metrics["val/acc"] == pytest.approx(4 / 7)
+    assert metrics[VAL_ACC] == pytest.approx(4 / 7)
     expected_loss = F.cross_entropy(torch.tensor([5.0, 0.0, 0.0]).expand(7, 3), val_y)
-    assert metrics["val/loss"] == pytest.approx(expected_loss.item(), rel=1e-6)
+    assert metrics[VAL_LOSS] == pytest.approx(expected_loss.item(), rel=1e-6)
 
 
 # --------------------------------------------------------------------------- the throughput clock
@@ -560,6 +567,6 @@ def test_the_throughput_spread_is_over_the_timed_logging_intervals():
     assert len(result.interval_rates) == 8 and all(r > 0 for r in result.interval_rates)
     rates = sorted(result.interval_rates)
     median = (rates[3] + rates[4]) / 2
-    assert result.metrics()["throughput/spread"] == pytest.approx((rates[-1] - rates[0]) / median)
+    assert result.metrics()[THROUGHPUT_SPREAD] == pytest.approx((rates[-1] - rates[0]) / median)
     short = _fit(_flat_linear(data), data, TrainerConfig(batch_size=8, max_steps=6))
-    assert "throughput/spread" not in short.metrics()  # one interval says nothing of it
+    assert THROUGHPUT_SPREAD not in short.metrics()  # one interval says nothing of it

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from tracking.metrics import GRAD_NOISE_SCALE, GRAD_SQ_NORM, GRAD_VARIANCE
 from train.config import TrainerConfig
 from train.data import Splits, synthetic
 from train.loop import Run, fit, steps_plan
@@ -102,11 +103,11 @@ def test_a_run_logs_the_noise_scale_it_measured(batch_size, accum_steps, estimat
     true_sq, true_var = _truth(model, data)
     assert result.noise_estimator.startswith(f"{estimator}:")
     assert "over the trainable parameters" in result.noise_estimator
-    final = result.metrics()["stats/grad_noise_scale"]
+    final = result.metrics()[GRAD_NOISE_SCALE]
     assert true_var / true_sq / 1.5 < final < true_var / true_sq * 1.5
-    intervals = [m for _, m in logged if "stats/grad_noise_scale" in m]
-    assert intervals and intervals[-1]["stats/grad_noise_scale"] == final
-    assert {"stats/grad_sq_norm", "stats/grad_variance"} <= set(intervals[-1])
+    intervals = [m for _, m in logged if GRAD_NOISE_SCALE in m]
+    assert intervals and intervals[-1][GRAD_NOISE_SCALE] == final
+    assert {GRAD_SQ_NORM, GRAD_VARIANCE} <= set(intervals[-1])
 
 
 def test_the_split_window_stays_off_the_clock_and_trains_the_same_steps():
@@ -129,7 +130,7 @@ def test_the_split_window_stays_off_the_clock_and_trains_the_same_steps():
     (with_noise, params), (without, params0) = measured, unmeasured
     assert with_noise.num_steps == without.num_steps == 32
     assert without.noise_estimator == "none: trainer.noise_scale_window=0"
-    assert "stats/grad_noise_scale" not in without.metrics()
+    assert GRAD_NOISE_SCALE not in without.metrics()
     assert with_noise.timed_steps == without.timed_steps - 8
     for a, b in zip(params, params0, strict=True):
         torch.testing.assert_close(a, b)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tracking.config import ConfigError
+from tracking.metrics import PREDICTED_BYTES, PREDICTED_RESERVED_BYTES, PREDICTION_ERROR
 from train.config import TrainerConfig
 from train.memory.allocator_settings import AllocatorSettings
 from train.memory.budget import MemoryStats
@@ -167,9 +168,9 @@ def test_a_cuda_runs_figures_carry_the_predicted_reserve_beside_the_limit(hydra_
     prediction = Prediction(peak_bytes=300, tensor_bytes=200, seconds=0.0, reserved_bytes=320)
     measured = MemoryStats(peak_bytes=210, reserved_bytes=400)
     figures = memory_figures(spec, prediction, measured)
-    assert figures["memory/predicted_bytes"] == 300
-    assert figures["memory/predicted_reserved_bytes"] == 320
-    assert figures["memory/prediction_error"] == pytest.approx((320 - 400) / 400)
+    assert figures[PREDICTED_BYTES] == 300
+    assert figures[PREDICTED_RESERVED_BYTES] == 320
+    assert figures[PREDICTION_ERROR] == pytest.approx((320 - 400) / 400)
     cpu = memory_figures(spec, Prediction(300, 300, 0.0), MemoryStats(250, None))
-    assert "memory/predicted_reserved_bytes" not in cpu
-    assert cpu["memory/prediction_error"] == pytest.approx((300 - 250) / 250)
+    assert PREDICTED_RESERVED_BYTES not in cpu
+    assert cpu[PREDICTION_ERROR] == pytest.approx((300 - 250) / 250)

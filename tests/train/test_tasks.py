@@ -13,6 +13,7 @@ from torch import nn
 from torchmetrics import MeanSquaredError, Metric
 from torchmetrics.classification import MulticlassAccuracy
 
+from tracking.metrics import THROUGHPUT_TOKENS, VAL_ACC, VAL_LOSS, VAL_PERPLEXITY
 from train.batches import StepSampler
 from train.config import TrainerConfig
 from train.data import Datasets, Splits, synthetic
@@ -290,7 +291,7 @@ def test_regression_evaluates_a_column_target():
     with torch.no_grad():
         mse = F.mse_loss(model(x), y).item()
     assert metrics["val/mse"] == pytest.approx(mse, rel=1e-5)
-    assert metrics["val/loss"] == pytest.approx(mse, rel=1e-5)
+    assert metrics[VAL_LOSS] == pytest.approx(mse, rel=1e-5)
 
 
 # --------------------------------------------------------------------------- model outputs
@@ -553,10 +554,10 @@ def test_evaluate_language_model_per_token(pad):
     loss = F.cross_entropy(logits[keep], labels[keep]).item()
     correct = logits.argmax(-1)[keep] == labels[keep]
     acc = correct.float().mean().item()
-    assert set(metrics) == {"val/loss", "val/acc", "val/perplexity"}
-    assert metrics["val/loss"] == pytest.approx(loss, rel=1e-5)
-    assert metrics["val/perplexity"] == pytest.approx(math.exp(metrics["val/loss"]), rel=1e-9)
-    assert metrics["val/acc"] == pytest.approx(acc, abs=1e-6)
+    assert set(metrics) == {VAL_LOSS, VAL_ACC, VAL_PERPLEXITY}
+    assert metrics[VAL_LOSS] == pytest.approx(loss, rel=1e-5)
+    assert metrics[VAL_PERPLEXITY] == pytest.approx(math.exp(metrics[VAL_LOSS]), rel=1e-9)
+    assert metrics[VAL_ACC] == pytest.approx(acc, abs=1e-6)
 
     # The data makes these checks discriminating: padding counted, or batch means averaged,
     # would give other figures.
@@ -606,16 +607,16 @@ class Unsure(Metric):
 
 
 def test_directions_of_the_bundled_tasks():
-    assert Classification().directions() == {"val/acc": MAXIMIZE, "val/loss": MINIMIZE}
+    assert Classification().directions() == {VAL_ACC: MAXIMIZE, VAL_LOSS: MINIMIZE}
     assert LanguageModel().directions() == {
-        "val/acc": MAXIMIZE,
-        "val/loss": MINIMIZE,
-        "val/perplexity": MINIMIZE,
+        VAL_ACC: MAXIMIZE,
+        VAL_LOSS: MINIMIZE,
+        VAL_PERPLEXITY: MINIMIZE,
     }
     assert Regression().directions() == {
         "val/mse": MINIMIZE,
         "val/mae": MINIMIZE,
-        "val/loss": MINIMIZE,
+        VAL_LOSS: MINIMIZE,
     }
     assert (MAXIMIZE, MINIMIZE) == ("maximize", "minimize")
 
@@ -655,7 +656,7 @@ def test_a_custom_metric_takes_its_direction_from_the_metric():
     assert Mine().directions() == {
         "val/top2": MAXIMIZE,
         "val/mse": MINIMIZE,
-        "val/loss": MINIMIZE,
+        VAL_LOSS: MINIMIZE,
         "val/error": MINIMIZE,
     }
 
@@ -699,11 +700,7 @@ def test_a_custom_task_through_fit():
 
     result = _fit(model, data, cfg, task)
 
-    assert (
-        set(result.val)
-        == set(task.directions())
-        == {"val/acc", "val/top2", "val/loss", "val/error"}
-    )
+    assert set(result.val) == set(task.directions()) == {VAL_ACC, "val/top2", VAL_LOSS, "val/error"}
     assert all("val/top2" in e and "val/error" in e for e in result.evals)
     figures = result.figures()
     for name, value in result.val.items():
@@ -715,10 +712,10 @@ def test_a_custom_task_through_fit():
     acc = (logits.argmax(-1) == y).float().mean().item()
     top2 = (logits.topk(2, dim=-1).indices == y[:, None]).any(-1).float().mean().item()
     loss = F.cross_entropy(logits, y, label_smoothing=0.1).item()
-    assert result.val["val/acc"] == pytest.approx(acc, abs=1e-6)
+    assert result.val[VAL_ACC] == pytest.approx(acc, abs=1e-6)
     assert result.val["val/top2"] == pytest.approx(top2, abs=1e-6)
     assert result.val["val/error"] == pytest.approx(1 - acc, abs=1e-6)
-    assert result.val["val/loss"] == pytest.approx(loss, rel=1e-5)
+    assert result.val[VAL_LOSS] == pytest.approx(loss, rel=1e-5)
     # ...and they tell the metrics apart: top-2 above top-1, smoothing in the loss.
     assert top2 > acc + 0.05
     assert abs(F.cross_entropy(logits, y).item() - loss) > 1e-3
@@ -761,12 +758,10 @@ def test_language_model_through_fit_counts_tokens_and_accumulates_exactly():
     assert base.timed_units == timed_tokens
     assert base.timed_units != base.timed_samples
     metrics = base.metrics()
-    assert metrics["throughput/tokens_per_sec"] == pytest.approx(
-        base.timed_units / base.timed_seconds
-    )
+    assert metrics[THROUGHPUT_TOKENS] == pytest.approx(base.timed_units / base.timed_seconds)
     figures = base.figures()
-    assert figures["val/perplexity"] == pytest.approx(math.exp(figures["val/loss"]), rel=1e-9)
-    assert set(base.val) == {"val/loss", "val/acc", "val/perplexity"}
+    assert figures[VAL_PERPLEXITY] == pytest.approx(math.exp(figures[VAL_LOSS]), rel=1e-9)
+    assert set(base.val) == {VAL_LOSS, VAL_ACC, VAL_PERPLEXITY}
 
 
 # --------------------------------------------------------------------------- ArgmaxAccuracy

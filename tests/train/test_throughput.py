@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_SAMPLES, THROUGHPUT_TOKENS
 from train.measure.throughput import Stopwatch, ThroughputClock, estimate_train_seconds
 
 CPU = torch.device("cpu")
@@ -41,9 +42,9 @@ def test_the_clock_counts_times_and_estimates_by_hand() -> None:
         clock.step(step, *steps[step])
     # Steps 2 and 3 only: 8 + 4 samples, 100 + 40 tokens, 0.5 + 0.5 s waiting, in 4 s.
     assert clock.interval(3) == {
-        "throughput/samples_per_sec": 12 / 4,
-        "throughput/tokens_per_sec": 140 / 4,
-        "time/data_wait_share": 1.0 / 4,
+        THROUGHPUT_SAMPLES: 12 / 4,
+        THROUGHPUT_TOKENS: 140 / 4,
+        DATA_WAIT_SHARE: 1.0 / 4,
     }
     assert (clock.timed_samples, clock.timed_units, clock.data_wait_s) == (12, 140, 1.0)
     assert clock.interval_rates == [3.0]
@@ -60,7 +61,7 @@ def test_the_clock_counts_times_and_estimates_by_hand() -> None:
     clock.step(4, *steps[4])
     # 4.5 + (17.5 -> 19.5): 6.5 timed seconds in all; since the last reading at 4.0 s this
     # interval trained 8 samples in 2.5 s.
-    assert clock.interval(4)["throughput/samples_per_sec"] == 20 / 6.5
+    assert clock.interval(4)[THROUGHPUT_SAMPLES] == 20 / 6.5
     assert clock.interval_rates == [3.0, 8 / 2.5]
     clock.pause()
     assert clock.train_seconds(5) == pytest.approx(6.5 + 2 * 6.5 / 3)  # 10.83
@@ -84,7 +85,7 @@ def test_an_interval_the_clock_saw_no_time_pass_in_records_no_rate() -> None:
     time.now = 2.0
     clock.step(1, 8, 8, 0.0)
     # Samples are the unit here: no second figure of them.
-    assert clock.interval(1) == {"throughput/samples_per_sec": 8.0, "time/data_wait_share": 0.0}
+    assert clock.interval(1) == {THROUGHPUT_SAMPLES: 8.0, DATA_WAIT_SHARE: 0.0}
     assert clock.interval_rates == [16 / 2]
 
 
