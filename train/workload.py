@@ -60,7 +60,9 @@ V = TypeVar("V")
 
 
 class _Bounded(Generic[K, V]):
-    """At most `size` values, the least recently used dropped first."""
+    """At most `size` values, the least recently used dropped first. Not functools.lru_cache:
+    a value is built by a closure over what its key leaves out (the spec, the predictor's
+    shared lines), which lru_cache would take into the key; and each Workloads has its own."""
 
     def __init__(self, size: int):
         assert size >= 1
