@@ -340,7 +340,7 @@ def _steps(trace: DeviceTrace, skip: frozenset[int] = frozenset()) -> list[tuple
 
 
 def _replay_steps(model: CachingAllocatorModel, steps: list[tuple[int, int, int]]) -> None:
-    """allocator.replay with each allocation on its stream."""
+    """reserve.replay with each allocation on its stream."""
     malloc, free = model.malloc, model.free
     for address, nbytes, stream in steps:
         if nbytes < 0:

@@ -1,7 +1,7 @@
 """The real OOM boundary on a GPU against the prediction: for a few configurations, the smallest
 per-process memory limit a training step really runs in, bisected with
 `torch.cuda.set_per_process_memory_fraction`, beside the limit the prediction gives
-(train/memory/predict.py: the caching-allocator model's smallest limit). Needs CUDA.
+(train/memory/reserve.py: the caching-allocator model's smallest limit). Needs CUDA.
 
     python bench/oom_limit.py                 # the bundled configurations
     python bench/oom_limit.py --resolution-mib 4

@@ -33,14 +33,14 @@ planned for an H100 (search.gpu=H100-80GB, bf16 and fp32, micro-batches 1-8 of 1
 tokens) in fresh processes, and reads their peak host memory. Target for 1B and 8B: under
 60 s and 2 GiB each (the model is built on fake tensors: no weights exist).
 
-`--fit-reports` times the three 8B reports of the README (Llama 3 8B on an H100: LoRA over
-`llm_lora`'s space, full fine-tuning in bfloat16, full fine-tuning as one rank of FSDP over
-8 GPUs), each `python -m search.fit` in a fresh process, with its peak host memory and the
-tables it printed; then, for cells of each (the shortest data.seq_len, without and with
-checkpointing, batch 1 and 2, accumulation 1 and 2, each precision), the fast path (the
-step built from 2-4 layer copies, train/memory/stack.py) against the full fake step of all 32
-layers: smallest limit, live tensor peak and reserve under the budget. Verdict: every
-report under 60 s and every compared cell equal to the byte.
+`--fit-reports` times the three 8B reports of docs/language-models.md (Llama 3 8B on an H100:
+LoRA over `llm_lora`'s space, full fine-tuning in bfloat16, full fine-tuning as one rank of
+FSDP over 8 GPUs), each `python -m search.fit` in a fresh process, with its peak host memory
+and the tables it printed; then, for cells of each (the shortest data.seq_len, without and with
+checkpointing, batch 1 and 2, accumulation 1 and 2, each precision), the fast path (the step
+built from 2-4 layer copies, train/memory/stack.py) against the full fake step of all 32
+layers: smallest limit, live tensor peak and reserve under the budget. Verdict: every report
+under 60 s and every compared cell equal to the byte.
 
 On CPUs without bf16/fp16 kernels a real low-precision step is ~100x slower than fp32; cells
 whose real run is estimated to take more than --max-run-s seconds are predicted but not
@@ -157,7 +157,8 @@ def decoders(console: Console) -> bool:
     return verdict
 
 
-# The README's 8B reports: (name, overrides); cells compared at the first seq_len of llm_lora.
+# The 8B reports of docs/language-models.md: (name, overrides); cells compared at the first
+# seq_len of llm_lora.
 FIT_REPORTS = {
     "8B LoRA": ["+experiment=llm_lora", "model.config=llama3_8b", "search.gpu=H100-80GB"],
     "8B full": [

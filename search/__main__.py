@@ -4,7 +4,7 @@ compose (Hydra) -> validate (every problem at once, before any trial) -> build (
 study, MLflow parent run) -> run (Optuna trials, each re-composing the config) -> report.
 
 Several workers on one study: `python -m search --multirun search.workers=4 ...` (with
-`hydra/launcher=submitit_slurm`, `submitit_local` or `joblib`); see the README.
+`hydra/launcher=submitit_slurm`, `submitit_local` or `joblib`); see docs/workers.md.
 """
 
 from __future__ import annotations

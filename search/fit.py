@@ -306,7 +306,7 @@ class _Tabulation:
             if key not in geometry_keys and OmegaConf.select(cfg, key) is not None
         }
         # The most micro-batches first: the predictor derives the step of one micro-batch
-        # from a step of several (train/memory/predict.py _first_micro_batch).
+        # from a step of several (train/memory/step_events.py first_micro_batch).
         self.order = [
             (precision, row, accum)
             for precision in precisions

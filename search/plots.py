@@ -311,7 +311,7 @@ def throughput_vs_batch(pts: Sequence[Point]) -> Figure:
 
 def _budget_lines(ax: Axes, budget_bytes: float, margin: float | None) -> None:
     """The budget and, with search.preflight_margin, where pruning starts below it: a step
-    predicted at over budget / (1 + margin) is pruned as oom_predicted (train/memory/predict.py)."""
+    predicted at over budget / (1 + margin) is pruned as oom_predicted (train/memory/fitting.py)."""
     budget = budget_bytes / MIB
     ax.axhline(budget, color="tab:red", linestyle="--", label=f"budget {budget:,.1f} MiB")
     if margin:

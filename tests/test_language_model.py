@@ -1,6 +1,6 @@
 """An ImageFolder read by DataLoader workers, as a user runs it: `python -m search` in a
 subprocess, then the MLflow store read back. (The bundled language model's study,
-`+experiment=gpt`, is checked where the README runs it: tests/test_readme.py
+`+experiment=gpt`, is checked where the docs run it: tests/test_readme.py
 `test_quick_start_gpt`.)"""
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def test_the_table_has_a_row_per_device(by_trace):
 def test_the_default_preflight_margin_covers_what_fake_tensors_cannot_see(by_trace):
     """The margin is decided from these traces: allocations made inside kernels (transient:
     freed before the next allocation) raised the smallest limit by at most 2.44%, and the
-    default search.preflight_margin must cover the largest of them (README: How it works)."""
+    default search.preflight_margin must cover the largest of them (docs/design.md)."""
     worst = max(report.transient.limit_share for report in by_trace.values())
     assert worst == pytest.approx(0.0244, abs=5e-4)
     assert worst <= SearchConfig.__dataclass_fields__["preflight_margin"].default

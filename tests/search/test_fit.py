@@ -246,7 +246,7 @@ def test_each_cell_of_a_cuda_report_is_replayed_once_under_the_runs_limit(
 
 # An 8B model planned for an H100 from this CPU-only machine: bf16 weights, 1024 tokens,
 # micro-batches 1 and 2, checkpointing off and on; the full report over the experiments'
-# spaces is the README's (minutes: 6 layouts x 24 cells).
+# spaces is docs/language-models.md's (minutes: 6 layouts x 24 cells).
 def _llama3_8b(experiment: str) -> list[str]:
     return [
         f"+experiment={experiment}", "model.config=llama3_8b", "model.dtype=bfloat16",

@@ -291,7 +291,7 @@ def test_derived_accumulation_splits_the_effective_batch_to_fit(hydra_conf, stor
         assert _trained(t)
         assert t.user_attrs[Attr.PEAK_BYTES] <= MiB
         assert abs(t.user_attrs[Attr.PREDICTION_ERROR]) < 0.01
-        # The largest divisor predicted to fit, as train.memory.predict finds it.
+        # The largest divisor predicted to fit, as train.memory.fitting finds it.
         cfg = hydra_conf(
             [*FAST, *overrides, f"trainer.batch_size={effective}", "trainer.accum_steps=1"]
         )

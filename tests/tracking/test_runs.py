@@ -178,8 +178,8 @@ def test_a_locked_store_gives_one_line_from_the_system_metrics_thread(
 def test_mlflow_stores_an_experiments_artifact_location_absolute(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """Why a moved project directory cannot carry its artifact location along (the README's
-    troubleshooting): MLflow resolves a relative location against the working directory."""
+    """Why a moved project directory cannot carry its artifact location along (docs/
+    troubleshooting.md): MLflow resolves a relative location against the working directory."""
     monkeypatch.chdir(tmp_path)
     client = MlflowClient("sqlite:///mlflow.db")
     experiment_id = client.create_experiment("rel", artifact_location="artifacts/rel")
@@ -188,7 +188,7 @@ def test_mlflow_stores_an_experiments_artifact_location_absolute(
 
 
 def test_a_moved_project_directory_is_said(tmp_path: Path, monkeypatch, caplog) -> None:
-    """The decision (README, Troubleshooting): MLflow keeps the old absolute location, and
+    """The decision (docs/troubleshooting.md): MLflow keeps the old absolute location, and
     batchfit says where the study's artifacts go and how to keep them with the project."""
     caplog.set_level(logging.WARNING, logger="tracking.runs")
     old, new = tmp_path / "old", tmp_path / "new"

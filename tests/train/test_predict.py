@@ -412,7 +412,7 @@ def test_a_step_of_one_micro_batch_read_off_a_step_of_two_is_the_computed_one(
     hydra_conf, overrides
 ):
     """The predictor derives a one-micro-batch step from the first micro-batch of a step of
-    two and the optimizer's part (train/memory/predict.py `_first_micro_batch`): the same peak,
+    two and the optimizer's part (train/memory/step_events.py `first_micro_batch`): the same peak,
     live tensors and CUDA reserve as that step computed."""
     cfg = hydra_conf([*overrides, *STEPS, "trainer.device=cpu"])
     spec = plan(cfg, None)

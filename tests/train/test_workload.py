@@ -60,7 +60,8 @@ def _at(spec, precision: str, batch_size: int, accum_steps: int = 1):
 
 
 # Several batch sizes per precision: past three, a predictor reads sizes off a line fitted to
-# the computed ones (train/memory/predict.py, _Line), which must be one line per precision too.
+# the computed ones (train/memory/step_events.py, BatchSizeLine), which must be one line per
+# precision too.
 GEOMETRIES = [(b, 1) for b in (2, 4, 8, 16, 32, 40)] + [(8, 2), (16, 3)]
 PRECISIONS = ("fp32", "bf16", "fp16")
 

@@ -6,7 +6,7 @@ for a `DeviceSpec`: the same CPU, the same GPU, or, with `search.gpu=A100-40GB`,
 the table of train/memory/gpus.py. On a laptop or a login node the fit report and a study's
 preflight then answer "what fits on an A100-40GB?" for CUDA's reserved bytes: the step is
 computed on fake CPU tensors with CUDA's behaviour (train/memory/cuda_emulation.py) and replayed
-through the caching-allocator model with the card's cuBLAS workspaces (train/memory/allocator.py).
+through the caching-allocator model with the card's cuBLAS workspaces (train/memory/reserve.py).
 Such a plan cannot train here: `trains_here` says so, and the entry points stop before
 training with the command that reports what fits.
 """
