@@ -670,7 +670,12 @@ def _advisory_lock(engine: Any, study_name: str) -> Iterator[None]:
 
 
 def _lost_creation_race(error: BaseException) -> bool:
-    return bool(re.search(r"already exists|duplicate key|UniqueViolation", str(error)))
+    """The errors of a worker that lost the race to create the tables: PostgreSQL's "already
+    exists", "duplicate key" (UniqueViolation), and SQLite's "UNIQUE constraint failed" (two
+    workers inserting alembic_version's one row)."""
+    return bool(
+        re.search(r"already exists|duplicate key|UniqueViolation|UNIQUE constraint", str(error))
+    )
 
 
 @tenacity.retry(
