@@ -44,6 +44,7 @@ from train.batches import Padding, Pipeline, steps_plan, to_device
 from train.config import TrainerConfig
 from train.data import Datasets, Splits
 from train.evaluate import evaluate, probe_seconds_per_sample
+from train.language.quantize import quant_state_tensors
 from train.measure.noise import NoiseReading, NoiseScale
 from train.measure.throughput import ThroughputClock
 from train.memory.budget import (
@@ -226,8 +227,8 @@ def _device_of(batch: Any) -> torch.device:
 
 
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Tensors alive across steps: parameters, buffers, gradients, optimizer state."""
-    tensors = [*model.parameters(), *model.buffers()]
+    """Tensors alive across steps: parameters, buffers, 4-bit scales, gradients, moments."""
+    tensors = [*model.parameters(), *model.buffers(), *quant_state_tensors(model)]
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     for state in optimizer.state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]

@@ -162,8 +162,29 @@ def test_frozen_weights_get_no_optimizer_state(hydra_conf):
         ["trainer.batch_size=2", "model.config=mistral_tiny", "data.seq_len=96"],  # the window
         ["trainer.batch_size=2", "model.config=qwen2_5_tiny", "model.lora.r=4"],
         ["trainer.batch_size=2", "trainer.precision=bf16", "model.lora.target_modules=[q_proj]"],
+        # QLoRA: 4-bit weights, their scales and the dequantized weights of each matmul
+        ["trainer.batch_size=2", "trainer.accum_steps=2", "model.quantization=nf4"],
+        ["trainer.batch_size=3", "model.quantization=fp4", "model.double_quant=false"],
+        [
+            "trainer.batch_size=2",
+            "model.quantization=nf4",
+            "trainer.activation_checkpointing=blocks",
+        ],
+        ["trainer.batch_size=2", "model.quantization=nf4", "model.compute_dtype=bfloat16"],
     ],
-    ids=["lora", "accumulated", "checkpointed", "full", "mistral", "qwen", "bf16"],
+    ids=[
+        "lora",
+        "accumulated",
+        "checkpointed",
+        "full",
+        "mistral",
+        "qwen",
+        "bf16",
+        "nf4",
+        "fp4-single-quant",
+        "nf4-checkpointed",
+        "nf4-bf16-compute",
+    ],  # fmt: skip
 )
 def test_prediction_equals_the_cpu_measurement_to_the_byte(hydra_conf, overrides):
     cfg = hydra_conf([*LLM, *STEPS, *overrides])
@@ -312,6 +333,9 @@ def test_a_local_checkpoint_loads_and_predicts_without_its_weights(hydra_conf, t
         (["model.dtype=float16"], r"model.dtype='float16'"),
         (["model.name_or_path=/nowhere"], "local checkpoints only"),
         (["model.config=null"], "give model.config"),
+        (["model.quantization=int3"], r"model.quantization='int3': give one of none, nf4, fp4"),
+        (["model.quantization=nf4", "model.lora=null"], r"model.quantization=nf4: 4-bit weights"),
+        (["model.quantization=nf4", "model.compute_dtype=fp8"], r"model.compute_dtype='fp8'"),
     ],
 )
 def test_bad_model_settings_are_config_errors_naming_the_key(hydra_conf, overrides, match):

@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from tracking.config import not_yaml
+from train.language import quantize
 
 ARCHITECTURES = Path(__file__).resolve().parents[2] / "conf" / "architecture"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -211,11 +212,16 @@ def causal_lm(
     attn_implementation: str = "sdpa",
     vocab_size: int | None = None,
     block_size: int | None = None,
+    quantization: str = "none",
+    double_quant: bool = True,
+    compute_dtype: str | None = None,
 ) -> nn.Module:
     """A causal LM of `model.name_or_path` (from_pretrained, local files only) when it is
     set, else of `model.config` (from_config), with LoRA adapters when `lora` is given.
     `vocab_size` and `block_size` (the sequence length) come from the data and are checked
-    against the architecture."""
+    against the architecture. `quantization` (nf4, fp4) stores the base model's linear
+    layers in 4 bits, with `double_quant` and `compute_dtype` as bitsandbytes' (QLoRA:
+    train/language/quantize.py)."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
@@ -227,6 +233,7 @@ def causal_lm(
             "give model.config (an architecture: "
             f"{', '.join(architectures())}) or model.name_or_path (a local checkpoint)"
         )
+    quantize.check(quantization, lora, compute_dtype)
     fake = _fake_mode() is not None
     if name_or_path is not None:
         path = Path(name_or_path).expanduser()
@@ -252,6 +259,8 @@ def causal_lm(
         )
     if lora is None:
         return model
+    if quantization != "none":  # a checkpoint's weights are read, then quantized
+        model = quantize.quantize(model, quantization, double_quant, compute_dtype)
     from peft import get_peft_model
 
     settings = lora_config(lora)

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 from torch.utils._pytree import tree_iter
 from torch.utils.weak import WeakIdKeyDictionary
+
+from train.language.quantize import composites
 
 _UNITS = {
     "": 1, "b": 1,
@@ -107,6 +109,10 @@ class TensorMemoryTracker(TorchDispatchMode):
     starts count only if passed to `register` (parameters, gradients, optimizer state);
     any other pre-existing storage met as an op input (host-side dataset, say) counts as
     zero, so views of it are not mistaken for new memory.
+
+    An op that is one op to a dispatch mode but allocates temporaries inside its kernel
+    (bitsandbytes' 4-bit matmul dequantizes its weight: train/language/quantize.py) runs as
+    the composition its kernel runs, each part tracked, so its temporaries count.
     """
 
     def __init__(self, device: torch.device | None = None, record: bool = False) -> None:
@@ -119,6 +125,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         # With record: (storage number, bytes) per allocation and (number, -1) per free, in
         # order, for a model of the CUDA caching allocator (train/memory/predict.py).
         self.events: list[tuple[int, int]] | None = [] if record else None
+        self._composites = composites()
 
     def register(self, tensors: Iterable[torch.Tensor]) -> None:
         for tensor in tensors:
@@ -214,7 +221,16 @@ class TensorMemoryTracker(TorchDispatchMode):
                 local = getattr(value, "_local_tensor", value)
                 if local.untyped_storage() not in self._cells:
                     self._track(local, count=False)
-        out = func(*args, **kwargs)
+        out = NotImplemented
+        composite = self._composites.get(func)
+        if composite is not None:
+            _push_mode(self)  # the mode is off within its own dispatch: its parts are seen
+            try:
+                out = composite(*args, **kwargs)
+            finally:
+                _pop_mode()
+        if out is NotImplemented:
+            out = func(*args, **kwargs)
         for value in tree_iter(out):
             if isinstance(value, torch.Tensor):
                 self._track(value, count=True)

@@ -47,9 +47,12 @@ def _local_gpu(device: torch.device) -> Gpu:
     FLOP/s: trainer.peak_flops gives it)."""
     props = torch.cuda.get_device_properties(device)
     known = gpu_of_device_name(props.name)
+    sms = props.multi_processor_count
     if known is not None:
-        return Gpu(known.name, props.total_memory, (props.major, props.minor), known.peak_flops)
-    return Gpu(props.name, props.total_memory, (props.major, props.minor), {})
+        return Gpu(
+            known.name, props.total_memory, (props.major, props.minor), known.peak_flops, sms=sms
+        )
+    return Gpu(props.name, props.total_memory, (props.major, props.minor), {}, sms=sms)
 
 
 def device_spec(device: torch.device, gpu_name: str | None) -> DeviceSpec:

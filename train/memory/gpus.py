@@ -16,7 +16,7 @@ twice that rate, which PyTorch does not use). A precision a card lacks has no en
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 GIB = 2**30
 GB = 10**9
@@ -32,6 +32,9 @@ class Gpu:
     # Regular expressions matched against the upper-cased torch device name, e.g.
     # "NVIDIA A100-SXM4-40GB": one of them matching means this card.
     device_patterns: tuple[str, ...] = ()
+    # Streaming multiprocessors, from NVIDIA's data sheets (bitsandbytes picks its 4-bit
+    # matmul kernel by them: train/language/quantize.py); None: not known.
+    sms: int | None = None
 
     def __post_init__(self) -> None:
         assert self.capability >= (7, 0), f"{self.name}: capability {self.capability}"
@@ -129,6 +132,12 @@ GPUS: tuple[Gpu, ...] = (
         "T4", 15_102 * 2**20, (7, 5), {"fp32": 8.1 * TFLOPS, "fp16": 65 * TFLOPS}, (r"\bT4\b",)
     ),  # fmt: skip
 )
+_SMS = {
+    "A100-40GB": 108, "A100-80GB": 108, "H100-80GB": 132, "H100-PCIe": 114, "H200": 132,
+    "GH200": 132, "B200": 148, "L40S": 142, "L4": 58, "A10": 72, "A10G": 80, "RTX-A6000": 84,
+    "RTX-4090": 128, "RTX-3090": 82, "V100-16GB": 80, "V100-32GB": 80, "T4": 40,
+}  # fmt: skip
+GPUS = tuple(replace(entry, sms=_SMS[entry.name]) for entry in GPUS)
 _BY_NAME = {entry.name.upper(): entry for entry in GPUS}
 
 

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_map
 
 from train.config import TrainerConfig
 from train.language.hf import eager_on_fakes
+from train.language.quantize import cuda_card, fake_param, fake_quant_states
 from train.loop import RunResult, optimizer_step, state_tensors, step_micro_batch_sizes
 from train.measure.flops import count_flops
 from train.memory.allocator_settings import AllocatorSettings
@@ -110,8 +111,11 @@ def _fake_module(model: nn.Module, mode: FakeTensorMode, device: torch.device) -
                 tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device
             )
             is_param = isinstance(tensor, nn.Parameter)
-            fakes[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if is_param else empty
+            fakes[id(tensor)] = fake_param(tensor, empty) if is_param else empty
         return fakes[id(tensor)]
+
+    def fake_state(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if _is_fake_of(tensor, mode, device) else fake(tensor)
 
     with mode:
         for module in model.modules():
@@ -119,6 +123,7 @@ def _fake_module(model: nn.Module, mode: FakeTensorMode, device: torch.device) -
                 for name, tensor in tensors.items():
                     if tensor is not None and not _is_fake_of(tensor, mode, device):
                         tensors[name] = fake(tensor)
+        fake_quant_states(model, fake_state)  # 4-bit weights' scales: no parameters
 
 
 def fake_first(build: Callable[[], nn.Module], mode: FakeTensorMode) -> nn.Module:
@@ -450,10 +455,12 @@ class MemoryPredictor:
         train/language/hf.py), and for a CUDA target CUDA's autocast policy and attention kernels on
         the fake CPU tensors (train/memory/cuda_emulation.py)."""
         emulation: AbstractContextManager = nullcontext()
+        card: AbstractContextManager = nullcontext()
         if self.target.type == "cuda":
-            assert self.target.capability is not None
+            assert self.target.capability is not None and self.target.gpu is not None
             emulation = CudaEmulation(self.target.capability)
-        with eager_on_fakes(), emulation:
+            card = cuda_card(self.target.gpu.sms, self.target.capability)
+        with eager_on_fakes(), emulation, card:
             yield
 
     @contextmanager

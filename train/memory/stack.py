@@ -47,6 +47,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from train.language.quantize import fake_param, quant_state_tensors
+
 Events = list[tuple[object, int]]  # (key, bytes) allocated, (key, -1) freed
 DEPTHS = (2, 3, 4)  # the depths computed: 2 and 3 define the line, 4 verifies it
 # FSDP prefetches the next layer's parameters in forward and backward: the two layers at
@@ -107,13 +109,21 @@ def shallow_copy(
                 for tensor in tensors:
                     if tensor is not None and id(tensor) not in memo:
                         memo[id(tensor)] = _new_fake(tensor)
-        return copy.deepcopy(model, memo)
+            for tensor in quant_state_tensors(model):  # 4-bit weights' scales
+                if id(tensor) not in memo:
+                    memo[id(tensor)] = _new_fake(tensor)
+        copied = copy.deepcopy(model, memo)
+    for module in copied.modules():  # a 4-bit weight reads its layer's (copied) state
+        weight = module._parameters.get("weight")
+        if getattr(weight, "quant_state", None) is not None:
+            weight.quant_state, weight.module = module.quant_state, module
+    return copied
 
 
 def _new_fake(tensor: torch.Tensor) -> torch.Tensor:
     empty = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
     if isinstance(tensor, nn.Parameter):
-        return nn.Parameter(empty, tensor.requires_grad)
+        return fake_param(tensor, empty)
     return empty
 
 
