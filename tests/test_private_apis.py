@@ -29,6 +29,10 @@ clip_grad_norm_)
   train/memory/budget.py `_resized`); torch._C._storage_Use_Count (train/parallel/sharding.py
   `_uses`);
   DistributedDataParallel._get_ddp_logging_data's bucket sizes (train/parallel/ranks.py)
+- torch.utils._python_dispatch._push_mode, _pop_mode (train/memory/budget.py: a composite
+  op's parts tracked); bitsandbytes' backends.default.ops._gemm_4bit_default_impl,
+  backends.cuda.ops._gemm_4bit_use_custom_cuda and _gpu_dispatch_props, functional.name2qmap
+  and create_dynamic_map (train/language/quantize.py)
 """
 
 from __future__ import annotations
@@ -422,3 +426,32 @@ def test_fsdp2_on_a_fake_process_group_shards_into_local_tensors() -> None:
     assert torch._C._storage_Use_Count(t.untyped_storage()._cdata) >= 1
     # Its bucket sizes are checked by tests/train/test_distributed.py (DDP to the byte).
     assert hasattr(torch.nn.parallel.DistributedDataParallel, "_get_ddp_logging_data")
+
+
+def test_bitsandbytes_4bit_matmul_internals() -> None:
+    """The composition gemm_4bit's kernels run and the CUDA kernel choice, as
+    train/language/quantize.py calls them; a mode pushed within its own dispatch."""
+    import inspect
+
+    pytest.importorskip("bitsandbytes")
+    from bitsandbytes import functional
+    from bitsandbytes.backends.cuda import ops as cuda_ops
+    from bitsandbytes.backends.default.ops import _gemm_4bit_default_impl
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+    assert list(inspect.signature(_gemm_4bit_default_impl).parameters) == [
+        "A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias", "absmax_8bit",
+        "absmax_code", "absmax_offset",
+    ]  # fmt: skip
+    assert list(inspect.signature(cuda_ops._gemm_4bit_use_custom_cuda).parameters) == [
+        "device_index", "dtype", "M", "N", "K",
+    ]  # fmt: skip
+    assert "_gpu_dispatch_props(device_index)" in inspect.getsource(
+        cuda_ops._gemm_4bit_use_custom_cuda
+    )
+    fallback = inspect.getsource(cuda_ops._dequant_linear_fallback)
+    assert "absmax_dq = torch.empty_like(absmax_8bit" in fallback  # kept until the matmul
+    assert cuda_ops._gemm_4bit_custom_max_m == 1536
+    assert isinstance(functional.name2qmap, dict)
+    assert functional.create_dynamic_map().shape == (256,)
+    assert callable(_push_mode) and callable(_pop_mode)

@@ -102,10 +102,26 @@ def quantize(
         # first forward without gradients (an evaluation) into an inference-only layout;
         # training after the evaluation would then run on it. Kept in the training layout.
         layer.support_avx512bf16_for_cpu = False
+        layer._register_load_state_dict_pre_hook(_load_quantized, with_module=True)
         layer.train(module.training)
         model.set_submodule(name, layer)
     model.is_loaded_in_4bit = True  # what transformers sets, and peft reads
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def _load_quantized(layer: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Load a saved 4-bit layer (train/model_file.py): bitsandbytes saves the quantization
+    state beside the weight (`weight.absmax`, `weight.quant_state.bitsandbytes__nf4`, ...)
+    but does not read it back (transformers' from_pretrained does); its
+    `Params4bit.from_prequantized` does, here."""
+    import bitsandbytes as bnb
+
+    stem = f"{prefix}weight."
+    stats = {k[len(stem) :]: state_dict.pop(k) for k in list(state_dict) if k.startswith(stem)}
+    if stats and f"{prefix}weight" in state_dict:
+        layer.weight = bnb.nn.Params4bit.from_prequantized(
+            state_dict[f"{prefix}weight"], stats, device=layer.weight.device, module=layer
+        )
 
 
 def _real_code_maps() -> None:
