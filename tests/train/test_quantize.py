@@ -55,10 +55,8 @@ def test_the_scales_are_state_beside_the_packed_weights(double_quant):
     model = _quantized(double_quant)
     values = OUT * IN
     blocks = values // BLOCKSIZE
-    if double_quant:
-        scales = blocks + 4 + 4 * math.ceil(blocks / 256) + 4 * 256
-    else:
-        scales = 4 * blocks
+    nested = blocks + 4 + 4 * math.ceil(blocks / 256) + 4 * 256  # uint8, offset, fp32
+    scales = nested if double_quant else 4 * blocks
     expected = scales + 4 * 16
     got = sum(t.untyped_storage().nbytes() for t in quant_state_tensors(model))
     assert got == expected
