@@ -10,7 +10,9 @@ that applies to the config:
    where the model has that key; costs the weights' precision, no speed), activation
    checkpointing (`trainer.activation_checkpointing=blocks`; costs about one more forward
    pass per step), LoRA adapters (`model.lora`, where the model has that key and trains
-   every weight; trains adapters instead of the model);
+   every weight; trains adapters instead of the model), 4-bit base weights (QLoRA:
+   `model.quantization=nf4`, with LoRA; costs speed, each matmul dequantizes its weight,
+   and a little loss);
 2. the same card with two or three of them (those that did not fit alone);
 3. more cards of the same kind: FSDP over 2, 4, 8 devices (`trainer.strategy=fsdp
    trainer.devices=N`; each rank's step is predicted), alone, then with the levers of 1;
@@ -265,6 +267,11 @@ def _where(spec: RunSpec) -> str:
     return f"per rank on {devices} x {name}" if spec.trainer.strategy != "none" else f"on {name}"
 
 
+def _redundant(combo: Sequence[Lever]) -> bool:
+    """A lever whose overrides another of `combo` holds already (LoRA within QLoRA)."""
+    return any(set(a.overrides) <= set(b.overrides) for a, b in itertools.permutations(combo, 2))
+
+
 def _same_card_levers(cfg: DictConfig, space: SearchSpace) -> tuple[list[Lever], list[str]]:
     """The levers of the same card that apply to `cfg`, cheapest first; why the others do
     not."""
@@ -284,6 +291,11 @@ def _same_card_levers(cfg: DictConfig, space: SearchSpace) -> tuple[list[Lever],
         absent.append("LoRA (the model has no model.lora)")
     elif model.lora is None:
         levers.append(Lever("LoRA adapters", (f"model.lora={LORA}",)))
+    if "quantization" not in model:
+        absent.append("4-bit base weights (the model has no model.quantization)")
+    elif str(model.quantization) == "none" and "model.quantization" not in searched:
+        lora = () if model.get("lora") is not None else (f"model.lora={LORA}",)
+        levers.append(Lever("4-bit base weights (QLoRA)", (*lora, "model.quantization=nf4")))
     return levers, absent
 
 
@@ -329,12 +341,16 @@ def _search(
             same_card.remove(lever)
     for size in range(2, len(same_card) + 1):
         for combo in itertools.combinations(same_card, size):
-            search.attempt(combo)
+            if not _redundant(combo):
+                search.attempt(combo)
     if STRATEGY_KEY not in space.distributions and DEVICES_KEY not in space.distributions:
         counts = [n for n in DEVICE_COUNTS if n > spec.trainer.devices]
         # alone, then with the same card's levers that do not fit alone
         alone = {t.levers for t in search.advice.fitting}
-        helpers = tuple(lever for lever in same_card if (lever,) not in alone)
+        helpers = tuple(  # FSDP does not shard 4-bit weights (train/run.py refuses it)
+            lever for lever in same_card
+            if (lever,) not in alone and "model.quantization=nf4" not in lever.overrides
+        )  # fmt: skip
         for extra in [(), helpers][: 2 if helpers else 1]:
             sharded = [Lever(f"FSDP over {n} devices", _fsdp(n)) for n in counts]
             if any(search.attempt((*extra, fsdp)) for fsdp in sharded):

@@ -75,6 +75,13 @@ def plan(cfg: DictConfig, budget: Any) -> RunSpec:
             )
     if target is not None and trainer is not None:
         problems += _precision_problems(trainer.precision, target)
+    quantization = OmegaConf.select(cfg, "model.quantization", default="none")
+    if trainer is not None and trainer.strategy == "fsdp" and quantization not in (None, "none"):
+        problems.append(
+            f"model.quantization={quantization} with trainer.strategy=fsdp: FSDP2 does not "
+            "shard bitsandbytes' packed 4-bit weights as batchfit builds them; use "
+            "trainer.strategy=ddp, or model.quantization=none"
+        )
     if target is not None:
         try:
             budget_bytes = parse_budget(budget, target.total_bytes)

@@ -12,7 +12,7 @@ import sys
 import pytest
 from rich.console import Console
 
-from search.advice import advise
+from search.advice import LORA, advise
 from search.driver import StudyDriver
 from search.fit import fit_reports
 from search.validate import validate
@@ -47,8 +47,10 @@ def _batch1(hydra_conf, overrides: list[str], seq_len: int) -> tuple[int, int]:
 def test_the_cheapest_levers_that_fit_are_given_as_commands(hydra_conf) -> None:
     """A budget that holds batch 1 with bf16 weights but not the fp32 state: the study and
     the fit report stop before any table (OverBudget), and the advice finds the weights in
-    bf16 first (model.dtype=bfloat16), then tries LoRA, FSDP over 2-8 ranks, then LoRA with
-    FSDP (checkpointing is searched by the experiment: the report's tables have it)."""
+    bf16 first (model.dtype=bfloat16), then tries LoRA, QLoRA (LoRA with 4-bit base
+    weights: no combination with LoRA alone, which it holds), FSDP over 2-8 ranks, then
+    LoRA with FSDP (checkpointing is searched by the experiment: the report's tables have
+    it)."""
     budget, _ = _batch1(hydra_conf, [*LLM_FULL, "model.dtype=bfloat16"], 128)
     overrides = [*LLM_FULL, f"search.memory_budget={budget}"]
     given, state = _batch1(hydra_conf, overrides, 128)
@@ -62,9 +64,11 @@ def test_the_cheapest_levers_that_fit_are_given_as_commands(hydra_conf) -> None:
     assert advice.given.peak_bytes == given and not advice.given.fits
     assert advice.geometry == "accum_steps 1, fp32, data.seq_len=128"
     words = [t.words for t in advice.tried]
-    assert words[:2] == ["bf16 weights", "LoRA adapters"], words
-    assert words[2:5] == [f"FSDP over {n} devices" for n in (2, 4, 8)], words
-    assert all(w.startswith("LoRA adapters + FSDP over") for w in words[5:]), words
+    assert words[:3] == ["bf16 weights", "LoRA adapters", "4-bit base weights (QLoRA)"], words
+    assert advice.tried[2].overrides[-2:] == (f"model.lora={LORA}", "model.quantization=nf4")
+    assert words[3:6] == [f"FSDP over {n} devices" for n in (2, 4, 8)], words
+    # FSDP does not shard 4-bit weights: QLoRA is not combined with it
+    assert all(w.startswith("LoRA adapters + FSDP over") for w in words[6:]), words
     assert advice.fitting and advice.fitting[0].words == "bf16 weights"
     assert len(advice.fitting) <= 2 and (len(advice.fitting) < 2 or advice.tried[-1].fits)
     for tried in advice.tried:

@@ -336,6 +336,14 @@ def test_a_local_checkpoint_loads_and_predicts_without_its_weights(hydra_conf, t
         (["model.quantization=int3"], r"model.quantization='int3': give one of none, nf4, fp4"),
         (["model.quantization=nf4", "model.lora=null"], r"model.quantization=nf4: 4-bit weights"),
         (["model.quantization=nf4", "model.compute_dtype=fp8"], r"model.compute_dtype='fp8'"),
+        (
+            ["model.quantization=nf4", "model.skip_modules=[lm_haed]"],
+            r"model.skip_modules: lm_haed",
+        ),
+        (
+            ["model.quantization=nf4", "trainer.strategy=fsdp", "trainer.devices=2"],
+            "model.quantization=nf4 with trainer.strategy=fsdp",
+        ),
     ],
 )
 def test_bad_model_settings_are_config_errors_naming_the_key(hydra_conf, overrides, match):

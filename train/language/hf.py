@@ -26,7 +26,7 @@ import difflib
 import json
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -215,12 +215,15 @@ def causal_lm(
     quantization: str = "none",
     double_quant: bool = True,
     compute_dtype: str | None = None,
+    skip_modules: Sequence[str] = quantize.SKIP,
+    fp32_upcast: bool = True,
 ) -> nn.Module:
     """A causal LM of `model.name_or_path` (from_pretrained, local files only) when it is
     set, else of `model.config` (from_config), with LoRA adapters when `lora` is given.
     `vocab_size` and `block_size` (the sequence length) come from the data and are checked
     against the architecture. `quantization` (nf4, fp4) stores the base model's linear
-    layers in 4 bits, with `double_quant` and `compute_dtype` as bitsandbytes' (QLoRA:
+    layers but `skip_modules` in 4 bits, with `double_quant` and `compute_dtype` as
+    bitsandbytes', and `fp32_upcast` as peft's preparation (QLoRA:
     train/language/quantize.py)."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -260,7 +263,9 @@ def causal_lm(
     if lora is None:
         return model
     if quantization != "none":  # a checkpoint's weights are read, then quantized
-        model = quantize.quantize(model, quantization, double_quant, compute_dtype)
+        model = quantize.quantize(
+            model, quantization, double_quant, compute_dtype, list(skip_modules), fp32_upcast
+        )
     from peft import get_peft_model
 
     settings = lora_config(lora)

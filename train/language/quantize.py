@@ -31,7 +31,7 @@ here; the predictor computes the step on fake tensors with bitsandbytes' own fak
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -75,19 +75,35 @@ def check(quantization: str, lora: Any, compute_dtype: str | None) -> None:
 
 
 def quantize(
-    model: nn.Module, quant_type: str, double_quant: bool, compute_dtype: str | None
+    model: nn.Module,
+    quant_type: str,
+    double_quant: bool,
+    compute_dtype: str | None,
+    skip_modules: Sequence[str] = SKIP,
+    fp32_upcast: bool = True,
 ) -> nn.Module:
-    """Replace every nn.Linear of `model` but the output head by a bitsandbytes Linear4bit
+    """Replace every nn.Linear of `model` but `skip_modules` (the output head, as
+    transformers does; a name or its last dotted part) by a bitsandbytes Linear4bit
     holding its weight in `quant_type` blocks, on the device the weight is on (real, meta or
-    fake: bitsandbytes' fake kernels give the packed shapes), then apply peft's
-    prepare_model_for_kbit_training (without its checkpointing: the trainer's)."""
+    fake: bitsandbytes' fake kernels give the packed shapes), then, with `fp32_upcast`,
+    apply peft's prepare_model_for_kbit_training (without its checkpointing: the
+    trainer's): the weights left in 16 bits go to fp32, and with them the residual stream.
+    Without it they stay in model.dtype, as litgpt's bf16-true QLoRA keeps them."""
     import bitsandbytes as bnb
     from peft import prepare_model_for_kbit_training
 
     compute = COMPUTE_DTYPES[compute_dtype] if compute_dtype is not None else None
+    linears = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    skip = set(skip_modules)
+    unknown = sorted(k for k in skip if not any(_named(n, k) for n in linears))
+    if unknown:
+        raise ValueError(
+            f"model.skip_modules: {', '.join(unknown)} names no linear layer of the model; "
+            f"its linear layers end in {', '.join(sorted({n.rsplit('.', 1)[-1] for n in linears}))}"
+        )
     _real_code_maps()
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or name.rsplit(".", 1)[-1] in SKIP:
+        if type(module) is not nn.Linear or any(_named(name, k) for k in skip):
             continue
         with unset_fake_temporarily():  # its placeholder weight is a Params4bit: not fake
             layer = bnb.nn.Linear4bit(
@@ -106,7 +122,13 @@ def quantize(
         layer.train(module.training)
         model.set_submodule(name, layer)
     model.is_loaded_in_4bit = True  # what transformers sets, and peft reads
+    if not fp32_upcast:
+        return model.requires_grad_(False)  # frozen, as peft's preparation leaves it
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def _named(name: str, key: str) -> bool:
+    return name == key or name.endswith(f".{key}")
 
 
 def _load_quantized(layer: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
