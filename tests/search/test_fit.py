@@ -612,3 +612,40 @@ def test_bf16_over_float32_weights_is_explained_and_the_fix_holds(hydra_conf) ->
     (bf16_weights,) = _reports(hydra_conf, [*LLAMA_MID, "model.dtype=bfloat16"])
     assert bf16_weights.cells["bf16", 1, 1].peak_bytes < fp32
     assert "bf16 needs more than fp32" not in _text(bf16_weights)
+
+
+def test_8b_qlora_fits_a_24gb_card_at_2048_tokens(hydra_conf) -> None:
+    """ "Does Llama-3-8B QLoRA at 2048 tokens fit my 24 GB card, and at what batch?" Its
+    linear layers (6.98B parameters) in NF4 with double quantization take 0.516 bytes a
+    parameter; the embeddings and head (2 x 525M) stay in 16 bits, cast to fp32 by peft's
+    preparation. With checkpointing batch 1 and 2 fit an RTX 4090; the same LoRA over bf16
+    weights (14 GB of linear layers alone) needs over 5 GiB more at each batch, and batch
+    2 does not fit."""
+    overrides = [
+        "+experiment=llm_qlora", "model.config=llama3_8b", "model.dtype=bfloat16",
+        "search.gpu=RTX-4090", "data.max_bytes=40000",
+        '++search.params={trainer.batch_size:"choice(1,2)",trainer.accum_steps:"choice(1)",'
+        'trainer.precision:"choice(bf16)",data.seq_len:"choice(2048)",'
+        'trainer.activation_checkpointing:"choice(blocks)",model.lora.r:null,'
+        'model.quantization:"choice(none,nf4)"}',
+    ]  # fmt: skip
+    reports = {r.at["model.quantization"]: r for r in _reports(hydra_conf, overrides)}
+    assert set(reports) == {"none", "nf4"}
+    qlora, lora = reports["nf4"], reports["none"]
+    assert qlora.device.startswith("RTX-4090")
+    peak = {(q, b): reports[q].cells["bf16", b, 1].peak_bytes for q in reports for b in (1, 2)}
+    assert qlora.cells["bf16", 1, 1].fits and qlora.cells["bf16", 2, 1].fits, peak
+    assert lora.cells["bf16", 1, 1].fits and not lora.cells["bf16", 2, 1].fits, peak
+    for b in (1, 2):
+        assert peak["nf4", b] < peak["none", b] - 5 * GiB, peak
+    assert peak["nf4", 1] < peak["nf4", 2] < 0.9 * 24 * GiB, peak
+    cfg = hydra_conf([*overrides, "model.quantization=nf4", "trainer.batch_size=1"])
+    state = Workloads().of(cfg).predictor(plan(cfg, None), cfg.optimizer).state_bytes
+    linears, embeddings = 6_979_321_856, 2 * 128_256 * 4096
+    four_bit = linears // 2 + linears // 64  # packed values, uint8 scales
+    # rank-8 adapters on the 7 projections of 32 layers, fp32 (peft's), with their
+    # gradients and AdamW's two moments: 16 bytes each
+    adapters = 32 * 8 * (9 * 4096 + 2 * 1024 + 3 * 14336)  # r x (in + out) per projection
+    expected = four_bit + 4 * embeddings + 16 * adapters
+    # the rest: fp32 norms (1 MiB), second-level scales (1.7 MB) and codes, rotary buffer
+    assert expected < state < expected + 4 * MiB, (state, expected)
