@@ -135,7 +135,7 @@ class Advice:
 
 CHEAPEST = (
     "the same card before more of it, more cards before a larger one; on one card the "
-    "weights in bf16, then checkpointing, then LoRA, one lever before two"
+    "weights in bf16, then checkpointing, then LoRA, then 4-bit weights, one lever before two"
 )
 
 

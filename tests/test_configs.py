@@ -110,7 +110,7 @@ def test_every_budget_preset_is_selected_by_its_model_and_data(hydra_conf, budge
 
 
 # Experiments planned for a real GPU's memory (the 8B fit report: search.gpu=H100-80GB).
-WHOLE_DEVICE = {"llm_lora", "llm_full"}
+WHOLE_DEVICE = {"llm_lora", "llm_qlora", "llm_full"}
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

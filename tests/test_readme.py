@@ -89,6 +89,12 @@ LLM_FIT = (
     "test plans both for an H100, 2 micro-batches x 2 checkpointing at 1024 tokens"
 )
 
+QLORA_FIT = (
+    "each report takes 1.5-2.5 minutes on 2 cores (6 tables); the test plans Llama-3-8B in "
+    "NF4 and in bf16 for an RTX 4090 at 2048 tokens, batch 1 and 2 with checkpointing, and "
+    "checks the 4-bit state to 4 MiB"
+)
+
 
 CLUSTER = "needs SLURM (and PostgreSQL), GPUs and CIFAR-10: run on the cluster of services.sh"
 TABLE: dict[str, Check] = {
@@ -153,6 +159,19 @@ TABLE: dict[str, Check] = {
         "tests.search.test_fit::test_marks_and_notes_of_a_real_report",
         "one 8B table takes a minute here; the test marks a GPT 1024 wide on an A100 whose "
         "larger batches need less than smaller ones, every mark checked against the predictor",
+    ),
+    "python -m search +experiment=llm_qlora": Check("test_llm_qlora_study", extra=LLM_VARIANT),
+    "python -m train +experiment=llm_qlora trainer.batch_size=4 data.seq_len=256": Check(
+        "test_llm_qlora_study"
+    ),
+    "python -m search.fit +experiment=llm_lora model.config=llama3_8b model.quantization=nf4 "
+    "search.gpu=RTX-4090": Check(
+        "tests.search.test_fit::test_8b_qlora_fits_a_24gb_card_at_2048_tokens", QLORA_FIT
+    ),
+    "python -m search.fit +experiment=llm_qlora model.config=llama3_8b model.dtype=bfloat16 "
+    "search.gpu=RTX-4090 "
+    '\'++search.params={data.seq_len:"choice(2048)",model.quantization:"choice(nf4)"}\'': Check(
+        "tests.search.test_fit::test_8b_qlora_fits_a_24gb_card_at_2048_tokens", QLORA_FIT
     ),
     # One trial on several GPUs (docs/data-parallel.md)
     "python -m search +experiment=llm_lora trainer.strategy=fsdp trainer.devices=2": Check(
@@ -670,6 +689,39 @@ def test_llm_lora_study(workdir: Path) -> None:
             assert metrics[name] > 0, name
         assert metrics["memory/prediction_error"] == 0.0
         assert run.data.params["data_info.tokenizer"] == "bytes"
+
+
+def test_llm_qlora_study(workdir: Path) -> None:
+    """The QLoRA study of "Fine-tuning language models": the tiny Llama's linear layers in
+    NF4 (bitsandbytes on the CPU) or fp32, searched with the LoRA levers; each trial's
+    quantization in its parameters and its MLflow run, its prediction the measurement to the
+    byte. Then one run of `python -m train` in NF4, its predicted peak the measured one."""
+    study, train = commands_of("test_llm_qlora_study")
+    ran = _run_study(study, workdir)
+    _check_study(ran, "llm_qlora-text")
+    done = [
+        t
+        for t in ran.study.trials
+        if t.state == TrialState.COMPLETE or t.user_attrs.get("reason") == "diverged"
+    ]
+    assert len(done) == 3 and any(t.state == TrialState.COMPLETE for t in done), ran.out
+    for t in done:
+        assert t.params["model.quantization"] in {"none", "nf4"}
+        assert t.user_attrs["prediction_error"] == 0.0
+        assert f"quantization={t.params['model.quantization']}" in ran.out
+    client = MlflowClient(f"sqlite:///{workdir}/mlruns/mlflow.db")
+    experiment = client.get_experiment_by_name(ran.study.study_name)
+    runs = client.search_runs([experiment.experiment_id], "tags.`batchfit.role` = 'trial'")
+    logged = {r.data.tags["batchfit.trial"]: r.data.params for r in runs}
+    for t in done:
+        assert logged[str(t.number)]["model.quantization"] == t.params["model.quantization"]
+
+    out = shell(train, workdir, timeout=600).stdout
+    assert "Training on cpu: batch 4 x 1 = 4, fp32" in out, out
+    predicted = re.search(r"predicted peak ([\d.]+ \w+);", out)
+    last = out.splitlines()[-1]
+    assert predicted and last.endswith(f"| peak {predicted.group(1)}"), out
+    assert re.search(r"^val/acc 0\.\d+ \| val/loss \d\.\d+ \|", last), out
 
 
 def test_four_levers(quick_starts: dict[str, Ran], workdir: Path) -> None:

@@ -342,8 +342,8 @@ def _budget_note(
             fix = (
                 f"That is more than the {format_bytes(total)} {device} has, so no budget on it "
                 "holds this run, whatever the batch; the fit report (python -m search.fit "
-                "with these overrides) predicts what would: bf16 weights, LoRA, "
-                "checkpointing, more devices, a larger card"
+                "with these overrides) predicts what would: bf16 weights, LoRA, 4-bit "
+                "weights, checkpointing, more devices, a larger card"
             )
         raise OverBudget(
             [
