@@ -11,6 +11,7 @@ python -c "import torch; print('torch', torch.__version__, torch.cuda.get_device
 pytest -m gpu -n 0 -q -p no:cacheprovider || status=1
 python bench/prediction.py --device cuda --models small_cnn resnet18 --batch-sizes 8 64 256 \
   --precisions fp32 bf16 || status=1
+python bench/prediction.py --no-grid --qlora --device cuda || status=1
 python bench/oom_limit.py || status=1
 python bench/prediction.py --no-grid --traces tests/fixtures/cuda-traces || status=1
 exit $status

@@ -20,6 +20,7 @@ Also printed: seconds per prediction against seconds per real optimizer step.
     python bench/prediction.py --decoders           # + fit-report cost: 125M, 1B, 8B decoders
     python bench/prediction.py --no-grid --traces tests/fixtures/cuda-traces --decoders
     python bench/prediction.py --no-grid --fit-reports   # the three 8B fit reports
+    python bench/prediction.py --no-grid --qlora    # QLoRA steps: 4-bit weights, bitsandbytes
 
 `--traces DIR` replays real GPU memory snapshots (torch.cuda.memory._dump_snapshot files)
 through the allocator model (bench/cuda_trace.py): per trace and device, the share of
@@ -200,6 +201,51 @@ def fit_reports(console: Console) -> bool:
     return verdict and exact
 
 
+# QLoRA cells: the tiny Llama's linear layers in NF4 (bitsandbytes), bf16 compute; the
+# micro-batch sets the rows of each 4-bit matmul (batch x 256 tokens), which decide on CUDA
+# between bitsandbytes' fused kernel and dequantize + matmul (train/language/quantize.py).
+QLORA_CELLS = [(1, "fp32"), (4, "fp32"), (4, "bf16"), (8, "bf16")]
+
+
+def qlora(console: Console, device: str) -> bool:
+    """QLoRA steps predicted and run: on CPU the prediction must equal the measurement to
+    the byte; on CUDA the reserve within the grid's targets (median 5%, worst 15%)."""
+    table = Table(title=f"QLoRA (nf4, double quantization) on {device}: predicted vs measured")
+    for column in ("batch x tokens", "precision", "predicted", "measured", "error"):
+        table.add_column(column, justify="right")
+    errors = []
+    for batch_size, precision in QLORA_CELLS:
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[
+                "+experiment=llm_qlora", "model.quantization=nf4", "model.compute_dtype=bfloat16",
+                f"trainer.batch_size={batch_size}", f"trainer.precision={precision}",
+                "data.seq_len=256", "trainer.max_epochs=null", "trainer.max_steps=3",
+                f"trainer.device={device}", "search.memory_budget=null",
+            ])  # fmt: skip
+        spec = plan(cfg, None)
+        workload = Workloads().of(cfg)
+        prediction = workload.predict(spec, cfg.optimizer)
+        measured = run(cfg, spec, workload=workload)
+        error = prediction.error(measured)
+        errors.append(error)
+        predicted = prediction.reserved_bytes or prediction.peak_bytes
+        actual = measured.reserved_bytes or measured.peak_bytes
+        table.add_row(
+            f"{batch_size} x 256", precision, format_bytes(predicted), format_bytes(actual),
+            f"{error:+.2%}",
+        )  # fmt: skip
+    console.print(table)
+    worst = max(abs(e) for e in errors)
+    if device == "cpu":
+        verdict = worst == 0
+        console.print(f"QLoRA on CPU: prediction = measurement in every cell: {verdict}")
+    else:
+        median = sorted(abs(e) for e in errors)[len(errors) // 2]
+        verdict = median <= 0.05 and worst <= 0.15
+        console.print(f"QLoRA on CUDA: median |error| {median:.2%}, worst {worst:.2%}: {verdict}")
+    return verdict
+
+
 def _timed_fit(overrides: list[str]) -> tuple[float, int, str, int]:
     """`python -m search.fit OVERRIDES` in a fresh process: seconds, peak host memory,
     what it printed, its exit status."""
@@ -270,6 +316,7 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--max-run-s", type=float, default=20.0, help="skip longer real runs")
     parser.add_argument("--no-grid", action="store_true", help="only --traces / --decoders")
+    parser.add_argument("--qlora", action="store_true", help="QLoRA steps, predicted and run")
     args = parser.parse_args()
     console = Console(width=160)
     verdicts = []
@@ -279,6 +326,8 @@ def main() -> None:
         verdicts.append(decoders(console))
     if args.fit_reports:
         verdicts.append(fit_reports(console))
+    if args.qlora:
+        verdicts.append(qlora(console, args.device))
     if not args.no_grid:
         verdicts.append(grid(console, args))
     sys.exit(0 if all(verdicts) else 1)
