@@ -92,6 +92,24 @@ def test_the_dequantized_weight_of_a_matmul_counts(double_quant):
     assert peak == output + 4 * OUT * IN + scales
 
 
+def test_the_matmuls_compute_in_the_autocast_dtype():
+    """model.compute_dtype=null: under autocast (trainer.precision=bf16) each 4-bit matmul
+    dequantizes to bf16 and computes in it, whatever its input's dtype (peft's fp32
+    residual stream); without autocast, in its input's dtype. The output keeps the input's
+    dtype, as bitsandbytes returns it."""
+    model = _quantized(False)
+    x = torch.randn(8, IN)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model.proj(x)
+        assert model.proj.compute_dtype == torch.bfloat16 and y.dtype == torch.float32
+        half, _ = _forward_peak(model, x)
+    full, _ = _forward_peak(model, x)
+    assert model.proj.compute_dtype == torch.float32
+    # the dequantized weight in 2 bytes instead of 4; the bf16 copy of the input and the
+    # bf16 output are smaller than that
+    assert full - half > OUT * IN, (full, half)
+
+
 def test_a_fused_cuda_kernel_has_no_dequantized_weight():
     """On a CUDA card bitsandbytes runs its fused kernel for a few rows (up to 4 always):
     the composition is declined and the op's output alone is allocated; past 1536 rows it

@@ -64,7 +64,7 @@ def check(quantization: str, lora: Any, compute_dtype: str | None) -> None:
     if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
         raise ValueError(
             f"model.compute_dtype={compute_dtype!r}: give one of {', '.join(COMPUTE_DTYPES)}, "
-            "or null (the dtype of each layer's input)"
+            "or null (trainer.precision's autocast dtype, else each layer's input's)"
         )
     try:
         import bitsandbytes  # noqa: F401
@@ -119,12 +119,26 @@ def quantize(
         # training after the evaluation would then run on it. Kept in the training layout.
         layer.support_avx512bf16_for_cpu = False
         layer._register_load_state_dict_pre_hook(_load_quantized, with_module=True)
+        if compute is None:
+            layer.register_forward_pre_hook(_follow_autocast)
         layer.train(module.training)
         model.set_submodule(name, layer)
     model.is_loaded_in_4bit = True  # what transformers sets, and peft reads
     if not fp32_upcast:
         return model.requires_grad_(False)  # frozen, as peft's preparation leaves it
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def _follow_autocast(layer: nn.Module, args: tuple) -> None:
+    """model.compute_dtype=null: each 4-bit matmul computes in the autocast dtype where the
+    step runs under autocast (trainer.precision=bf16: bf16, QLoRA's compute dtype), else in
+    its input's dtype. bitsandbytes' own default keeps the dtype of the first input it sees,
+    and autocast does not reach its custom op: under peft's fp32 residual stream every
+    matmul of a bf16 run would dequantize to fp32 and run in fp32."""
+    x, device = args[0], args[0].device.type
+    autocast = torch.is_autocast_enabled(device)
+    layer.compute_dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+    layer.compute_type_is_set = True
 
 
 def _named(name: str, key: str) -> bool:
