@@ -12,6 +12,11 @@ real smallest limit is the least L that runs, to `--resolution-mib`. A predictio
 "fits" that OOMs (the dangerous side) once the 5% preflight margin no longer covers it; above
 it, a false OOM by that much. Target: every prediction x 1.05 at or above the real limit, and
 the prediction at most 5% above it; the verdict sets the exit code.
+
+Every configuration is reported, each as soon as it is done: one that does not run even under
+twice its predicted limit, or that fails otherwise, is a FAIL row and the next one still runs,
+so that one failure does not hide the rest. `--max-seconds` stops starting configurations
+after that long (those left are listed as not run, and the verdict is FAIL: not checked).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -73,10 +80,48 @@ def real_smallest_limit(cfg, spec, workload, low: int, high: int, step: int) -> 
     return high * step
 
 
+@dataclasses.dataclass
+class Outcome:
+    """One configuration's result: the predicted and real smallest limits, or why not."""
+
+    predicted_bytes: int | None = None
+    real_bytes: int | None = None
+    failure: str | None = None  # what went wrong instead of a comparison
+
+    @property
+    def error(self) -> float | None:
+        if self.predicted_bytes is None or self.real_bytes is None:
+            return None
+        return (self.predicted_bytes - self.real_bytes) / self.real_bytes
+
+    @property
+    def passed(self) -> bool:
+        # The prediction x 1.05 (the preflight margin) covers the real limit, and the
+        # prediction is at most 5% above it.
+        return self.error is not None and 1 / 1.05 - 1 <= self.error <= 0.05
+
+
+def measure(cfg, spec, workload, resolution_bytes: int) -> Outcome:  # noqa: ANN001
+    """The predicted smallest limit and the real one, bisected between the predicted live
+    tensors and twice the prediction (at least +512 MiB), which must run."""
+    prediction = workload.predict(spec, cfg.optimizer)
+    outcome = Outcome(predicted_bytes=prediction.peak_bytes)
+    high = max(2 * prediction.peak_bytes, prediction.peak_bytes + 512 * MiB)
+    if not _runs(cfg, spec, workload, high):
+        outcome.failure = f"does not run in {format_bytes(high)} (2 x the prediction)"
+        return outcome
+    low = prediction.tensor_bytes
+    outcome.real_bytes = real_smallest_limit(cfg, spec, workload, low, high, resolution_bytes)
+    return outcome
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--resolution-mib", type=float, default=2)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--max-seconds", type=float, default=None, help="start no configuration after this"
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/oom_limit.py needs a CUDA device (--device cpu: a dry run)")
@@ -84,37 +129,59 @@ def main() -> None:
     console = Console(width=160)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     table = Table(title=f"Smallest per-process limit on {name}")
-    for column in ("config", "batch", "precision", "predicted", "real", "error"):
+    for column in ("config", "batch", "precision", "predicted", "real", "error", "within"):
         table.add_column(column, justify="right")
-    errors = []
-    workloads = Workloads()
+    outcomes, started, workloads = [], time.perf_counter(), Workloads()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         for overrides, batch, precision in cases:
-            geometry = [
-                f"trainer.batch_size={batch}", "trainer.accum_steps=1",
-                f"trainer.precision={precision}", f"trainer.device={args.device}",
-            ]  # fmt: skip
-            cfg = compose(config_name="config", overrides=[*overrides, *STEPS, *geometry])
-            spec = plan(cfg, None)
-            workload = workloads.of(cfg)
-            prediction = workload.predict(spec, cfg.optimizer)
-            step = int(args.resolution_mib * MiB)
-            high = max(2 * prediction.peak_bytes, prediction.peak_bytes + 512 * MiB)
-            assert _runs(cfg, spec, workload, high), f"{overrides} does not run in {high} B"
-            real = real_smallest_limit(cfg, spec, workload, prediction.tensor_bytes, high, step)
-            error = (prediction.peak_bytes - real) / real
-            errors.append(error)
-            table.add_row(
-                " ".join(overrides), str(batch), precision, format_bytes(prediction.peak_bytes),
-                format_bytes(real), f"{error:+.2%}",
-            )  # fmt: skip
+            label = f"{' '.join(overrides)} batch {batch} {precision}"
+            if args.max_seconds is not None and time.perf_counter() - started > args.max_seconds:
+                outcome = Outcome(failure=f"not run: past --max-seconds={args.max_seconds:g}")
+            else:
+                geometry = [
+                    f"trainer.batch_size={batch}", "trainer.accum_steps=1",
+                    f"trainer.precision={precision}", f"trainer.device={args.device}",
+                ]  # fmt: skip
+                try:
+                    cfg = compose(config_name="config", overrides=[*overrides, *STEPS, *geometry])
+                    spec = plan(cfg, None)
+                    outcome = measure(cfg, spec, workloads.of(cfg), int(args.resolution_mib * MiB))
+                except Exception as error:  # reported as this configuration's FAIL; go on
+                    traceback.print_exc()
+                    outcome = Outcome(failure=f"{type(error).__name__}: {error}"[:300])
+                    release_memory(torch.device(args.device))
+            outcomes.append(outcome)
+            table.add_row(*_row(overrides, batch, precision, outcome))
+            console.print(f"{label}: {_said(outcome)}")  # as it comes: a timeout keeps it
     console.print(table)
-    verdict = all(1 / 1.05 - 1 <= e <= 0.05 for e in errors)
+    failed = sum(not o.passed for o in outcomes)
+    verdict = failed == 0
     console.print(
-        f"{len(errors)} configurations: errors {', '.join(f'{e:+.2%}' for e in errors)} "
-        f"(target -4.8%/+5%): [bold]{'PASS' if verdict else 'FAIL'}[/bold]"
+        f"{len(outcomes)} configurations, {failed} failed (target: prediction x 1.05 at or above "
+        f"the real limit, prediction at most 5% above it): "
+        f"[bold]{'PASS' if verdict else 'FAIL'}[/bold]"
     )
     sys.exit(0 if verdict else 1)
+
+
+def _row(overrides: list[str], batch: int, precision: str, outcome: Outcome) -> list[str]:
+    predicted = outcome.predicted_bytes
+    cells = [" ".join(overrides), str(batch), precision]
+    cells.append(format_bytes(predicted) if predicted is not None else "-")
+    if outcome.real_bytes is None:
+        return [*cells, outcome.failure or "-", "-", "NO"]
+    return [*cells, format_bytes(outcome.real_bytes), f"{outcome.error:+.2%}",
+            "yes" if outcome.passed else "NO"]  # fmt: skip
+
+
+def _said(outcome: Outcome) -> str:
+    if outcome.real_bytes is None:
+        return f"FAIL: {outcome.failure}"
+    return (
+        f"predicted {format_bytes(outcome.predicted_bytes)}, real "
+        f"{format_bytes(outcome.real_bytes)} ({outcome.error:+.2%}): "
+        f"{'PASS' if outcome.passed else 'FAIL'}"
+    )
 
 
 if __name__ == "__main__":
