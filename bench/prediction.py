@@ -7,8 +7,9 @@ run of 3 optimizer steps through `train.run.run`, the code path of a trial:
   the same accounting as the prediction, so this is a consistency check: target |error| <= 1%.
 - CUDA (where a GPU is present): the measurement is `torch.cuda.max_memory_reserved`, what
   actually runs out; the prediction replays the step's allocations through the caching
-  allocator model. Targets: median |error| <= 5%, worst <= 15%. The table also shows the
-  error of live tensors alone against `max_memory_allocated`.
+  allocator model. Targets: median |error| <= 5%, worst <= 15%, and no cell under-predicted
+  by more than 2% (each fits the card: an under-prediction there is a "fits" that runs out).
+  The table also shows the error of live tensors alone against `max_memory_allocated`.
 
 Also printed: seconds per prediction against seconds per real optimizer step.
 
@@ -427,8 +428,11 @@ def _report(console, args, rows, errors, skipped, predict_s, step_s, cuda) -> bo
     absolute = [abs(e) for e in errors]
     median, worst = statistics.median(absolute), max(absolute)
     if cuda:
-        verdict = "PASS" if median <= 0.05 and worst <= 0.15 else "FAIL"
-        target = "median <= 5%, worst <= 15%"
+        # Every cell fits the card (no budget is set): none may be under-predicted by more
+        # than 2%, the side on which a "fits" runs out of memory.
+        under = min(errors)
+        verdict = "PASS" if median <= 0.05 and worst <= 0.15 and under >= -0.02 else "FAIL"
+        target = f"median <= 5%, worst <= 15%, none under -2%: lowest {under:+.2%}"
     else:
         verdict = "PASS" if worst <= 0.01 else "FAIL"
         target = "every cell within 1%"
