@@ -37,6 +37,10 @@ from train.memory.budget import (
     format_bytes,
     parse_budget,
 )
+from train.memory.cudnn import CONFIG_KEY as CUDNN_CAP_KEY
+from train.memory.cudnn import DEFAULT_CAP_MIB
+from train.memory.cudnn import apply_cap as apply_cudnn_cap
+from train.memory.cudnn import cap_problems as cudnn_cap_problems
 from train.memory.device import DeviceSpec, device_spec
 from train.memory.predict import MemoryPredictor, Prediction, PredictionUnsupported, fake_first
 from train.models import param_bytes
@@ -191,6 +195,12 @@ def _target(cfg: DictConfig, device: torch.device, problems: list[str]) -> Devic
             "trainer.device=cuda but no CUDA device is visible; use trainer.device=auto"
         )
         return None
+    cap = OmegaConf.select(cfg, CUDNN_CAP_KEY, default=DEFAULT_CAP_MIB)
+    cap_errors = cudnn_cap_problems(cap)
+    if cap_errors:
+        problems += cap_errors
+        return None
+    apply_cudnn_cap(cap)  # before cuDNN's first convolution, and what predictions count
     try:
         return device_spec(device, OmegaConf.select(cfg, "search.gpu"))
     except ValueError as error:

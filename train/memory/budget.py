@@ -14,7 +14,7 @@ import math
 import os
 import re
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mod
 from torch.utils._pytree import tree_iter
 from torch.utils.weak import WeakIdKeyDictionary
 
-from train.language.quantize import composites
+from train.language.quantize import composites as bitsandbytes_composites
 
 _UNITS = {
     "": 1, "b": 1,
@@ -115,7 +115,12 @@ class TensorMemoryTracker(TorchDispatchMode):
     the composition its kernel runs, each part tracked, so its temporaries count.
     """
 
-    def __init__(self, device: torch.device | None = None, record: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device | None = None,
+        record: bool = False,
+        composites: Mapping[Any, Callable[..., Any]] | None = None,
+    ) -> None:
         super().__init__()
         self.device = device  # None: every storage; else storages on other devices count 0
         self._cells: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -125,7 +130,11 @@ class TensorMemoryTracker(TorchDispatchMode):
         # With record: (storage number, bytes) per allocation and (number, -1) per free, in
         # order, for a model of the CUDA caching allocator (train/memory/predict.py).
         self.events: list[tuple[int, int]] | None = [] if record else None
-        self._composites = composites()
+        # Ops run as their composition: bitsandbytes' (when imported) and the caller's (a CUDA
+        # target's cuDNN convolutions with their workspaces: train/memory/cudnn.py). A
+        # composition may call its own op: within it, that op runs as itself.
+        self._composites = {**bitsandbytes_composites(), **(composites or {})}
+        self._composing: set[Any] = set()
 
     def register(self, tensors: Iterable[torch.Tensor]) -> None:
         for tensor in tensors:
@@ -223,11 +232,13 @@ class TensorMemoryTracker(TorchDispatchMode):
                     self._track(local, count=False)
         out = NotImplemented
         composite = self._composites.get(func)
-        if composite is not None:
+        if composite is not None and func not in self._composing:
             _push_mode(self)  # the mode is off within its own dispatch: its parts are seen
+            self._composing.add(func)
             try:
                 out = composite(*args, **kwargs)
             finally:
+                self._composing.discard(func)
                 _pop_mode()
         if out is NotImplemented:
             out = func(*args, **kwargs)

@@ -7,18 +7,21 @@ the table of train/memory/gpus.py. On a laptop or a login node the fit report an
 preflight then answer "what fits on an A100-40GB?" for CUDA's reserved bytes: the step is
 computed on fake CPU tensors with CUDA's behaviour (train/memory/cuda_emulation.py) and replayed
 through the caching-allocator model with the card's cuBLAS workspaces (train/memory/reserve.py).
-Such a plan cannot train here: `trains_here` says so, and the entry points stop before
-training with the command that reports what fits.
+cuDNN convolutions' workspaces are counted at the cap the run sets (train/memory/cudnn.py), or
+measured on this machine's GPU when it is the one planned for. Such a plan cannot train here:
+`trains_here` says so, and the entry points stop before training with the command that
+reports what fits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from train.memory.allocator_settings import AllocatorSettings
 from train.memory.budget import device_total_bytes
+from train.memory.cudnn import CudnnWorkspaces, measure_on_device
 from train.memory.gpus import Gpu, gpu, gpu_of_device_name
 
 
@@ -32,6 +35,9 @@ class DeviceSpec:
     gpu: Gpu | None = None
     allocator: AllocatorSettings | None = None  # CUDA's caching allocator, as configured
     local: bool = True
+    # cuDNN convolutions' workspaces: at the cap a run sets, measured on this machine's GPU
+    # (train/memory/cudnn.py); shared by the predictors of a run, not part of its identity
+    cudnn: CudnnWorkspaces | None = field(default=None, compare=False, hash=False)
 
     @property
     def name(self) -> str:
@@ -69,8 +75,13 @@ def device_spec(device: torch.device, gpu_name: str | None) -> DeviceSpec:
                 f"to train here, or plan for it with python -m search.fit trainer.device=cpu "
                 f"search.gpu={gpu_name}"
             )
-        return DeviceSpec("cuda", local.total_bytes, local, AllocatorSettings.from_env())
+        cudnn = CudnnWorkspaces.from_env()
+        cudnn.measure = measure_on_device(device)
+        return DeviceSpec(
+            "cuda", local.total_bytes, local, AllocatorSettings.from_env(), cudnn=cudnn
+        )
     if named is not None:
         allocator = AllocatorSettings.from_env()
-        return DeviceSpec("cuda", named.total_bytes, named, allocator, local=False)
+        cudnn = CudnnWorkspaces.from_env()
+        return DeviceSpec("cuda", named.total_bytes, named, allocator, local=False, cudnn=cudnn)
     return DeviceSpec(device.type, device_total_bytes(device))

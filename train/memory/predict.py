@@ -44,6 +44,7 @@ from train.measure.flops import count_flops
 from train.memory.allocator_settings import AllocatorSettings
 from train.memory.budget import MemoryStats, TensorMemoryTracker
 from train.memory.cuda_emulation import CudaEmulation
+from train.memory.cudnn import CudnnWorkspaces, conv_composites
 from train.memory.device import DeviceSpec, device_spec
 from train.memory.reserve import CudaReserve, cublas_workspaces, live_peak_bytes, predict_reserved
 from train.memory.stack import DEPTHS, FSDP_DEPTHS, DepthLine, Step, find_stack, shallow_copy
@@ -69,6 +70,10 @@ class Prediction:
     # CUDA: the allocator's peak reserve under the run's limit, what max_memory_reserved
     # reads after the step (None: no limit asked for, or out of memory under it).
     reserved_bytes: int | None = None
+    # cuDNN convolutions in the step (CUDA): whether it has any, and the workspace each call
+    # was counted at when that is the cap, a bound (None: measured on the card, or no cap)
+    has_convolutions: bool = False
+    workspace_cap_bytes: int | None = None
 
     def error(self, measured: MemoryStats | RunResult) -> float:
         """(predicted - measured) / measured, like against like: on CUDA the reserve under
@@ -202,6 +207,8 @@ class MemoryPredictor:
         # with CUDA's autocast policy and kernel choices for a CUDA target.
         self.target = device if isinstance(device, DeviceSpec) else _spec_of(device)
         self.device = torch.device("cpu")
+        # A CUDA target's cuDNN convolutions run with their workspaces (train/memory/cudnn.py)
+        self.workspaces = self.target.cudnn or CudnnWorkspaces(cap_bytes=None)
         # Real inputs (a builder's example batch) become fake where they meet fake weights.
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.task = task or Classification()
@@ -373,8 +380,17 @@ class MemoryPredictor:
         tensor_bytes = live_peak_bytes(events)
         if self.target.type != "cuda":
             return Prediction(tensor_bytes, tensor_bytes, time.perf_counter() - started)
-        pending = _Pending(self._reserve(events, limit_bytes), tensor_bytes, started, limit_bytes)
+        convs = self._has_convolutions()
+        cap = self.workspaces.cap_bytes if convs and self.workspaces.is_bound else None
+        pending = _Pending(
+            self._reserve(events, limit_bytes), tensor_bytes, started, limit_bytes, convs, cap
+        )
         return pending if _BESIDE else pending.result()
+
+    def _has_convolutions(self) -> bool:
+        """Whether the step has cuDNN convolutions: its own or its shallow copies'."""
+        shallow = (p.workspaces.seen for p in self._shallow.values())
+        return bool(self.workspaces.seen) or any(shallow)
 
     def _reserve(self, events: Events, limit_bytes: int | None) -> Future[CudaReserve]:
         """The step's events through the caching-allocator model, with the cuBLAS
@@ -429,7 +445,9 @@ class MemoryPredictor:
         if self.optimizer is None:
             self._prepare()
         precision = Precision(trainer.precision, self.device.type)
-        tracker = TensorMemoryTracker(self.device, record=True)
+        cuda = self.target.type == "cuda"
+        composites = conv_composites(self.workspaces) if cuda else None
+        tracker = TensorMemoryTracker(self.device, record=True, composites=composites)
         marks: list[int] = []
         with self.mode, precision.matmul_mode(), self._as_target():
             scaler = _FakeGradScaler(self.device.type, enabled=precision.name == "fp16")
@@ -546,6 +564,8 @@ class _Pending:
     tensor_bytes: int
     started: float
     limit_bytes: int | None
+    has_convolutions: bool = False
+    workspace_cap_bytes: int | None = None
 
     def result(self) -> Prediction:
         reserve = self.reserve.result()
@@ -554,6 +574,8 @@ class _Pending:
             self.tensor_bytes,
             time.perf_counter() - self.started,
             reserve.peak_reserved_under_limit_bytes if self.limit_bytes is not None else None,
+            self.has_convolutions,
+            self.workspace_cap_bytes,
         )
 
 
