@@ -8,21 +8,32 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from train.config import TrainerConfig
+from train.memory.allocator_settings import AllocatorSettings
 from train.memory.budget import TensorMemoryTracker
 from train.memory.cuda_emulation import (
     CUDA_AUTOCAST_POLICY,
+    KNOWN_AUTOCAST_POLICY,
     NOT_EMULATED,
+    SDPA_RULES,
     CudaEmulation,
     SdpaParams,
     autocast_kernels,
+    installed_policy,
+    op_exists,
+    sdpa_rules,
     select_sdp_backend,
 )
+from train.memory.device import DeviceSpec
+from train.memory.gpus import gpu
+from train.memory.predict import MemoryPredictor
 
 aten = torch.ops.aten
 
@@ -237,3 +248,173 @@ def test_a_failed_registration_leaves_no_kernel_behind(monkeypatch) -> None:  # 
     with torch.autocast("cpu", torch.bfloat16):  # CPU's own policy: addmv not cast
         out = torch.addmv(torch.zeros(4), torch.ones(4, 4), torch.ones(4))
     assert out.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- grouped-query attention
+
+HEADS, KV_HEADS, TOKENS, HEAD_DIM = 8, 2, 32, 16
+
+
+class _GroupedQueryAttention(torch.nn.Module):
+    """One attention layer as Llama's (8 query heads sharing 2 key/value heads), then a
+    classifier head: input (B, TOKENS * HEAD_DIM) -> logits (B, 10)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(HEAD_DIM, HEADS * HEAD_DIM, bias=False)
+        self.kv = torch.nn.Linear(HEAD_DIM, 2 * KV_HEADS * HEAD_DIM, bias=False)
+        self.out = torch.nn.Linear(HEADS * HEAD_DIM, 10, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.view(x.size(0), TOKENS, HEAD_DIM)
+        q = self.q(tokens).view(x.size(0), TOKENS, HEADS, HEAD_DIM).transpose(1, 2)
+        k, v = self.kv(tokens).view(x.size(0), TOKENS, 2 * KV_HEADS, HEAD_DIM).transpose(1, 2)\
+            .chunk(2, dim=1)  # fmt: skip  # (B, KV_HEADS, TOKENS, HEAD_DIM) each
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.out(out.transpose(1, 2).reshape(x.size(0), TOKENS, -1).mean(1))
+
+
+def test_a_grouped_query_attention_model_predicts_for_an_h100_in_fp32() -> None:
+    """torch 2.11's memory-efficient kernel has no GQA: the emulation chose it by 2.14's rules
+    and its backward returned key gradients with the query's 8 heads ("returned an invalid
+    gradient at index 1"). Each torch's own rules pick a kernel its backward can run."""
+    h100 = gpu("H100-80GB")
+    assert h100.capability == (9, 0)
+    target = DeviceSpec("cuda", h100.total_bytes, h100, AllocatorSettings(), local=False)
+    example = (torch.zeros(4, TOKENS * HEAD_DIM), torch.zeros(4, dtype=torch.long))
+    predictor = MemoryPredictor(
+        _GroupedQueryAttention, lambda p: torch.optim.SGD(p, lr=0.1), example, target
+    )
+    trainer = TrainerConfig(batch_size=4, accum_steps=1, precision="fp32")
+    assert predictor.predict(trainer, 64).tensor_bytes > 0
+
+
+# ---------------------------------------------------------------- torch releases
+
+OLD, NEW = sdpa_rules("2.11.0+cu130"), sdpa_rules("2.14.1")
+
+
+def test_the_table_names_only_ops_this_torch_has() -> None:
+    # torch 2.11 has no linalg_matrix_sqrth: a table naming it failed every CUDA prediction
+    assert all(op_exists(name) for name in CUDA_AUTOCAST_POLICY)
+    assert op_exists("mm") and op_exists("softmax.int") and op_exists("sum")
+    assert not op_exists("no_such_op") and not op_exists("softmax.no_such_overload")
+
+
+def test_the_policy_is_that_of_the_kernels_a_torch_registers() -> None:
+    """2.11 autocasts softmax's Dimname overload and not rms_norm, 2.14 the other way round;
+    a kernel without a known policy (here _cudnn_rnn, left alone) is not in the table."""
+    as_211 = installed_policy({"mm", "softmax.Dimname", "norm.names_ScalarOpt_dim", "_cudnn_rnn"})
+    assert as_211 == {
+        "mm": "lower_precision_fp",
+        "softmax.Dimname": "fp32_set_opt_dtype",
+        "norm.names_ScalarOpt_dim": "fp32_append_dtype",
+    }
+    assert installed_policy({"mm", "rms_norm"}) == {"mm": "lower_precision_fp", "rms_norm": "fp32"}
+    assert set(CUDA_AUTOCAST_POLICY) <= set(KNOWN_AUTOCAST_POLICY)
+
+
+@pytest.mark.parametrize(
+    ("version", "newer", "cudnn"),
+    [
+        ("2.11.0+cu130", False, 91900),  # the H200 machine's torch; its wheel: cuDNN 9.19
+        ("2.12.1", False, 92000),
+        ("2.13.0+cpu", False, 92000),  # 2.13's headers: none of the changes; cuDNN: 2.12's
+        ("2.14.0a0+git0123abc", False, 92000),  # a pre-release of 2.14 may lack them
+        ("2.14.1", True, 92400),
+        ("2.15.0", True, 92600),
+        ("2.16.0.dev20261201", True, 92600),  # newer than known: 2.15's
+    ],
+)
+def test_the_attention_rules_per_torch_release(version: str, newer: bool, cudnn: int) -> None:
+    rules = sdpa_rules(version)
+    assert (rules.efficient_gqa, rules.implicit_mqa, rules.unbatched_fused) == (newer,) * 3
+    assert rules.wheel_cudnn_version == cudnn
+
+
+def test_the_installed_torchs_rules_are_its_efficient_kernels() -> None:
+    """The rules read from the release's version agree with the installed torch's own
+    memory-efficient backward: key gradients with the key's 2 heads where GQA is supported,
+    with the query's 4 heads where it is not (2.11 to 2.13)."""
+    with FakeTensorMode():
+        q, k = torch.randn(1, 4, 16, 8), torch.randn(1, 2, 16, 8)
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, k, None, True)
+        grads = aten._scaled_dot_product_efficient_attention_backward(
+            out, q, k, k, None, out, lse, seed, offset, 0.0, [True, True, True, False]
+        )
+    assert grads[1].size(1) == (2 if SDPA_RULES.efficient_gqa else 4)
+
+
+def test_the_installed_torchs_rules_are_its_headers() -> None:
+    """The installed torch's own sdp_utils_cpp.h (pip wheels ship ATen's headers) has 2.14's
+    implicit MQA (supports_mqa) and unbatched inputs exactly where the rules say so."""
+    header = Path(torch.__file__).parent / "include/ATen/native/transformers/sdp_utils_cpp.h"
+    if not header.exists():
+        pytest.skip(f"this torch ships no {header.name}")
+    text = header.read_text()
+    assert ("supports_mqa" in text) == SDPA_RULES.implicit_mqa
+    assert ("normalize_unbatched_input" in text) == SDPA_RULES.unbatched_fused
+
+
+def _heads_backend(dtype, capability, rules, kv_heads=(2, 2), gqa=True, dims=4) -> str:  # noqa: ANN001
+    with FakeTensorMode():
+        shape = (2, 8, 64, 16)[4 - dims :]
+        q = torch.randn(*shape, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(*shape[:-3], h, *shape[-2:], dtype=dtype) for h in kv_heads)
+        return select_sdp_backend(SdpaParams(q, k, v, None, 0.0, True, gqa), capability, rules)
+
+
+def test_grouped_query_attention_takes_the_kernel_each_release_allows() -> None:
+    fp32, bf16 = torch.float32, torch.bfloat16
+    # fp32 GQA: memory-efficient from 2.14 on; before, the math kernel (neither flash nor
+    # cuDNN takes fp32)
+    assert _heads_backend(fp32, (9, 0), OLD) == "math"
+    assert _heads_backend(fp32, (9, 0), NEW) == "efficient"
+    for rules in (OLD, NEW):  # flash and cuDNN took GQA before 2.11
+        assert _heads_backend(bf16, (8, 0), rules) == "flash"
+        assert _heads_backend(bf16, (9, 0), rules) == "cudnn"
+        # key and value with other head counts (8 query heads, 2 and 4): cuDNN only
+        assert _heads_backend(bf16, (9, 0), rules, kv_heads=(2, 4)) == "cudnn"
+        assert _heads_backend(bf16, (8, 0), rules, kv_heads=(2, 4)) == "math"
+        # without enable_gqa, 2 key/value heads are for no fused kernel
+        assert _heads_backend(bf16, (8, 0), rules, gqa=False) == "math"
+    # one key/value head without enable_gqa (implicit MQA): fused kernels from 2.14 on
+    assert _heads_backend(bf16, (8, 0), OLD, kv_heads=(1, 1), gqa=False) == "math"
+    assert _heads_backend(bf16, (8, 0), NEW, kv_heads=(1, 1), gqa=False) == "flash"
+    assert _heads_backend(fp32, (8, 0), NEW, kv_heads=(1, 1), gqa=False) == "efficient"
+
+
+def _gqa_step(rules, oracle: str | None = None) -> tuple[int, int]:  # noqa: ANN001
+    """(bytes live after forward, peak through backward) of an fp32 causal GQA attention
+    step for an H100 (8 query heads, 2 key/value heads, 64 tokens, head dim 16), emulated
+    under `rules` or run as the `oracle` CUDA op explicitly."""
+    with FakeTensorMode():
+        q = torch.randn(2, 8, 64, 16, requires_grad=True)
+        k, v = (torch.randn(2, 2, 64, 16, requires_grad=True) for _ in range(2))
+        with TensorMemoryTracker() as tracker:
+            if oracle == "math":
+                out = aten._scaled_dot_product_attention_math(
+                    q, k, v, None, 0.0, True, None, enable_gqa=True
+                )[0]
+            elif oracle == "efficient":
+                out = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)
+                out = out[0]
+            else:
+                with CudaEmulation((9, 0), rules):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            after_forward = tracker.live_bytes
+            out.backward(torch.ones_like(out))
+        assert k.grad.shape == k.shape
+        return after_forward, tracker.peak_bytes
+
+
+def test_fp32_grouped_query_attention_allocates_what_its_kernel_does() -> None:
+    as_211 = _gqa_step(OLD)
+    assert as_211 == _gqa_step(None, oracle="math")
+    # the math kernel keeps the (B, 8, 64, 64) fp32 attention weights for backward
+    assert as_211[0] >= 2 * 8 * 64 * 64 * 4
+    if SDPA_RULES.efficient_gqa:  # this torch's efficient kernel runs GQA: 2.14's choice
+        as_214 = _gqa_step(NEW)
+        assert as_214 == _gqa_step(None, oracle="efficient")
+        # output (B, 8, 64, 16) fp32 and logsumexp (B, 8, 64) fp32, the philox seed and offset
+        assert as_214[0] == 2 * 8 * 64 * 16 * 4 + 2 * 8 * 64 * 4 + 2 * 8

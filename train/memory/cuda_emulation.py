@@ -39,6 +39,7 @@ Real CPU training after the context is unaffected: the kernels are deregistered 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -48,6 +49,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 
 aten = torch.ops.aten
 
@@ -79,25 +81,66 @@ linalg_vector_norm linalg_matrix_norm linalg_matrix_norm.str_ord sum sum.dim_Int
 _PROMOTE_OPS = (
     "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add"
 )
+# Registered by torch 2.11 and 2.12 only (autocast_mode.h's Dimname overloads, dropped later).
+_FP32_SET_OPT_DTYPE_DIMNAME_OPS = """prod.dim_Dimname softmax.Dimname log_softmax.Dimname
+cumprod.dimname cumsum.dimname sum.dim_DimnameList"""
 
-# CUDA autocast's policy per aten op (overload), as registered in the installed torch.
-CUDA_AUTOCAST_POLICY: dict[str, str] = {
+# CUDA autocast's policy for every op that some supported torch (2.11 to 2.15) autocasts on
+# CUDA, from each release's aten/src/ATen/autocast_mode.h and autocast_mode.cpp. Which ops a
+# torch autocasts differs between releases: rms_norm from 2.12 on, linalg_matrix_sqrth (an op
+# new in 2.14) from 2.14, the Dimname overloads until 2.12.
+KNOWN_AUTOCAST_POLICY: dict[str, str] = {
     **dict.fromkeys(_LOWER_OPS.split(), LOWER),
     **dict.fromkeys(_FP32_OPS.split(), FP32),
     **dict.fromkeys(_FP32_SET_OPT_DTYPE_OPS.split(), FP32_SET_OPT_DTYPE),
+    **dict.fromkeys(_FP32_SET_OPT_DTYPE_DIMNAME_OPS.split(), FP32_SET_OPT_DTYPE),
     "norm.Scalar": FP32_APPEND_DTYPE,
     "norm.ScalarOpt_dim": FP32_APPEND_DTYPE,
+    "norm.names_ScalarOpt_dim": FP32_APPEND_DTYPE,
     **dict.fromkeys(_PROMOTE_OPS.split(), PROMOTE),
     "binary_cross_entropy": BANNED,
 }
-# Ops with an AutocastCUDA kernel that the emulation leaves alone, and why.
+
+
+def op_exists(name: str) -> bool:
+    """Whether this torch has the aten op overload `name` ('softmax.int', 'mm')."""
+    packet, _, overload = name.partition(".")
+    return hasattr(aten, packet) and (overload or "default") in getattr(aten, packet).overloads()
+
+
+def autocast_kernels(dispatch_key: str) -> set[str]:
+    """Names ('softmax.int') of the aten ops with a kernel at `dispatch_key` in this torch."""
+    found = set()
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if qualified.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(
+            qualified, dispatch_key
+        ):
+            found.add(qualified.removeprefix("aten::"))
+    return found
+
+
+def installed_policy(cuda_kernels: set[str]) -> dict[str, str]:
+    """The known policies of the ops that have an AutocastCUDA kernel in this torch
+    (`cuda_kernels`); every torch build registers them, CPU wheels included. An op this torch
+    autocasts without a known policy is left out here and fails the table's test."""
+    return {name: policy for name, policy in KNOWN_AUTOCAST_POLICY.items() if name in cuda_kernels}
+
+
+# CUDA autocast's policy per aten op (overload), as the installed torch registers it.
+CUDA_AUTOCAST_POLICY: dict[str, str] = installed_policy(autocast_kernels("AutocastCUDA"))
+# Ops with an AutocastCUDA kernel that the emulation leaves alone, and why (where they exist).
 NOT_EMULATED: dict[str, str] = {
-    "_cudnn_rnn": "cuDNN's fused RNN; CPU's nn.LSTM/GRU run other ops (mkldnn or composite)",
+    name: why
+    for name, why in {
+        "_cudnn_rnn": "cuDNN's fused RNN; CPU's nn.LSTM/GRU run other ops (mkldnn or composite)",
+    }.items()
+    if op_exists(name)
 }
 # fp32_append_dtype: the overload each one redispatches to, with the dtype appended.
 _APPEND_DTYPE_TARGET = {
     "norm.Scalar": "norm.ScalarOpt_dtype",
     "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype",
+    "norm.names_ScalarOpt_dim": "norm.names_ScalarOpt_dim_dtype",
 }
 _BCE_MESSAGE = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
@@ -112,17 +155,6 @@ _NO_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 def _op(name: str) -> torch._ops.OpOverload:
     packet, _, overload = name.partition(".")
     return getattr(getattr(aten, packet), overload or "default")
-
-
-def autocast_kernels(dispatch_key: str) -> set[str]:
-    """Names ('softmax.int') of the aten ops with a kernel at `dispatch_key` in this torch."""
-    found = set()
-    for qualified in torch._C._dispatch_get_all_op_names():
-        if qualified.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(
-            qualified, dispatch_key
-        ):
-            found.add(qualified.removeprefix("aten::"))
-    return found
 
 
 class _CastCache:
@@ -229,10 +261,14 @@ class _Policy:
 class CudaEmulation:
     """While active, CPU tensors allocate as CUDA tensors of a GPU of `capability` would:
     CPU autocast applies CUDA's cast policy and cache, and scaled_dot_product_attention runs
-    CUDA's attention kernels. See the module docstring for an example."""
+    CUDA's attention kernels, chosen by `rules` (SdpaRules; default: the installed torch's).
+    See the module docstring for an example."""
 
-    def __init__(self, capability: tuple[int, int] = (8, 0)) -> None:
+    def __init__(
+        self, capability: tuple[int, int] = (8, 0), rules: SdpaRules | None = None
+    ) -> None:
         self.capability = capability
+        self.rules = rules or SDPA_RULES
         self._cache = _CastCache()
         self._library: torch.library.Library | None = None
         self._clear_autocast_cache: Callable[[], None] | None = None
@@ -274,8 +310,18 @@ class CudaEmulation:
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                    *, scale=None, enable_gqa=False):  # fmt: skip  # noqa: ANN001, ANN202
         params = SdpaParams(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
-        backend = select_sdp_backend(params, self.capability)
-        return run_sdp_backend(backend, params, scale)
+        unbatched = self.rules.unbatched_fused and all(t.dim() == 3 for t in (query, key, value))
+        if unbatched:  # normalize_unbatched_input(): a batch of one for the fused kernels
+            mask = attn_mask
+            while mask is not None and mask.dim() < 4:
+                mask = mask.unsqueeze(0)
+            batched = (t.unsqueeze(0) for t in (query, key, value))
+            params = SdpaParams(*batched, mask, dropout_p, is_causal, enable_gqa)
+        backend = select_sdp_backend(params, self.capability, self.rules)
+        if unbatched and backend == "math":
+            params = SdpaParams(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        out = run_sdp_backend(backend, params, scale)
+        return out.squeeze(0) if unbatched and backend != "math" else out
 
 
 def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:  # noqa: A002
@@ -294,6 +340,57 @@ def _cpu_only_autocast_ops() -> tuple[str, ...]:
     return tuple(sorted(autocast_kernels("AutocastCPU") - set(CUDA_AUTOCAST_POLICY)))
 
 
+@dataclasses.dataclass(frozen=True)
+class SdpaRules:
+    """What CUDA's attention backend choice (aten/src/ATen/native/transformers/cuda/
+    sdp_utils.cpp, sdp_utils_cpp.h) allows where it changed between the supported torch
+    releases, read from the headers each release's wheel ships (sdp_utils_cpp.h, cuda/
+    sdp_utils.h) and its meta kernels (torch/_meta_registrations.py); 2.11, 2.12 and 2.13
+    agree, 2.14 and 2.15 agree. All three changes came with torch 2.14 (pytorch PR #191085
+    for the first two):
+
+    - `efficient_gqa`: the memory-efficient kernel takes grouped-query inputs (enable_gqa,
+      key/value heads dividing the query's); before, its backward returns key and value
+      gradients with the query's heads, and the choice sends GQA to the math kernel in fp32.
+    - `implicit_mqa`: flash, memory-efficient and cuDNN take one key/value head without
+      enable_gqa (check_batch_size_and_num_heads_dense's supports_mqa); efficient gets the
+      key and value expanded (zero-stride views). Before: the math kernel.
+    - `unbatched_fused`: 3-D inputs get a batch of one (normalize_unbatched_input) and may
+      run a fused kernel; before, only 4-D inputs did.
+
+    `wheel_cudnn_version`: the cuDNN of the release's CUDA wheels (its nvidia-cudnn-cu13
+    requirement), assumed where the local torch has none (a CPU wheel), so that a plan does not
+    depend on the planning machine's wheel. Unchanged as far as the public record shows from
+    2.11 on: flash and cuDNN take GQA (cuDNN with other key than value heads, PR #150337),
+    cuDNN goes first on sm90/sm10x with cuDNN > 9.15 (PR #171627). What cannot be read for a
+    release (its sdp_utils.cpp is not shipped) is taken from the nearest older release known
+    here, whose rules never pick a kernel that holds less (the math kernel where a fused one
+    came later)."""
+
+    efficient_gqa: bool
+    implicit_mqa: bool
+    unbatched_fused: bool
+    wheel_cudnn_version: int
+
+
+# Per release: whether the 2.14 changes are in, and its CUDA wheels' cuDNN (2.13's CUDA wheel
+# is not on this machine's index: 2.12's is assumed).
+_RELEASES = {(2, 11): (False, 91900), (2, 12): (False, 92000), (2, 14): (True, 92400),
+             (2, 15): (True, 92600)}  # fmt: skip
+
+
+def sdpa_rules(version: str) -> SdpaRules:
+    """The rules of torch `version` ('2.11.0+cu130'); a pre-release of X.Y (2.14.0a0) and an
+    unknown release take those of the nearest older known release."""
+    release = TorchVersion(version)
+    known = [key for key in sorted(_RELEASES) if release >= key]
+    newer, cudnn = _RELEASES[known[-1] if known else min(_RELEASES)]
+    return SdpaRules(newer, newer, newer, cudnn)
+
+
+SDPA_RULES = sdpa_rules(torch.__version__)
+
+
 class SdpaParams:
     """The arguments of one scaled_dot_product_attention call that the backend rules read."""
 
@@ -309,14 +406,26 @@ class SdpaParams:
 
 
 def _dense_4d(params: SdpaParams) -> bool:
+    # check_tensor_shapes, check_nonzero_sequence_lengths_dense and the batch sizes of
+    # check_batch_size_and_num_heads_dense (sdp_utils_cpp.h)
     q, k, v = params.query, params.key, params.value
     if not all(t.dim() == 4 for t in (q, k, v)) or not (q.size(0) == k.size(0) == v.size(0)):
         return False
-    if min(q.size(2), k.size(2), q.size(3)) == 0 or k.size(1) != v.size(1):
-        return False
-    same_heads = q.size(1) == k.size(1)
-    gqa = params.enable_gqa and k.size(1) > 0 and q.size(1) % k.size(1) == 0
-    return same_heads or gqa
+    return min(q.size(2), k.size(2), q.size(3)) > 0
+
+
+def _heads_ok(params: SdpaParams, gqa: bool, same_kv_heads: bool, mqa: bool) -> bool:
+    """check_batch_size_and_num_heads_dense<supports_gqa, requires_same_num_heads,
+    supports_mqa> of sdp_utils_cpp.h on the head counts: equal, or grouped (enable_gqa, the
+    key's and value's heads dividing the query's), or one key/value head broadcast (MQA)."""
+    q_heads, k_heads, v_heads = (t.size(1) for t in (params.query, params.key, params.value))
+    if params.enable_gqa and gqa:
+        if same_kv_heads and k_heads != v_heads:
+            return False
+        return all(h > 0 and q_heads % h == 0 for h in (k_heads, v_heads))
+    if q_heads == k_heads == v_heads:
+        return True
+    return mqa and q_heads > 0 and k_heads == v_heads == 1
 
 
 def _last_dim_contiguous(params: SdpaParams, ignore_singleton: bool) -> bool:
@@ -334,11 +443,15 @@ def _gemm_alignment(dtype: torch.dtype, capability: tuple[int, int]) -> int:
     return max(alignment, 128 // (16 if is_half else 32)) if tensor_cores else alignment
 
 
-def can_use_flash(params: SdpaParams, capability: tuple[int, int]) -> bool:
+def can_use_flash(
+    params: SdpaParams, capability: tuple[int, int], rules: SdpaRules = SDPA_RULES
+) -> bool:
     """can_use_flash_attention() of sdp_utils.cpp for a GPU of `capability`."""
     q, k, v = params.query, params.key, params.value
     head_dim = q.size(-1)
     if not torch.backends.cuda.flash_sdp_enabled() or not _dense_4d(params):
+        return False
+    if not _heads_ok(params, gqa=True, same_kv_heads=True, mqa=rules.implicit_mqa):
         return False
     if params.attn_mask is not None or not (head_dim == k.size(-1) == v.size(-1) <= 256):
         return False
@@ -354,10 +467,14 @@ def can_use_flash(params: SdpaParams, capability: tuple[int, int]) -> bool:
     return _last_dim_contiguous(params, ignore_singleton=True)
 
 
-def can_use_efficient(params: SdpaParams, capability: tuple[int, int]) -> bool:
+def can_use_efficient(
+    params: SdpaParams, capability: tuple[int, int], rules: SdpaRules = SDPA_RULES
+) -> bool:
     """can_use_mem_efficient_attention() of sdp_utils.cpp for a GPU of `capability`."""
     q, k, v = params.query, params.key, params.value
     if not torch.backends.cuda.mem_efficient_sdp_enabled() or not _dense_4d(params):
+        return False
+    if not _heads_ok(params, rules.efficient_gqa, same_kv_heads=True, mqa=rules.implicit_mqa):
         return False
     if not (5, 0) <= capability <= (12, 1):
         return False
@@ -370,11 +487,15 @@ def can_use_efficient(params: SdpaParams, capability: tuple[int, int]) -> bool:
     return q.dtype in dtypes and _last_dim_contiguous(params, ignore_singleton=False)
 
 
-def can_use_cudnn(params: SdpaParams, capability: tuple[int, int]) -> bool:
+def can_use_cudnn(
+    params: SdpaParams, capability: tuple[int, int], rules: SdpaRules = SDPA_RULES
+) -> bool:
     """can_use_cudnn_attention() of sdp_utils.cpp for a GPU of `capability` and this torch's
     cuDNN (assuming a cuDNN frontend that supports head dim 256 where cuDNN does)."""
     q, k, v = params.query, params.key, params.value
     if not torch.backends.cuda.cudnn_sdp_enabled() or not _dense_4d(params):
+        return False
+    if not _heads_ok(params, gqa=True, same_kv_heads=False, mqa=rules.implicit_mqa):
         return False
     if (
         torch.are_deterministic_algorithms_enabled()
@@ -391,7 +512,7 @@ def can_use_cudnn(params: SdpaParams, capability: tuple[int, int]) -> bool:
         return False
     d_qk, d_v = q.size(3), v.size(3)
     sm90_or_sm10x = capability == (9, 0) or capability[0] == 10
-    d256 = sm90_or_sm10x and _cudnn_version() > 92200
+    d256 = sm90_or_sm10x and _cudnn_version(rules) > 92200
     if max(d_qk, d_v) > (256 if d256 else 128) or d_qk % 8 or d_v % 8:
         return False
     if (
@@ -403,32 +524,34 @@ def can_use_cudnn(params: SdpaParams, capability: tuple[int, int]) -> bool:
     return _last_dim_contiguous(params, ignore_singleton=True)
 
 
-# The cuDNN that torch 2.14's CUDA wheels ship (cu130: 9.24), assumed where the local torch
-# has none (a CPU wheel on a laptop): a plan must not depend on the planning machine's wheel.
-WHEEL_CUDNN_VERSION = 92400
+def _cudnn_version(rules: SdpaRules) -> int:
+    return torch.backends.cudnn.version() or rules.wheel_cudnn_version
 
 
-def _cudnn_version() -> int:
-    return torch.backends.cudnn.version() or WHEEL_CUDNN_VERSION
-
-
-def sdp_priority_order(capability: tuple[int, int]) -> list[str]:
+def sdp_priority_order(capability: tuple[int, int], rules: SdpaRules = SDPA_RULES) -> list[str]:
     """Backends in the order CUDA tries them: cuDNN first on sm90/sm10x with cuDNN > 9.15
     (priority_order() in sdp_utils.cpp), unless the user set an order of their own."""
     names = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
     order = [names[index] for index in torch._C._get_sdp_priority_order()]
     default = ["flash", "efficient", "math", "cudnn", "overrideable"]
     prefer_cudnn = os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "0") in ("0", "")
-    if order == default and prefer_cudnn and capability[0] in (9, 10) and _cudnn_version() > 91500:
+    if (
+        order == default
+        and prefer_cudnn
+        and capability[0] in (9, 10)
+        and _cudnn_version(rules) > 91500
+    ):
         order = ["cudnn", "flash", "efficient", "math", "overrideable"]
     return order
 
 
-def select_sdp_backend(params: SdpaParams, capability: tuple[int, int]) -> str:
+def select_sdp_backend(
+    params: SdpaParams, capability: tuple[int, int], rules: SdpaRules = SDPA_RULES
+) -> str:
     """The attention backend CUDA's select_sdp_backend() picks: cudnn, flash, efficient, math."""
     checks = {"cudnn": can_use_cudnn, "flash": can_use_flash, "efficient": can_use_efficient}
-    for backend in sdp_priority_order(capability):
-        if backend in checks and checks[backend](params, capability):
+    for backend in sdp_priority_order(capability, rules):
+        if backend in checks and checks[backend](params, capability, rules):
             return backend
         if backend == "math" and torch.backends.cuda.math_sdp_enabled():
             return backend
@@ -474,6 +597,8 @@ def run_sdp_backend(backend: str, params: SdpaParams, scale: float | None) -> to
         return out[..., :head_dim] if pad[1] else out
     if backend == "efficient":
         mask = None if mask is None else _efficient_mask(mask, params)
+        if not params.enable_gqa and k.size(1) != q.size(1):  # implicit MQA: expanded views
+            k, v = (t.expand(t.size(0), q.size(1), *t.shape[2:]) for t in (k, v))
         outputs = aten._scaled_dot_product_efficient_attention(
             q, k, v, mask, params.requires_grad, dropout_p, causal, scale=scale
         )
