@@ -35,6 +35,9 @@ RESERVED_BYTES = "memory/reserved_bytes"
 BUDGET_BYTES = "memory/budget_bytes"
 PREDICTED_BYTES = "memory/predicted_bytes"
 PREDICTED_RESERVED_BYTES = "memory/predicted_reserved_bytes"
+# the largest cuDNN convolution workspace a CUDA prediction counted for one call: the cap
+# (cudnn_workspace_mib) for a card planned from elsewhere, measured on the card itself
+CUDNN_WORKSPACE_BYTES = "memory/cudnn_workspace_bytes"
 PREDICTION_ERROR = "memory/prediction_error"  # (predicted - measured) / measured
 PEAK_MIB = "memory/peak_mib"
 PREDICTED_MIB = "memory/predicted_mib"

@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tracking.config import ConfigError, number_problems
 from tracking.metrics import (
     BUDGET_BYTES,
+    CUDNN_WORKSPACE_BYTES,
     PREDICTED_BYTES,
     PREDICTED_RESERVED_BYTES,
     PREDICTION_ERROR,
@@ -430,6 +431,8 @@ def memory_figures(
             figures[PREDICTED_RESERVED_BYTES] = prediction.reserved_bytes
         if measured is not None:
             figures[PREDICTION_ERROR] = prediction.error(measured)
+        if prediction.workspace_max_bytes is not None:  # cuDNN: at the cap, or measured
+            figures[CUDNN_WORKSPACE_BYTES] = prediction.workspace_max_bytes
     return figures
 
 

@@ -15,7 +15,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tracking.config import ConfigError
-from train.config import TrainerConfig
+from tracking.metrics import CUDNN_WORKSPACE_BYTES
+from train.config import RunSpec, TrainerConfig
 from train.memory.allocator_settings import AllocatorSettings
 from train.memory.budget import TensorMemoryTracker
 from train.memory.cudnn import (
@@ -29,7 +30,7 @@ from train.memory.cudnn import (
 from train.memory.device import DeviceSpec
 from train.memory.gpus import gpu
 from train.memory.predict import MemoryPredictor
-from train.run import plan
+from train.run import memory_figures, plan
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "cuda-traces"
@@ -150,6 +151,28 @@ def test_a_planned_card_counts_every_call_at_the_cap_and_says_it_is_a_bound() ->
     assert free.has_convolutions and free.workspace_cap_bytes is None
     assert 64 * MiB - free.tensor_bytes <= capped.tensor_bytes - free.tensor_bytes <= 64 * MiB
     assert capped.peak_bytes == free.peak_bytes + 64 * MiB
+
+
+def test_the_workspace_counted_is_logged_with_the_prediction() -> None:
+    """memory/cudnn_workspace_bytes: the largest call's workspace counted (here the cap);
+    a step without convolutions logs none."""
+    example = (torch.zeros(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))
+    trainer = TrainerConfig(batch_size=4, accum_steps=1, precision="fp32")
+    capped = MemoryPredictor(_small_cnn, _sgd, example, _planned(64 * MiB)).predict(trainer, 64)
+    spec = RunSpec(trainer, torch.device("cpu"), _planned(64 * MiB), None, 0.1, 0.1)
+    assert memory_figures(spec, capped, None)[CUDNN_WORKSPACE_BYTES] == 64 * MiB
+    measured = CudnnWorkspaces(cap_bytes=64 * MiB, measure=_by_kind)
+    spec_measured = DeviceSpec("cuda", A100.total_bytes, A100, AllocatorSettings(), True, measured)
+    on_card = MemoryPredictor(_small_cnn, _sgd, example, spec_measured).predict(trainer, 64)
+    assert on_card.workspace_cap_bytes is None  # measured: not a bound
+    assert memory_figures(spec, on_card, None)[CUDNN_WORKSPACE_BYTES] == max(SIZES.values())
+    linear = MemoryPredictor(
+        lambda: nn.Sequential(nn.Linear(32, 10)),
+        _sgd,
+        (torch.zeros(4, 32), torch.zeros(4, dtype=torch.long)),
+        _planned(64 * MiB),
+    ).predict(trainer, 64)
+    assert CUDNN_WORKSPACE_BYTES not in memory_figures(spec, linear, None)
 
 
 def test_a_model_without_convolutions_has_none() -> None:

@@ -95,6 +95,13 @@ class CudnnWorkspaces:
         return self.cap_bytes or 0
 
     @property
+    def largest_bytes(self) -> int | None:
+        """The largest workspace counted for a call met (None: none met)."""
+        if not self.seen:
+            return None
+        return max(self.measured.get(s, self.cap_bytes or 0) for s in self.seen)
+
+    @property
     def is_bound(self) -> bool:
         """Whether a call's workspace was counted at the cap (not measured)."""
         return self.measure is None and self.cap_bytes is not None

@@ -74,6 +74,7 @@ class Prediction:
     # was counted at when that is the cap, a bound (None: measured on the card, or no cap)
     has_convolutions: bool = False
     workspace_cap_bytes: int | None = None
+    workspace_max_bytes: int | None = None  # the largest call's workspace counted (cap or measured)
 
     def error(self, measured: MemoryStats | RunResult) -> float:
         """(predicted - measured) / measured, like against like: on CUDA the reserve under
@@ -382,9 +383,9 @@ class MemoryPredictor:
             return Prediction(tensor_bytes, tensor_bytes, time.perf_counter() - started)
         convs = self._has_convolutions()
         cap = self.workspaces.cap_bytes if convs and self.workspaces.is_bound else None
-        pending = _Pending(
-            self._reserve(events, limit_bytes), tensor_bytes, started, limit_bytes, convs, cap
-        )
+        largest = self.workspaces.largest_bytes if convs else None
+        reserve = self._reserve(events, limit_bytes)
+        pending = _Pending(reserve, tensor_bytes, started, limit_bytes, convs, cap, largest)
         return pending if _BESIDE else pending.result()
 
     def _has_convolutions(self) -> bool:
@@ -566,6 +567,7 @@ class _Pending:
     limit_bytes: int | None
     has_convolutions: bool = False
     workspace_cap_bytes: int | None = None
+    workspace_max_bytes: int | None = None
 
     def result(self) -> Prediction:
         reserve = self.reserve.result()
@@ -576,6 +578,7 @@ class _Pending:
             reserve.peak_reserved_under_limit_bytes if self.limit_bytes is not None else None,
             self.has_convolutions,
             self.workspace_cap_bytes,
+            self.workspace_max_bytes,
         )
 
 
