@@ -9,7 +9,9 @@ shares what it built through train/workload.py.
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Iterable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tracking.config import ConfigError, unknown_keys
 from train import checkpointing
-from train.batches import Pipeline
+from train.batches import Pipeline, to_device
 from train.config import LoaderConfig
 from train.data import Datasets, Splits
 from train.models import materialize
@@ -149,18 +151,50 @@ def _builder_kwargs(node: DictConfig, info: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_model(
-    cfg: DictConfig, pipeline: Pipeline, task: Task, activation_checkpointing: str
+    cfg: DictConfig,
+    pipeline: Pipeline,
+    task: Task,
+    activation_checkpointing: str,
+    device: torch.device | None = None,
 ) -> torch.nn.Module:
     """The model of `cfg.model`, given what it asks of the data's `info`, its lazy layers
     materialised on an example batch, its blocks checkpointed for `activation_checkpointing`
-    (trainer.activation_checkpointing, validated by TrainerConfig); on the CPU."""
-    model = instantiate(cfg.model, **_builder_kwargs(cfg.model, pipeline.data.info))
-    materialize(model, task, pipeline.example(2))
+    (trainer.activation_checkpointing, validated by TrainerConfig).
+
+    With `device`, built where it trains: the builder runs under `torch.device(device)`,
+    PyTorch's default-device context (torch/utils/_device.py `DeviceContext`), so every
+    tensor it creates without naming a device (parameters, buffers, what their own
+    initialisation draws) is created there, by the same calls in the same order; nothing of
+    the weights is made on the host first. On CPU this is exactly the build without it (the
+    same seed gives the same weights); on a GPU the draws come from its generator. A
+    checkpoint of Hugging Face is read onto the device by transformers itself (it takes
+    the context as its device_map: `transformers.integrations.accelerate.
+    check_and_set_device_map`). What a builder still puts elsewhere (a tensor it places on
+    the CPU by name, a checkpoint it reads with torch.load) is moved after the build:
+    that part alone passes through the host. Without `device` (the predictor's fake and
+    meta builds, train/memory/predict.py `fake_first`): built under whatever the caller
+    set, as before."""
+    kwargs = _builder_kwargs(cfg.model, pipeline.data.info)
+    example = pipeline.example(2)  # host data: collated outside the context
+    with torch.device(device) if device is not None else nullcontext():
+        model = instantiate(cfg.model, **kwargs)
+        materialize(model, task, example if device is None else to_device(example, device))
+    if device is not None and _elsewhere(model, device):
+        model = model.to(device)
     try:
         checkpointing.apply(model, activation_checkpointing)
     except ValueError as error:
         raise ConfigError([str(error)]) from None
     return model
+
+
+def _elsewhere(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether a parameter or buffer of `model` is off `device` (cuda means the current
+    card, as torch.device("cuda") places tensors)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return any(t.device != device for t in tensors)
 
 
 def build_optimizer(

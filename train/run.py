@@ -390,8 +390,8 @@ def _smallest_step(
 def run(
     cfg: DictConfig, spec: RunSpec, hooks: Hooks | None = None, workload: Workload | None = None
 ) -> RunResult:
-    """Build the model, optimizer and schedule on the device over the data of `workload`
-    (cfg's, from a study's Workloads: trials share its data) and train."""
+    """Build the model (on the device: train/build.py), optimizer and schedule over the data
+    of `workload` (cfg's, from a study's Workloads: trials share its data) and train."""
     workload = workload or Workloads().of(cfg)
     assert workload.key == workload_key(cfg), "the workload of another model, data or loader"
     if spec.trainer.distributed:  # one process per device (train/parallel/distributed.py)
@@ -401,8 +401,8 @@ def run(
     torch.manual_seed(spec.trainer.seed)
     pipeline = workload.pipeline(spec.device)
     task = workload.task
-    model = build_model(cfg, pipeline, task, spec.trainer.activation_checkpointing)
-    model = model.to(spec.device)
+    # Built on the device it trains on: its weights never pass through the host first.
+    model = build_model(cfg, pipeline, task, spec.trainer.activation_checkpointing, spec.device)
     optimizer = build_optimizer(cfg, model.parameters(), spec.lr)
     _, num_steps = steps_plan(workload.num_train, spec.trainer)
     scheduler = build_scheduler(cfg, optimizer, total_steps=num_steps)

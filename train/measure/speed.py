@@ -67,8 +67,7 @@ def _visit(cfg: DictConfig, spec: RunSpec, workload: Workload) -> tuple[float, f
     torch.manual_seed(spec.trainer.seed)
     pipeline = workload.pipeline(spec.device)
     task = workload.task
-    model = build_model(cfg, pipeline, task, spec.trainer.activation_checkpointing)
-    model = model.to(spec.device)
+    model = build_model(cfg, pipeline, task, spec.trainer.activation_checkpointing, spec.device)
     optimizer = build_optimizer(cfg, model.parameters(), spec.lr)
     precision = Precision(spec.trainer.precision, spec.device.type)
     scaler = precision.grad_scaler()

@@ -357,8 +357,7 @@ def _train_rank(job: _Job, rank: int, world: int, device: torch.device) -> dict:
     workload = Workloads().of(cfg)
     torch.manual_seed(trainer.seed)
     pipeline = workload.pipeline(device)
-    model = build_model(cfg, pipeline, workload.task, trainer.activation_checkpointing)
-    model = model.to(device)
+    model = build_model(cfg, pipeline, workload.task, trainer.activation_checkpointing, device)
     ranks = Ranks(rank, world, device)
     if trainer.strategy == "ddp":
         ids = [device.index] if device.type == "cuda" else None

@@ -1,0 +1,134 @@
+"""Models built where they train (train/build.py `build_model(..., device)`): on the device
+under PyTorch's default-device context, never on the host first.
+
+A CPU-only machine cannot watch a GPU, so the proof is twofold. Built for the meta device
+(storage-less, as a GPU is host-less), the host allocates nothing of the weights: a tracker
+of host storages sees only the example batch that the data collates. Built for the CPU, each
+weight is allocated once: the host's peak is the weights plus that batch, no second copy. And
+on the CPU the weights are the ones the builder alone draws from the same seed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.build import build_model, build_pipeline, build_task
+from train.language.hf import causal_lm
+from train.language.text import GPT
+from train.memory.budget import TensorMemoryTracker
+from train.models import mlp, resnet18, small_cnn
+
+CPU, META = torch.device("cpu"), torch.device("meta")
+TEXT = ["data.seq_len=32", "data.max_bytes=20000"]
+LLAMA = ["+experiment=llm_lora", *TEXT]
+CASES = {  # name: (overrides, host bytes of pipeline.example(2), the example batch's own)
+    # in-memory data: the example is a slice of the data, no allocation
+    "small_cnn": (["model=small_cnn", "data=digits"], 0),
+    "mlp": (["model=mlp", "data=digits"], 0),
+    "resnet18": (["model=resnet18", "data=synthetic"], 0),
+    # ByteChunks: two 33-byte windows as int64 (2 x 264 B), then input_ids and labels
+    # stacked to (2, 32) int64 (2 x 512 B)
+    "gpt": (["+experiment=gpt", *TEXT], 2 * 264 + 2 * 512),
+    # PackedSequences: two 32-token windows as int64 (2 x 256 B), input_ids and labels
+    # (the same window) stacked to (2, 32) int64 (2 x 512 B)
+    "llama3_tiny": ([*LLAMA, "model.lora=null"], 2 * 256 + 2 * 512),
+    "llama3_tiny_lora": (LLAMA, 2 * 256 + 2 * 512),
+}
+
+
+def built(cfg, device: torch.device) -> tuple[torch.nn.Module, int]:
+    """(the model built for `device` from seed 0, the peak bytes of host storage meanwhile)."""
+    pipeline, task = build_pipeline(cfg, CPU), build_task(cfg)
+    torch.manual_seed(0)
+    with TensorMemoryTracker(CPU) as host:
+        model = build_model(cfg, pipeline, task, "none", device)
+    return model, host.peak_bytes
+
+
+def tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_model_built_for_another_device_allocates_none_of_its_weights_on_the_host(
+    hydra_conf, name
+):
+    overrides, example_bytes = CASES[name]
+    model, host_bytes = built(hydra_conf(overrides), META)
+    assert {t.device for t in tensors(model)} == {META}
+    assert host_bytes == example_bytes  # the batch the data collates, nothing of the model
+
+
+def test_an_8b_lora_model_built_for_another_device_costs_the_host_nothing(hydra_conf):
+    # Llama-3-8B with LoRA on bf16 weights, as a GPU trial builds it: 16 GB of weights,
+    # none of them on the host, built in about 2 s here.
+    cfg = hydra_conf([*LLAMA, "model.config=llama3_8b", "model.dtype=bfloat16"])
+    model, host_bytes = built(cfg, META)
+    assert {t.device for t in tensors(model)} == {META}
+    assert sum(p.numel() for p in model.parameters()) > 8_030_261_248  # with the adapters
+    assert host_bytes == 2 * 256 + 2 * 512  # the example batch alone
+
+
+def test_a_model_built_for_the_cpu_allocates_each_weight_once(hydra_conf):
+    # llama3_tiny in fp32 over byte-level text (vocab 256): embeddings and head 256 x 64
+    # each, per layer q and o 64 x 64, k and v 16 x 64 (one key/value head of 16), gate
+    # and up 224 x 64, down 64 x 224 and two norms of 64; the final norm; two layers.
+    layer = 2 * 64 * 64 + 2 * 16 * 64 + 3 * 224 * 64 + 2 * 64
+    weight_bytes = 4 * (2 * 256 * 64 + 2 * layer + 64) + 2 * 4 * 8  # + RoPE's two (8,) fp32
+    assert weight_bytes == 558_400
+    model, host_bytes = built(hydra_conf([*LLAMA, "model.lora=null"]), CPU)
+    assert {t.device for t in tensors(model)} == {CPU}
+    assert sum(t.untyped_storage().nbytes() for t in tensors(model)) == weight_bytes
+    # the weights once, and the example batch alive beside them: its (2, 32) int64 pair
+    assert host_bytes == weight_bytes + 2 * 512
+
+
+def test_a_tied_head_stays_tied_on_every_device(hydra_conf):
+    # Llama 3.2 1B ties its head to its input embedding; so does the GPT
+    one_b = hydra_conf([*LLAMA, "model.config=llama3_2_1b"])
+    model, _ = built(one_b, META)
+    base = model.get_base_model()
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    for device in (META, CPU):
+        gpt, _ = built(hydra_conf(CASES["gpt"][0]), device)
+        assert gpt.head.weight is gpt.tok.weight and gpt.head.weight.device == device
+
+
+def test_quantized_weights_are_built_on_the_device(hydra_conf):
+    from train.language.quantize import quant_state_tensors
+
+    cfg = hydra_conf(["+experiment=llm_qlora", *TEXT, "model.quantization=nf4"])
+    model, _ = built(cfg, META)
+    packed = [p for p in model.parameters() if p.dtype == torch.uint8]
+    assert packed and {t.device for t in tensors(model) + quant_state_tensors(model)} == {META}
+
+
+def _direct(name: str) -> torch.nn.Module:
+    """The model as its builder alone makes it from seed 0, outside batchfit (lazy layers
+    of the MLP materialised on digits' 64 features)."""
+    torch.manual_seed(0)
+    if name == "small_cnn":
+        return small_cnn(num_classes=10, in_channels=1)
+    if name == "mlp":
+        model = mlp(num_classes=10, in_channels=1)
+        model(torch.zeros(2, 1, 8, 8))
+        return model
+    if name == "resnet18":
+        return resnet18(num_classes=10)
+    if name == "gpt":
+        return GPT(vocab_size=256, block_size=32)
+    lora = None if name == "llama3_tiny" else {"r": 8, "alpha": 16, "target_modules": ["q_proj"]}
+    return causal_lm("llama3_tiny", lora=lora, vocab_size=256, block_size=32)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_same_seed_gives_the_weights_the_builder_draws_on_the_cpu(hydra_conf, name):
+    overrides = CASES[name][0]
+    if name == "llama3_tiny_lora":
+        overrides = [*overrides, "model.lora.target_modules=[q_proj]"]
+    model, _ = built(hydra_conf(overrides), CPU)
+    expected = _direct(name).state_dict()
+    state = model.state_dict()
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
