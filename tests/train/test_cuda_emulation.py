@@ -418,3 +418,53 @@ def test_fp32_grouped_query_attention_allocates_what_its_kernel_does() -> None:
         assert as_214 == _gqa_step(None, oracle="efficient")
         # output (B, 8, 64, 16) fp32 and logsumexp (B, 8, 64) fp32, the philox seed and offset
         assert as_214[0] == 2 * 8 * 64 * 16 * 4 + 2 * 8 * 64 * 4 + 2 * 8
+
+
+def _step_bytes(q, k, v, rules, gqa: bool = False) -> tuple[int, int]:  # noqa: ANN001
+    with TensorMemoryTracker() as tracker:
+        with CudaEmulation((8, 0), rules):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        after_forward = tracker.live_bytes
+        out.backward(torch.ones_like(out))
+    assert all(t.grad.shape == t.shape for t in (q, k, v))
+    return after_forward, tracker.peak_bytes
+
+
+@pytest.mark.parametrize("rules", [OLD, SDPA_RULES], ids=["2.11", "installed"])
+def test_unbatched_attention_runs_as_a_batch_of_one_where_the_release_allows(rules) -> None:  # noqa: ANN001
+    """3-D inputs: a fused kernel with a batch of one from 2.14 on (the same bytes as the 4-D
+    inputs), the math kernel before (which keeps the (8, 64, 64) attention weights)."""
+    with FakeTensorMode():
+        q, k, v = (torch.randn(8, 64, 16, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+        three_d = _step_bytes(q, k, v, rules)
+        q4, k4, v4 = (torch.randn(1, 8, 64, 16, dtype=torch.bfloat16, requires_grad=True)
+                      for _ in "qkv")  # fmt: skip
+        four_d = _step_bytes(q4, k4, v4, rules)
+    if rules.unbatched_fused:
+        assert three_d == four_d
+    else:
+        assert three_d[0] >= 8 * 64 * 64 * 2 > four_d[0]
+
+
+@pytest.mark.parametrize("rules", [OLD, SDPA_RULES], ids=["2.11", "installed"])
+def test_one_key_value_head_without_enable_gqa_runs_its_kernel(rules) -> None:  # noqa: ANN001
+    """Implicit MQA in fp32: the memory-efficient kernel on key and value expanded to the
+    query's 8 heads from 2.14 on (their gradients come back with 8 heads, then are summed to
+    one), the math kernel before."""
+    with FakeTensorMode():
+        q = torch.randn(2, 8, 64, 16, requires_grad=True)
+        k, v = (torch.randn(2, 1, 64, 16, requires_grad=True) for _ in "kv")
+        emulated = _step_bytes(q, k, v, rules)
+        for t in (q, k, v):
+            t.grad = None
+        with TensorMemoryTracker() as tracker:
+            expanded = (t.expand(2, 8, 64, 16) for t in (k, v))
+            out = aten._scaled_dot_product_efficient_attention(q, *expanded, None, True, 0.0, True)
+            out = out[0]  # the logsumexp and philox state live on in autograd's node only
+            after_forward = tracker.live_bytes
+            out.backward(torch.ones_like(out))
+        efficient = after_forward, tracker.peak_bytes
+    if rules.implicit_mqa:
+        assert emulated == efficient
+    else:
+        assert emulated[0] >= 2 * 8 * 64 * 64 * 4 > efficient[0]

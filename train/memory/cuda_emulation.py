@@ -597,7 +597,8 @@ def run_sdp_backend(backend: str, params: SdpaParams, scale: float | None) -> to
         return out[..., :head_dim] if pad[1] else out
     if backend == "efficient":
         mask = None if mask is None else _efficient_mask(mask, params)
-        if not params.enable_gqa and k.size(1) != q.size(1):  # implicit MQA: expanded views
+        if not params.enable_gqa and k.size(1) != q.size(1):  # implicit MQA (PR #191085):
+            # zero-stride views of the query's heads; their gradients are summed to one head
             k, v = (t.expand(t.size(0), q.size(1), *t.shape[2:]) for t in (k, v))
         outputs = aten._scaled_dot_product_efficient_attention(
             q, k, v, mask, params.requires_grad, dropout_p, causal, scale=scale
