@@ -1,17 +1,131 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one run (a few minutes on one card): the `gpu` tests, the
-# prediction grid against max_memory_reserved, and the real OOM boundary, bisected under
-# set_per_process_memory_fraction, against the predicted one. Exit status 1 if any fails.
-#   bench/gpu_checks.sh
+# The checks that need a GPU, in one call of under 8 minutes on one card, each section with a
+# time budget, then a table of section -> PASS/FAIL/SKIP and seconds; the exit status is the
+# verdict (0: every section passed or was skipped). Two lanes run side by side on the card
+# (each process has its own allocator, so its memory figures are its own):
+#   lane A: pytest -m gpu (the files that hold gpu tests: they collect without MLflow), the conv
+#           grid (bench/prediction.py), memory snapshots of a small_cnn and a resnet18 run
+#           (bench/cuda_snapshot.py, into $OUT), the real OOM boundary (bench/oom_limit.py);
+#   lane B: Llama 3 8B LoRA at 1 and 4 x 2048 tokens, each in a fresh process (first step and
+#           host memory), the Llama 3.2 1B cells (bench/gpu_llm.py), QLoRA when bitsandbytes is
+#           there (bench/prediction.py --qlora; skipped without it).
+# On the GPU machine, with the wheels it lacks in .whl/ (../shared/device-kit/prepare.sh):
+#   bash .whl/on-device.sh bench/gpu_checks.sh
+# Elsewhere:  bench/gpu_checks.sh   ($OUT defaults to mlruns/gpu-checks, which git ignores)
+# GPU_CHECKS_DEADLINE_S (default 420) caps the whole: no section runs past it.
+# GPU_CHECKS_DEVICE=cpu runs the same sections on a CPU (the language models as llama3_tiny, the
+# OOM bisection as its dry run): a check of the script itself, not of any GPU figure.
+# GPU_CHECKS_SERIAL=1 runs lane B after lane A instead of beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-status=0
+export OUT=${OUT:-$PWD/mlruns/gpu-checks}
+mkdir -p "$OUT"
+logs=$(mktemp -d)
+start=$(date +%s)
+deadline=$((start + ${GPU_CHECKS_DEADLINE_S:-420}))
+device=${GPU_CHECKS_DEVICE:-cuda}
+tiny=$([ "$device" = cpu ] && echo --tiny)                     # llama3_tiny on a CPU
+resolution=$([ "$device" = cpu ] && echo 0.01 || echo 2)     # MiB: the OOM bisection's step
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} PYTHONUNBUFFERED=1 # two lanes share the host's cores
+
+# Modules each kind of section imports (top level), checked before it runs.
+BASE="torch torchvision hydra omegaconf rich torchmetrics"
+LLM="$BASE transformers peft accelerate"
+
+missing() { # the modules of "$@" that cannot be imported here
+  python -c 'import importlib.util as u, sys
+print(" ".join(m for m in sys.argv[1:] if u.find_spec(m) is None))' "$@"
+}
+
+# section NAME BUDGET_S "MODULES" OPTIONAL_MODULE -- COMMAND...: runs COMMAND under `timeout`
+# (its budget, cut to what is left before the deadline), its output in $logs/NAME.log, printed
+# whole when it ends; its result (PASS, FAIL, SKIP, TIMEOUT, MISSING, NO-TIME) in NAME.result.
+section() {
+  local name=$1 budget=$2 modules=$3 optional=$4
+  shift 5
+  local log=$logs/$name.log t0 left result absent
+  t0=$(date +%s)
+  left=$((deadline - t0))
+  ((budget > left)) && budget=$left
+  absent=$(missing $modules $optional)
+  if ((budget < 15)); then
+    result=NO-TIME
+    echo "not run: ${left}s left before the deadline" >"$log"
+  elif [ -n "$optional" ] && [[ " $absent " == *" $optional "* ]]; then
+    result=SKIP
+    echo "skipped: $optional is not installed" >"$log"
+  elif [ -n "$absent" ]; then
+    result=MISSING
+    echo "not run: cannot import $absent" >"$log"
+  else
+    echo "\$ $* (budget ${budget}s)" >"$log"
+    timeout --kill-after=10 "$budget" "$@" >>"$log" 2>&1
+    case $? in
+      0) result=PASS ;;
+      124 | 137) result=TIMEOUT ;;
+      *) result=FAIL ;;
+    esac
+  fi
+  echo "$result $(($(date +%s) - t0)) $budget" >"$logs/$name.result"
+  {
+    flock 9 2>/dev/null || true # one lane's log at a time
+    printf '\n===== %s: %s in %ss =====\n' "$name" "$result" "$(($(date +%s) - t0))"
+    cat "$log"
+  } 9>>"$logs/print.lock"
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-python -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-pytest -m gpu -n 0 -q -p no:cacheprovider || status=1
-python bench/prediction.py --device cuda --models small_cnn resnet18 --batch-sizes 8 64 256 \
-  --precisions fp32 bf16 || status=1
-python bench/prediction.py --no-grid --qlora --device cuda || status=1
-python bench/oom_limit.py || status=1
-python bench/prediction.py --no-grid --traces tests/fixtures/cuda-traces || status=1
+python -c 'import importlib, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(),
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE")
+for m in ("torchvision", "torchmetrics", "transformers", "peft", "accelerate", "optuna", "hydra",
+          "sklearn", "bitsandbytes", "mlflow", "pytest", "psutil"):
+    try:
+        print("  " + m, getattr(importlib.import_module(m), "__version__", "?"))
+    except Exception as e:
+        print(f"  {m}: not importable ({type(e).__name__})")'
+echo "OUT=$OUT; deadline in $((deadline - start)) s"
+
+# pytest -m gpu over every file that holds a gpu test: collecting the whole suite imports
+# modules that need MLflow, which the GPU machine does not have.
+gpu_tests=$(grep -rl --include='test_*.py' -e 'mark\.gpu' tests | sort | tr '\n' ' ')
+
+lane_a() {
+  section pytest-gpu 90 "$BASE pytest optuna sklearn" "" -- \
+    python -m pytest -m gpu -n 0 -q -p no:cacheprovider $gpu_tests
+  section conv-grid 120 "$BASE" "" -- \
+    python bench/prediction.py --device "$device" --models small_cnn resnet18 --batch-sizes 8 64 256 \
+    --precisions fp32 bf16 --image-size 32
+  section snapshots 60 "$BASE" "" -- python bench/cuda_snapshot.py --device "$device" --out "$OUT"
+  section oom-boundary 140 "$BASE transformers" "" -- python bench/oom_limit.py --device "$device" --max-seconds 90 \
+    --resolution-mib "$resolution"
+}
+
+lane_b() {
+  section llm-8b-1x2048 90 "$LLM" "" -- python bench/gpu_llm.py --device "$device" $tiny --cells 8b-lora-1x2048
+  section llm-8b-4x2048 90 "$LLM" "" -- python bench/gpu_llm.py --device "$device" $tiny --cells 8b-lora-4x2048
+  section llm-1b 180 "$LLM" "" -- python bench/gpu_llm.py --device "$device" $tiny --cells 1b
+  section qlora 60 "$LLM" bitsandbytes -- python bench/prediction.py --no-grid --qlora --device "$device"
+}
+
+if [ "${GPU_CHECKS_SERIAL:-0}" = 1 ]; then # one torch process at a time (a shared CPU)
+  lane_a
+  lane_b
+else
+  lane_a &
+  lane_b &
+  wait
+fi
+
+echo
+echo "===== summary ($(($(date +%s) - start)) s in all; files in $OUT: $(find "$OUT" -type f | wc -l), 8 come back) ====="
+printf '%-16s %-8s %9s %9s\n' section result seconds budget
+status=0
+for name in pytest-gpu conv-grid snapshots oom-boundary llm-8b-1x2048 llm-8b-4x2048 llm-1b qlora; do
+  read -r result seconds budget <"$logs/$name.result" 2>/dev/null || result=LOST
+  printf '%-16s %-8s %9s %9s\n' "$name" "$result" "${seconds:--}" "${budget:--}"
+  case $result in PASS | SKIP) ;; *) status=1 ;; esac
+done
+echo "verdict: $([ $status = 0 ] && echo PASS || echo FAIL)"
+rm -rf "$logs"
 exit $status
