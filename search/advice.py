@@ -43,14 +43,22 @@ from omegaconf import DictConfig, OmegaConf
 from search.space import SearchSpace, parse_space
 from tracking.config import ConfigError
 from train.config import RunSpec
-from train.memory.budget import format_bytes, parse_budget
+from train.memory.budget import format_bytes
 from train.memory.fitting import fits_budget
 from train.memory.gpus import GPUS, Gpu
 from train.memory.predict import PredictionUnsupported
+from train.memory.preflight import UNMEASURED_MARGIN, Margin, step_margin
 from train.overrides import merge_overrides
 from train.params import CHECKPOINTING_KEY, DEVICES_KEY, PRECISION_KEY, STRATEGY_KEY
 from train.precision import unsupported_reason
-from train.run import GPU_KEY, budget_source, plan, with_gpu_budget
+from train.run import (
+    GPU_KEY,
+    budget_source,
+    card_budget_bytes,
+    follows_card,
+    plan,
+    with_gpu_budget,
+)
 from train.workload import Workloads
 
 FOUND = 2  # levers that fit, printed; the search stops there
@@ -79,16 +87,27 @@ class Tried:
     reason: str | None = None  # why it could not be predicted (a config problem)
     state_bytes: int | None = None  # parameters, gradients and optimizer state (per rank)
     budget: str = ""  # where the budget comes from: "90% of H200"
+    # kept free under the budget: search.preflight_margin, or its kind of step's
+    margin: Margin = Margin(UNMEASURED_MARGIN)
 
     @property
     def words(self) -> str:
         return " + ".join(lever.words for lever in self.levers) or "as given"
 
+    def needs(self) -> str:
+        """What batch 1 needs, with its margin when it has one: "16.7 GiB on H100-80GB
+        (17.5 GiB with its 5% margin)"."""
+        assert self.peak_bytes is not None
+        text = f"{format_bytes(self.peak_bytes)} {self.where}"
+        if self.margin.value > 0:
+            needed = format_bytes(self.peak_bytes * (1 + self.margin.value))
+            text += f" ({needed} with its {self.margin.value:.0%} margin)"
+        return text
+
 
 @dataclass
 class Advice:
     geometry: str  # what was predicted besides batch 1: "accum_steps 1, fp32, data.seq_len=64"
-    margin: float
     given: Tried  # the command as given
     tried: list[Tried] = field(default_factory=list)
     not_applicable: list[str] = field(default_factory=list)  # levers that do not apply, why
@@ -109,11 +128,15 @@ class Advice:
                 f"{given.where}: search smaller batch sizes, e.g. trainer.batch_size: "
                 "choice(1, 2, 4) in search.params"
             ]
+        # what the cell needs, not only its peak: with the margin, the figure the check compares
+        margin, needs = given.margin, f"{format_bytes(given.peak_bytes)} {given.where}"
+        if margin.value > 0:
+            needed = format_bytes(given.peak_bytes * (1 + margin.value))
+            needs += f", {needed} with the margin of {margin.words()} to spare"
         lines = [
-            f"What would fit batch 1 ({self.geometry}): it needs "
-            f"{format_bytes(given.peak_bytes)} {given.where}, over {_budget(given)} with "
-            f"search.preflight_margin={self.margin:g} to spare. Each lever batchfit has, "
-            f"predicted in {self.seconds:.0f} s, cheapest first ({CHEAPEST}):"
+            f"What would fit batch 1 ({self.geometry}): it needs {needs}, over "
+            f"{_budget(given)}. Each lever batchfit has, predicted in {self.seconds:.0f} s, "
+            f"cheapest first ({CHEAPEST}):"
         ]
         for tried in self.tried:
             if tried.reason is not None:
@@ -121,8 +144,8 @@ class Advice:
                 continue
             verdict = "fits" if tried.fits else "does not fit"
             lines.append(
-                f"  - {tried.words}: {format_bytes(tried.peak_bytes)} {tried.where}, {verdict} "
-                f"{_budget(tried)}" + (":" if tried.fits else "")
+                f"  - {tried.words}: {tried.needs()}, {verdict} {_budget(tried)}"
+                + (":" if tried.fits else "")
             )
             if tried.fits:
                 lines.append(f"      {command} {shlex.join(tried.overrides)}")
@@ -160,12 +183,11 @@ def advise(
     spec = plan(cfg, cfg.search.memory_budget)
     space = parse_space(cfg.search.params or {})
     geometry = _geometry(spec, space)
-    margin = float(cfg.search.preflight_margin)
     words = ", ".join(["accum_steps 1", *(f"{k}={v}" for k, v in geometry.items())])
     words = words.replace(f"{PRECISION_KEY}=", "")
-    predict = _Predictor(compose, geometry, margin)
+    predict = _Predictor(compose, geometry, cfg.search.preflight_margin)
     given = predict(tuple(overrides), (), cfg, workloads)
-    advice = Advice(words, margin, given)
+    advice = Advice(words, given)
     if given.fits or given.peak_bytes is None:
         return advice
     state_bytes = state_bytes or given.state_bytes
@@ -215,14 +237,15 @@ def _geometry(spec: RunSpec, space: SearchSpace) -> dict[str, object]:
 
 class _Predictor:
     """Batch 1 of a command line, predicted: composed as that command composes it, its
-    budget applied as the entry points apply it (with_gpu_budget), its own predictor."""
+    budget applied as the entry points apply it (with_gpu_budget), its own predictor, and
+    its own margin (`setting`: search.preflight_margin; None: from its kind of step)."""
 
     def __init__(
-        self, compose: Callable[[list[str]], DictConfig], geometry: dict, margin: float
+        self, compose: Callable[[list[str]], DictConfig], geometry: dict, setting: float | None
     ) -> None:
         self.compose = compose
         self.geometry = geometry
-        self.margin = margin
+        self.setting = setting
 
     def __call__(
         self,
@@ -253,10 +276,13 @@ class _Predictor:
         except (ConfigError, PredictionUnsupported, HydraException, ValueError) as error:
             reason = "; ".join(error.problems) if isinstance(error, ConfigError) else str(error)
             return Tried(levers, overrides, "", None, None, False, reason)
-        fits = fits_budget(peak, spec.limit_bytes, self.margin)
+        margin = step_margin(self.setting, predictor)
+        fits = fits_budget(peak, spec.limit_bytes, margin.value)
         where, state = _where(spec), predictor.state_bytes
         budget = budget_source(cfg.search.memory_budget, spec)
-        return Tried(levers, overrides, where, peak, spec.limit_bytes, fits, None, state, budget)
+        return Tried(
+            levers, overrides, where, peak, spec.limit_bytes, fits, None, state, budget, margin
+        )
 
 
 def _where(spec: RunSpec) -> str:
@@ -367,14 +393,14 @@ def _fsdp(devices: int) -> tuple[str, ...]:
 def _larger_cards(cfg: DictConfig, spec: RunSpec, state_bytes: int | None) -> list[Gpu]:
     """The cards of train/memory/gpus.py with more memory than the planned one, smallest first
     (one of each size and compute capability), whose budget can hold `state_bytes`; none
-    unless the plan is for a named card whose budget follows it (a share, or all of it)."""
+    unless the plan is for a named card whose budget follows it (all of it, a share, or
+    what it offers a process)."""
     budget = cfg.search.memory_budget
-    share = isinstance(budget, str) and budget.strip().endswith("%")
-    if spec.target.local or spec.target.gpu is None or not (budget is None or share):
+    if spec.target.local or spec.target.gpu is None or not follows_card(budget):
         return []
     cards, seen = [], set()
     for card in sorted(GPUS, key=lambda g: g.total_bytes):
-        limit = parse_budget(budget, card.total_bytes) or card.total_bytes
+        limit = card_budget_bytes(budget, card) or card.total_bytes
         kind = (card.total_bytes, card.capability)
         if card.total_bytes <= spec.target.total_bytes or kind in seen:
             continue

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+from omegaconf import DictConfig
 
 from tracking.config import (
     ConfigError,
@@ -16,8 +19,12 @@ from tracking.config import (
     number_problems,
 )
 from tracking.redact import redact
-from train.run import gpu_budget_problems
+from train.config import RunSpec
+from train.memory.predict import PredictionUnsupported
+from train.memory.preflight import UNMEASURED_MARGIN, Margin, margin_problems, step_margin
+from train.run import USABLE, gpu_budget_problems
 from train.tasks import Classification, Task
+from train.workload import Workloads
 
 # What every run measures, whatever its task, with the only direction that makes sense.
 RUN_METRICS = {
@@ -176,7 +183,10 @@ class SearchConfig:
     trial_time_budget_s: float | None
     heartbeat_interval_s: int | None
     preflight: bool = True  # predict each trial's peak memory; prune it if over the budget
-    preflight_margin: float = 0.05  # prune when predicted x (1 + this) exceeds the budget
+    # prune when predicted x (1 + this) exceeds the budget; None: from the prediction's
+    # measured error for the step's kind (train/memory/preflight.py step_margin), which
+    # search/validate.py resolves with the study's predictor (`with_margin`)
+    preflight_margin: float | None = None
     oom_constraint: bool = True  # tell the sampler OOM trials are infeasible
     accumulation: str = "searched"  # or "derived": see conf/search/default.yaml
     workers: int = 1  # worker processes sharing the study (a --multirun over them)
@@ -203,9 +213,23 @@ class SearchConfig:
     target: Target | None = None  # search.target
     # A GPU to plan for by name (train/memory/gpus.py), e.g. A100-40GB; None: the device trained on
     gpu: str | None = None
-    # The budget's share of the card when search.gpu is given on the command line without
-    # search.memory_budget (train/run.py with_gpu_budget)
-    gpu_budget: Any = "90%"
+    # The budget of the card when search.gpu is given on the command line without
+    # search.memory_budget (train/run.py with_gpu_budget): usable (the card less its CUDA
+    # context, train/memory/gpus.py) or a share of it
+    gpu_budget: Any = USABLE
+    # Why the margin is what it is, for the fit report's title (Margin.why): set with it
+    margin_why: str = ""
+
+    def with_margin(self, margin: Margin) -> SearchConfig:
+        """These settings with the margin resolved (train/memory/preflight.py step_margin)."""
+        return replace(self, preflight_margin=margin.value, margin_why=margin.why)
+
+    @property
+    def margin(self) -> Margin:
+        """The margin and why (unresolved: the unmeasured default)."""
+        if self.preflight_margin is None:
+            return Margin(UNMEASURED_MARGIN)
+        return Margin(self.preflight_margin, self.margin_why)
 
     @property
     def metrics(self) -> list[str]:
@@ -261,10 +285,7 @@ class SearchConfig:
             "search.validations_per_epoch", self.validations_per_epoch, 1, or_null=True,
             hint="e.g. search.validations_per_epoch=4",
         )  # fmt: skip
-        problems += number_problems(
-            "search.preflight_margin", self.preflight_margin, "a number in [0, 1)",
-            at_least=0, below=1, fix=0.05,
-        )  # fmt: skip
+        problems += margin_problems(self.preflight_margin)
         problems += choice_problems(
             "search.accumulation", self.accumulation, ACCUMULATION_MODES, "searched"
         )
@@ -297,10 +318,31 @@ class SearchConfig:
 # Keys of the `search` section that are not SearchConfig settings: the space and the
 # components built from `_target_`; and the fields that do not come from `search`.
 SEARCH_COMPONENT_KEYS = ("params", "sampler", "pruner")
-_NOT_FROM_SEARCH = ("known_metrics", "outage_wait_s")
+_NOT_FROM_SEARCH = ("known_metrics", "outage_wait_s", "margin_why")
 
 
 def search_keys() -> set[str]:
     """Every key the `search` section may have."""
     settings = {f.name for f in fields(SearchConfig)} - set(_NOT_FROM_SEARCH)
     return settings | set(SEARCH_COMPONENT_KEYS)
+
+
+def resolve_margin(
+    settings: SearchConfig,
+    cfg: DictConfig,
+    spec: RunSpec,
+    searched: Iterable[str] = (),
+    workloads: Workloads | None = None,
+) -> SearchConfig:
+    """`settings` with search.preflight_margin resolved for the study: as given, or (null)
+    from the measured error of its kind of step (train/memory/preflight.py step_margin), by
+    the base run's predictor, which stays in `workloads` for the fit report and the trials.
+    `searched`: the space's keys (one that changes the kind of step keeps the unmeasured
+    margin). Only a CUDA target needs the predictor."""
+    if settings.preflight_margin is not None:
+        return settings.with_margin(step_margin(settings.preflight_margin, None))
+    predictor = None
+    if spec.target.type == "cuda":
+        with contextlib.suppress(PredictionUnsupported):  # measured, at the default margin
+            predictor = (workloads or Workloads()).of(cfg).predictor(spec, cfg.optimizer)
+    return settings.with_margin(step_margin(None, predictor, searched))

@@ -6,14 +6,15 @@ without training.
 For every precision, batch size and accumulation of the search space, with the base config's
 model and optimizer (other searched keys at their configured values), the predicted peak
 memory of a training step (train/memory/predict.py: the step computed on fake tensors) and the
-largest batch size that fits the budget with search.preflight_margin to spare. Accumulation
-matters: the second micro-batch of a step runs over the gradients the first one left, so it
-can peak higher. Accumulations whose peaks are the same at every batch size and precision
-share one block of rows. A precision this device cannot run (tf32 off CUDA) is shown as n/a
-with the reason; trials skip it. With search.accumulation=derived, the rows are the searched
-effective batch sizes and each cell gives the micro-batch x accumulation a trial would train
-with. A study logs the same table to its parent MLflow run (`fit_report.json`,
-`fit_report.txt`).
+largest batch size that fits the budget with the margin to spare (search.preflight_margin, by
+default from the prediction's measured error for the kind of step: the title says which and
+why, with where the budget comes from). Accumulation matters: the second micro-batch of a
+step runs over the gradients the first one left, so it can peak higher. Accumulations whose
+peaks are the same at every batch size and precision share one block of rows. A precision
+this device cannot run (tf32 off CUDA) is shown as n/a with the reason; trials skip it. With
+search.accumulation=derived, the rows are the searched effective batch sizes and each cell
+gives the micro-batch x accumulation a trial would train with. A study logs the same table
+to its parent MLflow run (`fit_report.json`, `fit_report.txt`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from train.memory.budget import format_bytes
 from train.memory.device import DeviceSpec
 from train.memory.fitting import fits_budget, largest_fitting_batch
 from train.memory.predict import MemoryPredictor, PredictionUnsupported, replays_beside
+from train.memory.preflight import Margin
 from train.overrides import composed, run_checked, unknown_top_level
 from train.params import (
     ACCUM_KEY,
@@ -79,7 +81,7 @@ class Cell:
 @dataclass
 class FitReport:
     budget_bytes: int | None
-    margin: float
+    margin: float  # the share of each peak kept free under the budget
     derived: bool
     precisions: list[str]  # every precision of the space, those the device cannot run included
     unsupported: dict[str, str]  # precision -> why the device cannot run it (not predicted)
@@ -100,6 +102,9 @@ class FitReport:
     world_size: int = 1
     limit_bytes: int = 0  # what the cells must fit: the budget, or the whole device
     budget_source: str = ""  # where the budget comes from: "90% of H100-80GB", ...
+    # why the margin is what it is: "language-model LoRA steps measured within 0.71% on an
+    # H200", "search.preflight_margin" (given), "" (CPU's default)
+    margin_why: str = ""
     cuda: bool = False  # cells are CUDA's reserve (the caching allocator's), not live tensors
     # model.dtype, the weights' dtype (float32, bfloat16, auto); None: the model has no such
     # key, its weights are float32
@@ -282,7 +287,7 @@ class _Tabulation:
             accums = sorted({int(a) for a in _space_values(space, ACCUM_KEY, trainer.accum_steps)})
         report = self.report = FitReport(
             spec.budget_bytes,
-            settings.preflight_margin,
+            settings.margin.value,
             derived,
             precisions,
             unsupported,
@@ -295,6 +300,7 @@ class _Tabulation:
         report.device = _device_words(spec.target)
         report.limit_bytes = spec.limit_bytes
         report.budget_source = budget_source(settings.memory_budget, spec)
+        report.margin_why = settings.margin.why
         report.cuda = spec.target.type == "cuda"
         report.model_dtype = (
             str(cfg.model.dtype) if "dtype" in cfg.model and cfg.model.dtype is not None else None
@@ -582,7 +588,7 @@ def _searched_cell(
             raise
         # BatchNorm over a 1x1 feature map cannot train on a single sample
         return Cell(geometry.effective_batch_size, batch, accum, None, False, str(error))
-    fits = fits_budget(peak, spec.limit_bytes, settings.preflight_margin)
+    fits = fits_budget(peak, spec.limit_bytes, settings.margin.value)
     return Cell(geometry.effective_batch_size, batch, accum, peak, fits)
 
 
@@ -595,7 +601,7 @@ def _derived_cell(
 ) -> Cell:
     effective = geometry.batch_size  # the whole effective batch as one micro-batch
     found = largest_fitting_batch(
-        predictor, geometry, num_train, spec.limit_bytes, settings.preflight_margin
+        predictor, geometry, num_train, spec.limit_bytes, settings.margin.value
     )
     if found is None:
         return Cell(effective, None, None, None, False)
@@ -631,9 +637,9 @@ def render(report: FitReport) -> Table:
     if report.strategy != "none":
         device = f"one rank of {report.strategy} on {report.world_size} x {device}"
         budget += " per rank"
+    margin = Margin(report.margin, report.margin_why).words()
     table = Table(
-        title=f"Fit report for {device}: {what}; budget {budget}, margin "
-        f"{report.margin:.0%}{lever}",
+        title=f"Fit report for {device}: {what}; budget {budget}, margin {margin}{lever}",
         caption="\n".join([f"predicted in {report.seconds:.1f} s, nothing trained", *said]),
     )
     table.add_column("effective batch" if report.derived else "batch size", justify="right")

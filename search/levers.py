@@ -24,6 +24,7 @@ from tracking.config import ConfigError
 from train.memory.device import DeviceSpec
 from train.memory.fitting import fits_budget
 from train.memory.predict import PredictionUnsupported
+from train.memory.preflight import step_margin
 from train.precision import unsupported_reason
 from train.run import plan
 from train.workload import Workloads
@@ -56,7 +57,7 @@ def largest_batch(cfg: DictConfig, precision: str, workloads: Workloads) -> tupl
     except PredictionUnsupported:
         guess = min(cap, _power_below(4 * spec.trainer.batch_size))
         return guess, "4x trainer.batch_size (memory cannot be predicted for this model)"
-    margin = cfg.search.preflight_margin
+    margin = step_margin(cfg.search.preflight_margin, predictor).value
     fitting = 0
     batch = 1
     while batch <= cap:

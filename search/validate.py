@@ -32,6 +32,7 @@ from search.config import (
     SearchConfig,
     Target,
     known_metrics,
+    resolve_margin,
     search_keys,
 )
 from search.sampler import build_sampler
@@ -187,6 +188,9 @@ def validate(
             )
         elif note:
             notes.append(note)
+    if settings is not None and spec is not None and not problems:  # the margin's kind of step
+        searched = space.distributions if space is not None else ()
+        settings = resolve_margin(settings, cfg, spec, searched, workloads)
     sampler = None
     if space is not None:
         built = _collect(problems, lambda: build_sampler(cfg.search.sampler, space))

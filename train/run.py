@@ -43,6 +43,7 @@ from train.memory.cudnn import DEFAULT_CAP_MIB
 from train.memory.cudnn import apply_cap as apply_cudnn_cap
 from train.memory.cudnn import cap_problems as cudnn_cap_problems
 from train.memory.device import DeviceSpec, device_spec
+from train.memory.gpus import Gpu
 from train.memory.predict import MemoryPredictor, Prediction, PredictionUnsupported, fake_first
 from train.models import param_bytes
 from train.overrides import override_key
@@ -89,7 +90,7 @@ def plan(cfg: DictConfig, budget: Any) -> RunSpec:
         )
     if target is not None:
         try:
-            budget_bytes = parse_budget(budget, target.total_bytes)
+            budget_bytes = card_budget_bytes(budget, target)
         except ValueError as error:
             problems.append(f"search.memory_budget: {error}")
         problems += _budget_problems(budget, budget_bytes, target)
@@ -113,24 +114,59 @@ GPU_KEY = "search.gpu"
 GPU_BUDGET_KEY = "search.gpu_budget"
 
 
+# A budget of what the card offers a process: its memory less the CUDA context and what the
+# runtime keeps (train/memory/gpus.py Gpu.usable_bytes); search.gpu_budget's default
+USABLE = "usable"
+
+
+def is_share(budget: Any) -> bool:
+    """Whether a budget is a share of the device (90%)."""
+    return isinstance(budget, str) and budget.strip().endswith("%")
+
+
+def follows_card(budget: Any) -> bool:
+    """Whether a budget follows the card it is for: all of it (None), a share, or usable."""
+    return budget is None or budget == USABLE or is_share(budget)
+
+
+def card_budget_bytes(budget: Any, target: DeviceSpec | Gpu) -> int | None:
+    """The bytes of a budget on a device (or a card of the table): `usable` is the card's
+    usable_bytes; anything else as parse_budget reads it (None: no budget)."""
+    card = target if isinstance(target, Gpu) else target.gpu
+    if budget == USABLE:
+        if card is None:
+            raise ValueError(
+                f"{USABLE!r} is what a GPU offers a process, and this device is the CPU; give a "
+                "size or a share, e.g. search.memory_budget=8GiB, or plan for a card with "
+                "search.gpu=A100-40GB"
+            )
+        return card.usable_bytes
+    return parse_budget(budget, target.total_bytes)
+
+
 def gpu_budget_problems(share: Any) -> list[str]:
-    """What is wrong with search.gpu_budget: it must be a share of the card, e.g. 90%."""
-    if isinstance(share, str) and share.strip().endswith("%"):
+    """What is wrong with search.gpu_budget: `usable` (the card less its CUDA context) or a
+    share of the card, e.g. 90%."""
+    if share == USABLE:
+        return []
+    if is_share(share):
         try:
             parse_budget(share, 2**40)
             return []
         except ValueError:
             pass
     return [
-        f"{GPU_BUDGET_KEY} must be a share of the card named by {GPU_KEY}, got {share!r}; "
-        f"override with {GPU_BUDGET_KEY}=90%"
+        f"{GPU_BUDGET_KEY} must be {USABLE} (the card less its CUDA context) or a share of the "
+        f"card named by {GPU_KEY}, got {share!r}; override with {GPU_BUDGET_KEY}={USABLE} or "
+        f"{GPU_BUDGET_KEY}=90%"
     ]
 
 
 def with_gpu_budget(cfg: DictConfig, overrides: Sequence[str]) -> list[str]:
     """A card named on the command line is the budget: with `search.gpu=CARD` there and no
-    `search.memory_budget` beside it, the run plans for search.gpu_budget of that card (90%:
-    a real device loses some to the CUDA context and to other processes), whatever budget an
+    `search.memory_budget` beside it, the run plans for search.gpu_budget of that card
+    (`usable`: what the card offers a process, its memory less the CUDA context and what the
+    runtime keeps, train/memory/gpus.py; or a share, e.g. 90%), whatever budget an
     experiment sets for the machine at hand (gpt's 160MiB). cfg's search.memory_budget is set
     to it in place, and `overrides` are returned with it added, so that the configs composed
     from them (a study's trials, a rerun command) plan the same. A budget on the command line
@@ -177,13 +213,20 @@ def with_lr_reference(
 
 
 def budget_source(budget: Any, spec: RunSpec) -> str:
-    """Where a run's budget comes from, as a report's title says it: "90% of H100-80GB" (a
-    share of the card: search.gpu_budget's when only the card was named), "all of
-    H100-80GB" (none), or "search.memory_budget" (a size)."""
+    """Where a run's budget comes from, as a report's title says it: "A100-40GB's 39.4 GiB
+    less 512.0 MiB CUDA context" (usable, search.gpu_budget's default when only the card was
+    named), "90% of H100-80GB" (a share of the card), "all of H100-80GB" (none), or
+    "search.memory_budget" (a size)."""
     where = spec.target.name if spec.target.type == "cuda" else "this machine's memory"
     if spec.budget_bytes is None:
         return f"all of {where}"
-    if isinstance(budget, str) and budget.strip().endswith("%"):
+    if budget == USABLE and spec.target.gpu is not None:
+        card = spec.target.gpu
+        return (
+            f"{card.name}'s {format_bytes(spec.target.total_bytes)} less "
+            f"{format_bytes(card.context_bytes)} CUDA context"
+        )
+    if is_share(budget):
         return f"{budget.strip()} of {where}"
     return "search.memory_budget"
 

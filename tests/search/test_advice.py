@@ -122,12 +122,17 @@ def test_more_cards_then_the_smallest_larger_card(hydra_conf, stores) -> None:
     limit = int(15_102 * 2**20 * 0.0019)
     fsdp = next(n for n in (2, 4, 8) if peaks[n] * 1.05 <= limit)  # the premise: one fits
     assert given * 1.05 > limit
+    # What batch 1 needs is its peak with the margin (the GPT trains every weight, a kind of
+    # step no GPU has measured: 5%), the figure compared with the budget
     assert (
         f"What would fit batch 1 (accum_steps 1, fp32, data.seq_len=64): it needs "
-        f"{format_bytes(given)} on T4, over the budget of {format_bytes(limit)} (0.19% of T4)"
+        f"{format_bytes(given)} on T4, {format_bytes(given * 1.05)} with the margin of 5% "
+        "(full fine-tuning steps: not measured on a GPU) to spare, over the budget of "
+        f"{format_bytes(limit)} (0.19% of T4)"
     ) in text
     assert (
-        f"  - FSDP over {fsdp} devices: {format_bytes(peaks[fsdp])} per rank on {fsdp} x T4, "
+        f"  - FSDP over {fsdp} devices: {format_bytes(peaks[fsdp])} per rank on {fsdp} x T4 "
+        f"({format_bytes(peaks[fsdp] * 1.05)} with its 5% margin), "
         f"fits the budget of {format_bytes(limit)} (0.19% of T4):\n"
         f"      python -m search {shlex.join(overrides)} trainer.strategy=fsdp "
         f"trainer.devices={fsdp}\n"
@@ -138,7 +143,8 @@ def test_more_cards_then_the_smallest_larger_card(hydra_conf, stores) -> None:
     assert "  - a larger card, V100-16GB: " in text and ", does not fit the budget" in text
     rest = [o for o in overrides if not o.startswith("search.gpu=")]
     assert (
-        f"  - a larger card, L4: {format_bytes(l4)} on L4, fits the budget of 46.7 MiB "
+        f"  - a larger card, L4: {format_bytes(l4)} on L4 ({format_bytes(l4 * 1.05)} with its 5% "
+        "margin), fits the budget of 46.7 MiB "
         f"(0.19% of L4):\n      python -m search {shlex.join(rest)} search.gpu=L4\n"
     ) in text
     assert "Not applicable here: bf16 weights (the model has no model.dtype)" in text
@@ -184,7 +190,8 @@ def test_a_state_over_the_card_is_not_answered_with_a_larger_budget(hydra_conf) 
     t4 = gpu("T4").total_bytes
     assert error.value.needed_bytes > t4  # the premise, predicted
     (problem,) = error.value.problems
-    assert problem.startswith(f"search.memory_budget={format_bytes(int(t4 * 0.9))} is below the ")
+    usable = 15_102 * 2**20 - 512 * 2**20  # what a T4 offers a process (search.gpu_budget)
+    assert problem.startswith(f"search.memory_budget={format_bytes(usable)} is below the ")
     assert "search.memory_budget=" not in problem.split(" is below the ")[1]
     assert (
         "That is more than the 14.7 GiB T4 has, so no budget on it holds this run, whatever "

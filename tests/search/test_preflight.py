@@ -27,6 +27,7 @@ from tracking.metrics import PREDICTED_BYTES, PREDICTION_ERROR, PREDICTION_S
 from train.memory.budget import format_bytes
 from train.memory.fitting import largest_fitting_batch
 from train.memory.predict import PredictionUnsupported
+from train.memory.preflight import MARGIN_KEY, Margin, Misfit, PreflightConfig
 from train.params import EFFECTIVE_PARAM
 from train.run import plan
 from train.workload import Workloads
@@ -436,3 +437,29 @@ def test_a_space_where_nothing_fits_ends_with_a_message(hydra_conf, stores, monk
     shown = driver.console.export_text()
     assert "the last 6 proposals were all predicted not to fit or trained before" in shown
     assert "0 trials trained of search.n_trials=3" in shown
+
+
+def test_a_refusal_names_the_margin_and_where_it_comes_from(hydra_conf) -> None:
+    """python -m train's refusal: the peak, then the figure the run needs, peak x (1 +
+    margin), with the reason when the margin comes from the kind of step, against the
+    budget (36 GiB x 1.01 = 36.36 GiB; x 1.05 = 37.8 GiB)."""
+    cfg = hydra_conf(["+experiment=llm_lora", "trainer.batch_size=4", "trainer.accum_steps=8",
+                      "trainer.precision=bf16", "trainer.device=cpu"])  # fmt: skip
+    trainer = plan(cfg, None).trainer
+    GiB = 2**30
+    why = "language-model LoRA steps measured within 0.71% on an H200"
+    measured = Misfit(trainer, 36 * GiB, 36 * GiB, Margin(0.01, why), ())
+    assert measured.describe() == (
+        "trainer.batch_size=4 x trainer.accum_steps=8 in bf16 is predicted to peak at 36.0 GiB; "
+        f"with search.preflight_margin=0.01 ({why}) that is 36.4 GiB, over "
+        "search.memory_budget=36.0 GiB"
+    )
+    given = Misfit(trainer, 36 * GiB, 36 * GiB, Margin(0.05, MARGIN_KEY), ())
+    assert "with search.preflight_margin=0.05 that is 37.8 GiB, over" in given.describe()
+
+
+def test_the_margin_is_a_number_in_0_to_1_or_null() -> None:
+    assert PreflightConfig(True, None).preflight_margin is None  # from the step's kind
+    with pytest.raises(ConfigError, match=r"search.preflight_margin must be a number in "
+                       r"\[0, 1\) or null, got 1.5"):  # fmt: skip
+        PreflightConfig(True, 1.5)

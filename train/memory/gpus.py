@@ -11,6 +11,29 @@ Peaks are dense (no 2:4 sparsity), from NVIDIA's data sheets, SXM parts where bo
 fp32 is plain FP32 on the CUDA cores (no TF32); tf32, bf16 and fp16 run on the tensor cores
 with fp32 accumulation (what PyTorch's matmuls use; GeForce cards run fp16 accumulation at
 twice that rate, which PyTorch does not use). A precision a card lacks has no entry.
+
+What a process can have of a card is less than its total (`usable_bytes`, the default budget of
+`search.gpu=CARD`): the CUDA context and what the runtime keeps (`context_bytes`), which is what
+`torch.cuda.mem_get_info()` no longer reports free in a fresh process once the context exists,
+plus, where the table's total is nvidia-smi's, what CUDA itself does not report. Figures:
+
+- The context. With lazy module loading (CUDA >= 11.7; PyTorch sets CUDA_MODULE_LOADING=LAZY
+  since 1.13) a fresh context measured 287,047,680 B (666,632,192 B loading eagerly: the PR
+  that made it PyTorch's default, pytorch/pytorch#86509); "~300MB" and "around 400MB with
+  CUDA >= 11.7 and lazy module loading" (ptrblck, pytorch/pytorch#107667, #109888). A
+  training step then loads its kernels into it and creates the cuBLAS and cuDNN handles:
+  vLLM's profile measures that as non_torch_memory, 0.16 GiB on an H100 (vllm-project/vllm
+  #12126) and 0.20 GiB on 24 GB cards (#14447). Together 438-586 MiB: CONTEXT_BYTES, 512 MiB,
+  is its middle, the same for every card (no public figure per generation was found; none of
+  these was measured by batchfit).
+- CUDA's own total, where the table holds nvidia-smi's: on an H100-80GB vLLM's
+  `torch.cuda.mem_get_info()` reports a total of 79.22 GiB (vllm-project/vllm#10511, #12126)
+  where nvidia-smi prints 81,559 MiB: 438 MiB that no process gets. The other Hopper and
+  Blackwell entries (totals from nvidia-smi too) are assumed to lose the same; unmeasured.
+- Totals given as the vendor's GiB that NVML reports lower: L40S 46,068 MiB, L4 23,034 MiB,
+  A10 23,028 MiB (Modal's table, thundergolfer.com/blog/nvidia-gpu-memory-capacity), RTX 3090
+  24,268 MiB (nvidia-smi in pytorch/pytorch#54564). CUDA's total may be lower still (on an
+  A100-40GB it is 621 MiB under nvidia-smi's 40,960 MiB); not counted where not known.
 """
 
 from __future__ import annotations
@@ -19,8 +42,13 @@ import re
 from dataclasses import dataclass, field, replace
 
 GIB = 2**30
+MIB = 2**20
 GB = 10**9
 TFLOPS = 1e12
+# The CUDA context, its lazily loaded kernels and the library handles (module docstring)
+CONTEXT_BYTES = 512 * MIB
+# What CUDA reports less than nvidia-smi's total on an H100-80GB: 81,559 MiB against 79.22 GiB
+HOPPER_UNREPORTED_BYTES = 81_559 * MIB - round(79.22 * GIB / MIB) * MIB
 
 
 @dataclass(frozen=True)
@@ -35,6 +63,15 @@ class Gpu:
     # Streaming multiprocessors, from NVIDIA's data sheets (bitsandbytes picks its 4-bit
     # matmul kernel by them: train/language/quantize.py); None: not known.
     sms: int | None = None
+    # What a fresh process cannot allocate of total_bytes: the CUDA context (and, where
+    # total_bytes is nvidia-smi's, what CUDA does not report); module docstring
+    context_bytes: int = CONTEXT_BYTES
+
+    @property
+    def usable_bytes(self) -> int:
+        """What `torch.cuda.mem_get_info()` reports free in a fresh process once its CUDA
+        context exists: the most a run's caching allocator can reserve."""
+        return self.total_bytes - self.context_bytes
 
     def __post_init__(self) -> None:
         assert self.capability >= (7, 0), f"{self.name}: capability {self.capability}"
@@ -137,7 +174,23 @@ _SMS = {
     "GH200": 132, "B200": 148, "L40S": 142, "L4": 58, "A10": 72, "A10G": 80, "RTX-A6000": 84,
     "RTX-4090": 128, "RTX-3090": 82, "V100-16GB": 80, "V100-32GB": 80, "T4": 40,
 }  # fmt: skip
-GPUS = tuple(replace(entry, sms=_SMS[entry.name]) for entry in GPUS)
+# Entries whose total is nvidia-smi's, for which CUDA reports less (module docstring)
+_UNREPORTED = {
+    **{
+        name: HOPPER_UNREPORTED_BYTES
+        for name in ("H100-80GB", "H100-PCIe", "H200", "GH200", "B200")
+    },
+    "L40S": 48 * GIB - 46_068 * MIB,
+    "L4": 24 * GIB - 23_034 * MIB,
+    "A10": 24 * GIB - 23_028 * MIB,
+    "RTX-3090": 24 * GIB - 24_268 * MIB,
+}
+GPUS = tuple(
+    replace(
+        entry, sms=_SMS[entry.name], context_bytes=CONTEXT_BYTES + _UNREPORTED.get(entry.name, 0)
+    )
+    for entry in GPUS
+)
 _BY_NAME = {entry.name.upper(): entry for entry in GPUS}
 
 
