@@ -215,16 +215,19 @@ def with_lr_reference(
 def budget_source(budget: Any, spec: RunSpec) -> str:
     """Where a run's budget comes from, as a report's title says it: "A100-40GB's 39.4 GiB
     less 512.0 MiB CUDA context" (usable, search.gpu_budget's default when only the card was
-    named), "90% of H100-80GB" (a share of the card), "all of H100-80GB" (none), or
-    "search.memory_budget" (a size)."""
+    named; "and 438.0 MiB it does not report" where the table's total is not CUDA's, as the
+    H100's nvidia-smi total), "90% of H100-80GB" (a share of the card), "all of H100-80GB"
+    (none), or "search.memory_budget" (a size)."""
     where = spec.target.name if spec.target.type == "cuda" else "this machine's memory"
     if spec.budget_bytes is None:
         return f"all of {where}"
     if budget == USABLE and spec.target.gpu is not None:
         card = spec.target.gpu
+        unreported = card.unreported_bytes
         return (
             f"{card.name}'s {format_bytes(spec.target.total_bytes)} less "
             f"{format_bytes(card.context_bytes)} CUDA context"
+            + (f" and {format_bytes(unreported)} it does not report" if unreported else "")
         )
     if is_share(budget):
         return f"{budget.strip()} of {where}"

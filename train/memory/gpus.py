@@ -13,9 +13,10 @@ with fp32 accumulation (what PyTorch's matmuls use; GeForce cards run fp16 accum
 twice that rate, which PyTorch does not use). A precision a card lacks has no entry.
 
 What a process can have of a card is less than its total (`usable_bytes`, the default budget of
-`search.gpu=CARD`): the CUDA context and what the runtime keeps (`context_bytes`), which is what
-`torch.cuda.mem_get_info()` no longer reports free in a fresh process once the context exists,
-plus, where the table's total is nvidia-smi's, what CUDA itself does not report. Figures:
+`search.gpu=CARD`, what `torch.cuda.mem_get_info()` reports free in a fresh process once its
+context exists): the CUDA context with what the runtime loads into it (`context_bytes`) and,
+where the table's total is not CUDA's own count, what the card does not report to CUDA
+(`unreported_bytes`). Figures:
 
 - The context. With lazy module loading (CUDA >= 11.7; PyTorch sets CUDA_MODULE_LOADING=LAZY
   since 1.13) a fresh context measured 287,047,680 B (666,632,192 B loading eagerly: the PR
@@ -63,15 +64,16 @@ class Gpu:
     # Streaming multiprocessors, from NVIDIA's data sheets (bitsandbytes picks its 4-bit
     # matmul kernel by them: train/language/quantize.py); None: not known.
     sms: int | None = None
-    # What a fresh process cannot allocate of total_bytes: the CUDA context (and, where
-    # total_bytes is nvidia-smi's, what CUDA does not report); module docstring
+    # What a fresh process cannot allocate of total_bytes (module docstring): the CUDA
+    # context, and what the card does not report to CUDA where total_bytes is another count
     context_bytes: int = CONTEXT_BYTES
+    unreported_bytes: int = 0
 
     @property
     def usable_bytes(self) -> int:
         """What `torch.cuda.mem_get_info()` reports free in a fresh process once its CUDA
         context exists: the most a run's caching allocator can reserve."""
-        return self.total_bytes - self.context_bytes
+        return self.total_bytes - self.unreported_bytes - self.context_bytes
 
     def __post_init__(self) -> None:
         assert self.capability >= (7, 0), f"{self.name}: capability {self.capability}"
@@ -186,9 +188,7 @@ _UNREPORTED = {
     "RTX-3090": 24 * GIB - 24_268 * MIB,
 }
 GPUS = tuple(
-    replace(
-        entry, sms=_SMS[entry.name], context_bytes=CONTEXT_BYTES + _UNREPORTED.get(entry.name, 0)
-    )
+    replace(entry, sms=_SMS[entry.name], unreported_bytes=_UNREPORTED.get(entry.name, 0))
     for entry in GPUS
 )
 _BY_NAME = {entry.name.upper(): entry for entry in GPUS}
