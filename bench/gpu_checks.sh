@@ -12,7 +12,7 @@
 # On the GPU machine, with the wheels it lacks in .whl/ (../shared/device-kit/prepare.sh):
 #   bash .whl/on-device.sh bench/gpu_checks.sh
 # Elsewhere:  bench/gpu_checks.sh   ($OUT defaults to mlruns/gpu-checks, which git ignores)
-# GPU_CHECKS_DEADLINE_S (default 420) caps the whole: no section runs past it.
+# GPU_CHECKS_DEADLINE_S (default 400) caps the whole: no section runs past it.
 # GPU_CHECKS_DEVICE=cpu runs the same sections on a CPU (the language models as llama3_tiny, the
 # OOM bisection as its dry run): a check of the script itself, not of any GPU figure.
 # GPU_CHECKS_SERIAL=1 runs lane B after lane A instead of beside it.
@@ -22,7 +22,7 @@ export OUT=${OUT:-$PWD/mlruns/gpu-checks}
 mkdir -p "$OUT"
 logs=$(mktemp -d)
 start=$(date +%s)
-deadline=$((start + ${GPU_CHECKS_DEADLINE_S:-420}))
+deadline=$((start + ${GPU_CHECKS_DEADLINE_S:-400}))
 device=${GPU_CHECKS_DEVICE:-cuda}
 tiny=$([ "$device" = cpu ] && echo --tiny)                     # llama3_tiny on a CPU
 resolution=$([ "$device" = cpu ] && echo 0.01 || echo 2)     # MiB: the OOM bisection's step
@@ -91,7 +91,8 @@ echo "OUT=$OUT; deadline in $((deadline - start)) s"
 gpu_tests=$(grep -rl --include='test_*.py' -e 'mark\.gpu' tests | sort | tr '\n' ' ')
 
 lane_a() {
-  section pytest-gpu 90 "$BASE pytest optuna sklearn" "" -- \
+  # scikit-learn too, for test_predict's (data=digits): without it that one test fails.
+  section pytest-gpu 90 "$BASE pytest optuna" "" -- \
     python -m pytest -m gpu -n 0 -q -p no:cacheprovider $gpu_tests
   section conv-grid 120 "$BASE" "" -- \
     python bench/prediction.py --device "$device" --models small_cnn resnet18 --batch-sizes 8 64 256 \

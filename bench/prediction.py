@@ -58,6 +58,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -69,7 +70,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from train.memory.budget import format_bytes  # noqa: E402
+from train.memory.budget import format_bytes, release_memory  # noqa: E402
 from train.run import plan, run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
 
@@ -339,7 +340,7 @@ def grid(console: Console, args: argparse.Namespace) -> bool:
     # Room for two full steps of the largest batch, so that the steady step exists.
     num_samples = int(2.2 * max(args.batch_sizes) / 0.98) + 8
     cuda = args.device == "cuda"
-    rows, errors, skipped, unscaled = [], [], [], []
+    rows, errors, skipped, unscaled, failed = [], [], [], [], []
     predict_s, step_s = [], []
     workloads = Workloads()  # each model's data and predictor, shared by its real runs
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -358,14 +359,26 @@ def grid(console: Console, args: argparse.Namespace) -> bool:
                         precision=precision,
                         effective_batch_size=None,
                     )
-                    prediction = predictor.predict(trainer, num_train, spec.limit_bytes)
+                    cell = f"{model}/{precision}/{batch_size}"
+                    try:
+                        prediction = predictor.predict(trainer, num_train, spec.limit_bytes)
+                    except Exception as error:  # this cell fails; the next ones still run
+                        failed.append(_failure(cell, error))
+                        continue
                     predict_s.append(prediction.seconds)
                     estimate = 3 * batch_size * seconds_per_sample if seconds_per_sample else 0
                     if estimate > args.max_run_s:
-                        skipped.append(f"{model}/{precision}/{batch_size} (~{estimate:.0f} s)")
+                        skipped.append(f"{cell} (~{estimate:.0f} s)")
                         continue
                     started = time.perf_counter()
-                    result = run(cfg, dataclasses.replace(spec, trainer=trainer), None, workload)
+                    try:
+                        result = run(
+                            cfg, dataclasses.replace(spec, trainer=trainer), None, workload
+                        )
+                    except Exception as error:
+                        failed.append(_failure(cell, error))
+                        release_memory(spec.device)
+                        continue
                     elapsed = time.perf_counter() - started
                     seconds_per_sample = elapsed / (3 * batch_size)
                     step_s.append(result.step_ms / 1000)
@@ -396,13 +409,21 @@ def grid(console: Console, args: argparse.Namespace) -> bool:
                         f"{result.step_ms / 1000:.2f} s a step"
                     )
     passed = _report(console, args, rows, errors, skipped, predict_s, step_s, cuda)
+    if failed:
+        console.print(f"{len(failed)} cells failed ([bold]FAIL[/bold]): " + "; ".join(failed))
     if unscaled:
         console.print(
             f"{len(unscaled)} fp16 cells not compared: the GradScaler skipped the measured "
             "steps (inf gradients at the initial scale), so they ran without optimizer state: "
             + ", ".join(unscaled)
         )
-    return passed
+    return passed and not failed
+
+
+def _failure(cell: str, error: Exception) -> str:
+    """A failed cell, its traceback printed: what the table's verdict lists."""
+    traceback.print_exc()
+    return f"{cell}: {type(error).__name__}: {error}"[:300]
 
 
 def _report(console, args, rows, errors, skipped, predict_s, step_s, cuda) -> bool:  # noqa: ANN001
