@@ -17,7 +17,7 @@
 # OOM bisection as its dry run): a check of the script itself, not of any GPU figure.
 # GPU_CHECKS_SERIAL=1 runs lane B after lane A instead of beside it.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 export OUT=${OUT:-$PWD/mlruns/gpu-checks}
 py=${PYTHON:-$(command -v python3 || command -v python)} # some images have no `python`
 mkdir -p "$OUT"
@@ -25,7 +25,7 @@ logs=$(mktemp -d)
 start=$(date +%s)
 deadline=$((start + ${GPU_CHECKS_DEADLINE_S:-400}))
 device=${GPU_CHECKS_DEVICE:-cuda}
-tiny=$([ "$device" = cpu ] && echo --tiny)                     # llama3_tiny on a CPU
+tiny=() && [ "$device" = cpu ] && tiny=(--tiny)               # llama3_tiny on a CPU
 resolution=$([ "$device" = cpu ] && echo 0.01 || echo 2)     # MiB: the OOM bisection's step
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} PYTHONUNBUFFERED=1 # two lanes share the host's cores
 
@@ -48,6 +48,7 @@ section() {
   t0=$(date +%s)
   left=$((deadline - t0))
   ((budget > left)) && budget=$left
+  # shellcheck disable=SC2086 # the lists split into module names
   absent=$(missing $modules)
   if ((budget < 15)); then
     result=NO-TIME
@@ -55,7 +56,7 @@ section() {
   elif [ -n "$absent" ]; then
     result=MISSING
     echo "not run: cannot import $absent" >"$log"
-  elif [ -n "$optional" ] && [ -n "$(missing $optional)" ]; then
+  elif [ -n "$optional" ] && [ -n "$(missing "$optional")" ]; then
     result=SKIP
     echo "skipped: $optional is not installed" >"$log"
   else
@@ -89,12 +90,12 @@ echo "OUT=$OUT; deadline in $((deadline - start)) s"
 
 # pytest -m gpu over every file that holds a gpu test: collecting the whole suite imports
 # modules that need MLflow, which the GPU machine does not have.
-gpu_tests=$(grep -rl --include='test_*.py' -e 'mark\.gpu' tests | sort | tr '\n' ' ')
+mapfile -t gpu_tests < <(grep -rl --include='test_*.py' -e 'mark\.gpu' tests | sort)
 
 lane_a() {
   # scikit-learn too, for test_predict's (data=digits): without it that one test fails.
   section pytest-gpu 90 "$BASE pytest optuna" "" -- \
-    "$py" -m pytest -m gpu -n 0 -q -p no:cacheprovider $gpu_tests
+    "$py" -m pytest -m gpu -n 0 -q -p no:cacheprovider "${gpu_tests[@]}"
   section conv-grid 120 "$BASE" "" -- \
     "$py" bench/prediction.py --device "$device" --models small_cnn resnet18 --batch-sizes 8 64 256 \
     --precisions fp32 bf16 --image-size 32
@@ -104,9 +105,9 @@ lane_a() {
 }
 
 lane_b() {
-  section llm-8b-1x2048 90 "$LLM" "" -- "$py" bench/gpu_llm.py --device "$device" $tiny --cells 8b-lora-1x2048
-  section llm-8b-4x2048 90 "$LLM" "" -- "$py" bench/gpu_llm.py --device "$device" $tiny --cells 8b-lora-4x2048
-  section llm-1b 180 "$LLM" "" -- "$py" bench/gpu_llm.py --device "$device" $tiny --cells 1b
+  section llm-8b-1x2048 90 "$LLM" "" -- "$py" bench/gpu_llm.py --device "$device" "${tiny[@]}" --cells 8b-lora-1x2048
+  section llm-8b-4x2048 90 "$LLM" "" -- "$py" bench/gpu_llm.py --device "$device" "${tiny[@]}" --cells 8b-lora-4x2048
+  section llm-1b 180 "$LLM" "" -- "$py" bench/gpu_llm.py --device "$device" "${tiny[@]}" --cells 1b
   section qlora 60 "$LLM" bitsandbytes -- "$py" bench/prediction.py --no-grid --qlora --device "$device"
 }
 
