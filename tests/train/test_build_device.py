@@ -132,3 +132,24 @@ def test_the_same_seed_gives_the_weights_the_builder_draws_on_the_cpu(hydra_conf
     assert state.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(state[key], value), key
+
+
+def checkpointed_builder(path: str, num_classes: int) -> torch.nn.Module:
+    """A user's builder that reads its weights from a file (torch.load makes them on the
+    CPU, whatever the default device) and makes one tensor on the CPU by name."""
+    model = torch.nn.Linear(64, num_classes)
+    model.load_state_dict(torch.load(path, weights_only=True), assign=True)
+    model.register_buffer("scale", torch.ones(1, device="cpu"))
+    return model
+
+
+def test_what_a_builder_puts_on_the_host_is_moved_to_the_device(hydra_conf, tmp_path):
+    path = tmp_path / "linear.pt"
+    torch.save(torch.nn.Linear(64, 10).state_dict(), path)
+    target = "tests.train.test_build_device.checkpointed_builder"
+    cfg = hydra_conf(["model=mlp", "data=digits", f"model._target_={target}", "~model.hidden",
+                      "~model.depth", f"+model.path={path}"])  # fmt: skip
+    model, host_bytes = built(cfg, META)
+    assert {t.device for t in tensors(model)} == {META}
+    # read from the file on the host: weight 10 x 64 and bias 10 in fp32, and the scale
+    assert host_bytes == 4 * (10 * 64 + 10) + 4
