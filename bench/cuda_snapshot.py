@@ -3,15 +3,16 @@
 allocates, cuDNN's convolution workspaces included, stays tested on machines without one.
 
 For small_cnn and resnet18 (fp32, batch 64, 32 px images: the cells the H200 under-predicted
-most), the caching allocator's history is recorded from an empty allocator
-(`torch.cuda.memory._record_memory_history`, no stack frames) over a whole run of
-`train.run.run`, the code path of a trial: the model moved to the card, 3 optimizer steps, the
-validation. Then `torch.cuda.memory._snapshot()` is compacted to the fixtures' format
-(`segments`, `device_traces`, `allocator_settings`; events keep `action`, `addr`, `size`,
-`stream`, `time_us`) plus a `batchfit` entry saying what ran: the overrides, torch, CUDA and
-cuDNN versions, the card, the prediction, `max_memory_reserved` and `max_memory_allocated`, and
-the host clock (µs since the epoch) at the end of each optimizer step, to find the steps among
-the events by `time_us`.
+most), the caching allocator's history (`torch.cuda.memory._record_memory_history`, no stack
+frames) is recorded, its cache emptied first, over a whole run of `train.run.run`, the code path
+of a trial: the model moved to the card, 3 optimizer steps, the validation. Then
+`torch.cuda.memory._snapshot()` is compacted to the fixtures' format (`segments`,
+`device_traces`, `allocator_settings`; events keep `action`, `addr`, `size`, `stream`,
+`time_us`) plus a `batchfit` entry saying what ran: the overrides, torch, CUDA and cuDNN
+versions, the card, the prediction, `max_memory_reserved` and `max_memory_allocated`, the
+reserve when recording began (0 unless something stayed on the card), and the host clock (µs
+since the epoch) at the end of each optimizer step, to find the steps among the events by
+`time_us`.
 
     python bench/cuda_snapshot.py                      # on a GPU: into $OUT, else mlruns/gpu-checks
     python bench/cuda_snapshot.py --out /tmp/traces --models resnet18
@@ -117,7 +118,8 @@ def record(model: str, device: str, out: Path, max_entries: int) -> list[str]:
     prediction = workload.predict(spec, cfg.optimizer)
     cuda = spec.device.type == "cuda"
     release_memory(spec.device)
-    if cuda:  # from an empty allocator: every segment is created in the trace
+    reserved_at_start = torch.cuda.memory_reserved(spec.device) if cuda else 0
+    if cuda:  # from an emptied cache: every segment but what stayed live is in the trace
         torch.cuda.memory._record_memory_history(
             enabled="all", context=None, stacks="python", max_entries=max_entries
         )
@@ -143,6 +145,7 @@ def record(model: str, device: str, out: Path, max_entries: int) -> list[str]:
         "predicted_tensor_bytes": prediction.tensor_bytes,
         "max_memory_reserved": result.reserved_bytes,
         "max_memory_allocated": result.peak_bytes,
+        "reserved_at_start_bytes": reserved_at_start,
         "step_end_unix_us": step_end_us,
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
     }

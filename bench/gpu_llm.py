@@ -159,6 +159,7 @@ def measure(name: str, overrides: list[str], workloads: Workloads) -> Outcome:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the step's kernels done, not only queued
             outcome.first_step_s = time.perf_counter() - started
+            print(f"{name}: first optimizer step done at {outcome.first_step_s:.1f} s", flush=True)
 
     device = torch.device("cpu")
     try:
@@ -170,6 +171,11 @@ def measure(name: str, overrides: list[str], workloads: Workloads) -> Outcome:
         prediction = workload.predict(spec, cfg.optimizer)
         outcome.predict_s = time.perf_counter() - started
         outcome.predicted_bytes = prediction.reserved_bytes or prediction.peak_bytes
+        print(  # before the run: a timeout during it still shows how far the cell got
+            f"{name}: predicted {format_bytes(outcome.predicted_bytes)} at "
+            f"{outcome.predict_s:.1f} s; building and running",
+            flush=True,
+        )
         result = run(cfg, spec, Hooks(on_step=on_step), workload)
         outcome.measured_bytes = result.reserved_bytes or result.peak_bytes
         outcome.error = prediction.error(result)
