@@ -24,7 +24,8 @@ clip_grad_norm_)
 - torch.testing._internal.distributed.fake_pg.FakeStore and the `fake` backend
   (train/parallel/sharding.py `fake_world`); DTensor._local_tensor (train/memory/budget.py,
   train/memory/predict.py);
-  FSDP2 calling torch.distributed.all_gather_single / reduce_scatter_single and resizing
+  FSDP2 calling torch.distributed.all_gather_single / reduce_scatter_single (before torch
+  2.14: all_gather_into_tensor / reduce_scatter_tensor) and resizing
   storages in alloc_storage / free_storage (train/parallel/sharding.py `settled_collectives`,
   train/memory/budget.py `_resized`); torch._C._storage_Use_Count (train/parallel/sharding.py
   `_uses`);
@@ -407,7 +408,7 @@ def test_fsdp2_on_a_fake_process_group_shards_into_local_tensors() -> None:
 
     from train.config import FSDPConfig
     from train.memory.budget import TensorMemoryTracker
-    from train.parallel.sharding import fake_world, shard
+    from train.parallel.sharding import FSDP_COLLECTIVES, fake_world, shard
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_world(4) as mesh, mode:
@@ -420,7 +421,7 @@ def test_fsdp2_on_a_fake_process_group_shards_into_local_tensors() -> None:
         assert tracker.peak_bytes >= 64 * 64 * 4  # the gathered weight, allocated by resize_
     assert not dist.is_initialized()
     source = inspect.getsource(_fsdp_collectives)
-    assert "dist.all_gather_single(" in source and "dist.reduce_scatter_single(" in source
+    assert all(f"dist.{name}(" in source for name in FSDP_COLLECTIVES)  # those of this torch
     assert "storage.resize_(" in inspect.getsource(_fsdp_param.alloc_storage)
     t = torch.zeros(4)
     assert torch._C._storage_Use_Count(t.untyped_storage()._cdata) >= 1

@@ -86,7 +86,13 @@ def fake_world(world: int) -> Iterator[DeviceMesh]:
 
 
 # FSDP2's collectives, as it calls them (torch.distributed.<name>); made settled on gloo.
-FSDP_COLLECTIVES = ("all_gather_single", "reduce_scatter_single")
+# Up to torch 2.13 it called all_gather_into_tensor and reduce_scatter_tensor (the same
+# output, input arguments); the _single ones are new in 2.14.
+FSDP_COLLECTIVES = (
+    ("all_gather_single", "reduce_scatter_single")
+    if hasattr(dist, "all_gather_single")
+    else ("all_gather_into_tensor", "reduce_scatter_tensor")
+)
 SETTLE_S = 1.0  # at most this long for gloo's worker thread to let go of a collective's tensors
 
 
