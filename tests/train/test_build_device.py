@@ -153,3 +153,69 @@ def test_what_a_builder_puts_on_the_host_is_moved_to_the_device(hydra_conf, tmp_
     assert {t.device for t in tensors(model)} == {META}
     # read from the file on the host: weight 10 x 64 and bias 10 in fp32, and the scale
     assert host_bytes == 4 * (10 * 64 + 10) + 4
+
+
+TIED = {  # llama3_tiny with its head tied to its input embedding (as Llama 3.2 1B's)
+    "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 224,
+    "tie_word_embeddings": True, "initializer_range": 0.2,
+}  # fmt: skip
+
+
+def _transformers_own(settings: dict, lora: dict | None) -> torch.nn.Module:
+    """The model as transformers and peft build it alone, from seed 0: the weights the
+    same seed gave before batchfit built tied heads without their own weight."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from train.language.hf import architecture, lora_config
+
+    torch.manual_seed(0)
+    arch = architecture(settings)
+    arch.use_cache = False
+    model = AutoModelForCausalLM.from_config(arch, attn_implementation="sdpa")
+    return model if lora is None else get_peft_model(model, lora_config(lora))
+
+
+def test_a_tied_head_is_never_allocated_and_the_seed_gives_the_same_weights(
+    hydra_conf, tmp_path, monkeypatch
+):
+    import yaml
+
+    from train.language.hf import _TiedHead
+
+    # The head's draws go through a scratch of 2**20 elements, more than this head's 16,384:
+    # 1,024 here, so that the scratch is not the head's size and the draws run in 16 chunks
+    monkeypatch.setattr(_TiedHead, "CHUNK", 1024)
+    path = tmp_path / "tied.yaml"
+    path.write_text(yaml.safe_dump(TIED))
+    # without a head of its own: llama3_tiny's weights (above) less the 256 x 64 head
+    layer = 2 * 64 * 64 + 2 * 16 * 64 + 3 * 224 * 64 + 2 * 64
+    weight_bytes = 4 * (256 * 64 + 2 * layer + 64) + 2 * 4 * 8
+    model, host_bytes = built(hydra_conf([*LLAMA, f"model.config={path}", "model.lora=null"]), CPU)
+    assert sum(t.untyped_storage().nbytes() for t in tensors(model)) == weight_bytes
+    # the weights, the example batch and the scratch of 1,024 fp32: no head
+    assert host_bytes == weight_bytes + 2 * 512 + 1024 * 4
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    # with LoRA, drawn after the head: the adapters too are the ones drawn before
+    lora = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    targets = "model.lora.target_modules=[q_proj,v_proj]"
+    model, _ = built(hydra_conf([*LLAMA, f"model.config={path}", targets]), CPU)
+    expected = _transformers_own({**TIED, "vocab_size": 256}, lora).state_dict()
+    state = model.state_dict()
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+
+
+def test_a_tied_model_whose_head_cannot_be_told_apart_is_built_as_transformers_builds_it():
+    # vocabulary 64 = hidden 64: the second 64 x 64 weight made is the first layer's
+    # q_proj, not the head; the build sees that it did not end tied and builds again
+    settings = {**TIED, "vocab_size": 64}
+    torch.manual_seed(0)
+    model = causal_lm(settings)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert {t.device for t in tensors(model)} == {CPU}
+    expected = _transformers_own(settings, None).state_dict()
+    for key, value in expected.items():
+        assert torch.equal(model.state_dict()[key], value), key

@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     unset_fake_temporarily,
 )
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from tracking.config import not_yaml
@@ -257,9 +258,7 @@ def causal_lm(
             attn_implementation=attn_implementation,
         )  # fmt: skip
     else:  # from the architecture, or a checkpoint's shapes when only memory is wanted
-        model = AutoModelForCausalLM.from_config(
-            arch, dtype=weights, attn_implementation=attn_implementation
-        )
+        model = _from_config(AutoModelForCausalLM, arch, weights, attn_implementation, fake)
     if lora is None:
         return model
     if quantization != "none":  # a checkpoint's weights are read, then quantized
@@ -277,6 +276,113 @@ def causal_lm(
         # peft reads transformers' deprecated is_gradient_checkpointing (transformers 5)
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
         return get_peft_model(model, settings)
+
+
+def _from_config(auto: Any, arch: Any, dtype: torch.dtype, attention: str, fake: bool) -> nn.Module:
+    """`auto.from_config`; a model whose head is tied to its input embedding without the
+    head's own weight (`_TiedHead`), where it is built for real (not on meta, not fake)."""
+
+    def build() -> nn.Module:
+        return auto.from_config(arch, dtype=dtype, attn_implementation=attention)
+
+    text = arch.get_text_config()
+    if fake or not getattr(text, "tie_word_embeddings", False):
+        return build()
+    device = torch.empty(0).device  # where it is built: the caller's torch.device context
+    if device.type == "meta":
+        return build()
+    states = (
+        torch.get_rng_state(),
+        torch.cuda.get_rng_state_all() if device.type == "cuda" else None,
+    )
+    with _TiedHead((text.vocab_size, text.hidden_size), dtype, device) as head:
+        model = build()
+    if head.replaced is None or not _tied(model):  # not the head: built as transformers does
+        del model
+        torch.set_rng_state(states[0])
+        if states[1] is not None:
+            torch.cuda.set_rng_state_all(states[1])
+        model = build()
+    return model
+
+
+def _tied(model: nn.Module) -> bool:
+    tensors = [*model.parameters(), *model.buffers()]
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    return tied and all(t.device.type != "meta" for t in tensors)
+
+
+class _TiedHead(TorchFunctionMode):
+    """Within: the second (vocab, hidden) weight made, the head that transformers builds
+    as a Linear of its own before it ties it to the input embedding (`PreTrainedModel.
+    post_init`: `init_weights`, then `tie_weights`), is made on the meta device, and the
+    random draws of its initialisation are drawn into a small scratch buffer instead:
+    every weight drawn after it (the adapters) gets the numbers it gets without this, and
+    the head never holds memory beside the other weights (21% of Llama 3.2 1B's).
+
+    The draws: torch.nn.init's uniform initialisers take one number of the generator per
+    element, and its normal ones too, plus 16 when the count is not a multiple of 16 (CPU
+    kernels: aten/src/ATen/native/cpu/DistributionTemplates.h `uniform_kernel`,
+    `normal_fill`, which fills 16 at a time and recomputes the last 16), so drawing them
+    in chunks of a multiple of 16 draws the same. On a GPU the generator's offsets follow
+    each launch, so the draws after the head differ from a build with it, as they differ
+    from a host build anyway. The caller checks that the tensor replaced was the head (the
+    model ends tied, no meta tensor left) and builds it without this otherwise."""
+
+    CHUNK = 2**20  # elements a draw, a multiple of 16
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, device
+        self.seen = 0
+        self.replaced: torch.Tensor | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func is torch.empty and self._is_weight(args, kwargs):
+            self.seen += 1
+            if self.seen == 2:
+                self.replaced = func(*args, **{**kwargs, "device": "meta"})
+                return self.replaced
+        elif self.replaced is not None:  # torch.nn.init passes the tensor by keyword
+            tensor = args[0] if args else kwargs.get("tensor")
+            name = getattr(func, "__name__", "")
+            if self._is_head(tensor) and ("uniform" in name or "normal" in name):
+                self._draw("normal" in name and "uniform" not in name)
+                return tensor
+        return func(*args, **kwargs)
+
+    def _is_weight(self, args: tuple, kwargs: dict) -> bool:
+        """Whether torch.empty(*args, **kwargs) makes a tensor of the head's shape."""
+        size = args[0] if len(args) == 1 and isinstance(args[0], tuple | list) else args
+        return all(isinstance(n, int) for n in size) and torch.Size(size) == self.shape
+
+    def _is_head(self, value: Any) -> bool:
+        """The head made here or a Parameter of it: the one meta tensor of its shape (the
+        model is built for a real device)."""
+        return (
+            isinstance(value, torch.Tensor)
+            and value.device.type == "meta"
+            and value.shape == self.shape
+        )
+
+    def _draw(self, normal: bool) -> None:
+        """As many draws of the generator as the head's initialiser takes, chunk by chunk."""
+        numel = self.shape.numel()
+        sizes = [self.CHUNK] * (numel // self.CHUNK)
+        rest = numel % self.CHUNK
+        if rest >= 16 or not sizes:
+            sizes.append(rest)
+        elif rest:  # a normal draw of under 16 takes another path: the last chunk takes it
+            sizes[-1] += rest
+        scratch = torch.empty(max(sizes), dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for size in sizes:
+                if normal:
+                    scratch[:size].normal_()
+                else:
+                    scratch[:size].uniform_()
 
 
 # conf/model/hf_causal_lm.yaml's model.lora.target_modules: Llama-like names, of which a
