@@ -50,7 +50,8 @@ PROBE_BURSTS = 10
 def _register_cpu_attention() -> None:
     """FlopCounterMode knows the CUDA attention kernels; scaled_dot_product_attention on CPU
     runs another op, counted here with the same formulas (causal attention counted whole,
-    as for CUDA)."""
+    as for CUDA). torch 2.15 counts them itself (flop_registry is keyed by the op packet):
+    those are left as they are."""
     aten = torch.ops.aten
     pairs = (
         ("_scaled_dot_product_flash_attention_for_cpu", flop_counter.sdpa_flop),
@@ -58,7 +59,7 @@ def _register_cpu_attention() -> None:
     )
     for name, formula in pairs:
         op = getattr(aten, name, None)
-        if op is not None and op.default not in flop_counter.flop_registry:
+        if op is not None and op not in flop_counter.flop_registry:
             # the formulas are already wrapped to take shapes: register them as they are
             flop_counter.register_flop_formula(op, get_raw=True)(formula)
 
