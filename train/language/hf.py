@@ -297,7 +297,7 @@ def _from_config(auto: Any, arch: Any, dtype: torch.dtype, attention: str, fake:
     )
     with _TiedHead((text.vocab_size, text.hidden_size), dtype, device) as head:
         model = build()
-    if head.replaced is None or not _tied(model):  # not the head: built as transformers does
+    if head.replaced is not None and not _tied(model):  # not the head: as transformers builds
         del model
         torch.set_rng_state(states[0])
         if states[1] is not None:
