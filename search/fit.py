@@ -106,6 +106,11 @@ class FitReport:
     # H200", "search.preflight_margin" (given), "" (CPU's default)
     margin_why: str = ""
     cuda: bool = False  # cells are CUDA's reserve (the caching allocator's), not live tensors
+    # cuDNN convolutions' workspaces (train/memory/cudnn.py): "cap" (each call counted at the
+    # cap, a bound), "measured" (on this GPU), "none" (not counted: no cap), "" (no
+    # convolutions, or not CUDA); the cap
+    workspaces: str = ""
+    workspace_cap_bytes: int | None = None
     # model.dtype, the weights' dtype (float32, bfloat16, auto); None: the model has no such
     # key, its weights are float32
     model_dtype: str | None = None
@@ -386,6 +391,10 @@ class _Tabulation:
             for key in itertools.product(report.precisions, report.batch_sizes, report.accum_steps)
         }
         report.seconds = time.perf_counter() - max(self.started, since or self.started)
+        workspaces = predictor.workspaces
+        if report.cuda and workspaces.seen:  # the step has cuDNN convolutions
+            report.workspaces = workspaces.source
+            report.workspace_cap_bytes = workspaces.cap_bytes
         return report
 
 
@@ -665,11 +674,30 @@ def render(report: FitReport) -> Table:
     return table
 
 
+def _workspace_words(report: FitReport) -> list[str]:
+    """What the cells count for cuDNN convolutions' workspaces (train/memory/cudnn.py)."""
+    if report.workspaces == "measured":
+        return ["cuDNN convolutions: each call's workspace measured on this GPU"]
+    if report.workspaces == "none":
+        return [
+            "cuDNN convolutions: workspaces not counted (no cap: cudnn_workspace_mib=null); "
+            "cells may be under-predicted"
+        ]
+    if report.workspaces != "cap" or report.workspace_cap_bytes is None:
+        return []
+    cap = format_bytes(report.workspace_cap_bytes)
+    return [
+        f"cuDNN convolutions: each call's workspace counted at the {cap} cap batchfit sets "
+        f"for cuDNN (cudnn_workspace_mib): an upper bound, measured on the GPU itself"
+    ]
+
+
 def notes(report: FitReport) -> list[str]:
-    """The lines printed under a report's table: why cells are marked † or ‡, and why bf16
-    needs more than fp32 where it does (outside the table, whose width would wrap them)."""
+    """The lines printed under a report's table: why cells are marked † or ‡, why bf16
+    needs more than fp32 where it does, and what cuDNN convolutions' workspaces are counted
+    at (outside the table, whose width would wrap them)."""
     lines = (_placement_note(report), _checkpointing_note(report), _bf16_note(report))
-    return [line for line in lines if line]
+    return [line for line in lines if line] + _workspace_words(report)
 
 
 def _where(report: FitReport, precision: str, accum: int | None) -> str:

@@ -102,6 +102,13 @@ class CudnnWorkspaces:
         return max(self.measured.get(s, self.cap_bytes or 0) for s in self.seen)
 
     @property
+    def source(self) -> str:
+        """What a call's workspace is: "measured" on the card, the "cap", or "none" counted."""
+        if self.measure is not None:
+            return "measured"
+        return "cap" if self.cap_bytes is not None else "none"
+
+    @property
     def is_bound(self) -> bool:
         """Whether a call's workspace was counted at the cap (not measured)."""
         return self.measure is None and self.cap_bytes is not None
