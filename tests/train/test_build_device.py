@@ -103,6 +103,30 @@ def test_quantized_weights_are_built_on_the_device(hydra_conf):
     assert packed and {t.device for t in tensors(model) + quant_state_tensors(model)} == {META}
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_4bit_weights_reach_a_gpu_packed_only(hydra_conf):
+    """QLoRA's full-precision weights are made and packed on the host (train/language/hf.py):
+    the card never holds them, so its peak while building is what the packed model keeps
+    (the packed weights, their scales, the adapters and the rest in 16/32 bits)."""
+    cfg = hydra_conf(["+experiment=llm_qlora", *TEXT, "model.quantization=nf4"])
+    pipeline, task = build_pipeline(cfg, CPU), build_task(cfg)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model = build_model(cfg, pipeline, task, "none", torch.device("cuda"))
+    kept = torch.cuda.memory_allocated() - before
+    packed = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    assert packed and all(m.weight.is_cuda for m in packed)
+    # what the full-precision weights of the packed layers would have held (model.dtype)
+    unpacked = (
+        sum(m.in_features * m.out_features for m in packed)
+        * torch.finfo(getattr(torch, str(cfg.model.dtype))).bits
+        // 8
+    )
+    assert torch.cuda.max_memory_allocated() - before < kept + unpacked // 2
+
+
 def _direct(name: str) -> torch.nn.Module:
     """The model as its builder alone makes it from seed 0, outside batchfit (lazy layers
     of the MLP materialised on digits' 64 features)."""

@@ -27,7 +27,7 @@ import json
 import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
@@ -252,19 +252,26 @@ def causal_lm(
     arch.use_cache = False  # a training step keeps no key/value cache
     weights = _dtype(dtype, arch.dtype)
     _check_data(arch, vocab_size, block_size)
-    if name_or_path is not None and not fake:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, config=arch, local_files_only=True, dtype=weights,
-            attn_implementation=attn_implementation,
-        )  # fmt: skip
-    else:  # from the architecture, or a checkpoint's shapes when only memory is wanted
-        model = _from_config(AutoModelForCausalLM, arch, weights, attn_implementation, fake)
+    # 4-bit weights are packed from full-precision ones: built on a GPU, all of these would
+    # be there at once before the first is packed (16 GB for an 8B model: more than the card
+    # QLoRA is for) and their freed blocks would stay in its cache. They are made and packed
+    # on the host, and only the packed weights move (train/build.py build_model moves what a
+    # builder leaves off its device).
+    host = quantization != "none" and torch.empty(0).device.type == "cuda"
+    with torch.device("cpu") if host else nullcontext():
+        if name_or_path is not None and not fake:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, config=arch, local_files_only=True, dtype=weights,
+                attn_implementation=attn_implementation,
+            )  # fmt: skip
+        else:  # from the architecture, or a checkpoint's shapes when only memory is wanted
+            model = _from_config(AutoModelForCausalLM, arch, weights, attn_implementation, fake)
+        if quantization != "none":  # a checkpoint's weights are read, then quantized
+            model = quantize.quantize(
+                model, quantization, double_quant, compute_dtype, list(skip_modules), fp32_upcast
+            )
     if lora is None:
         return model
-    if quantization != "none":  # a checkpoint's weights are read, then quantized
-        model = quantize.quantize(
-            model, quantization, double_quant, compute_dtype, list(skip_modules), fp32_upcast
-        )
     from peft import get_peft_model
 
     settings = lora_config(lora)
