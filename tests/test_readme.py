@@ -148,6 +148,14 @@ TABLE: dict[str, Check] = {
     "python -m search.fit +experiment=llm_lora model.config=llama3_8b search.gpu=H100-80GB": Check(
         "tests.search.test_fit::test_8b_fit_reports_for_lora_and_full_fine_tuning", LLM_FIT
     ),
+    "python -m search.fit +experiment=llm_lora model.config=llama2_13b model.dtype=bfloat16 "
+    "search.gpu=A100-40GB "
+    '\'++search.params={trainer.batch_size:"choice(1,2,4)",trainer.accum_steps:"choice(1,8)",'
+    'trainer.precision:"choice(bf16)",data.seq_len:"choice(1024)",'
+    'trainer.activation_checkpointing:"choice(none)",model.lora.r:null}\'': Check(
+        "tests.search.test_fit::test_13b_lora_fits_an_a100_at_batch_1_and_not_at_4",
+        "a 13B report takes about 20 s and 2 GB here; the test asks the same cells",
+    ),
     "python -m search.fit +experiment=llm_full model.config=llama3_8b model.dtype=bfloat16 "
     "search.gpu=H100-80GB": Check(
         "tests.search.test_fit::test_8b_fit_reports_for_lora_and_full_fine_tuning", LLM_FIT
