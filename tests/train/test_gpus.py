@@ -4,6 +4,7 @@ and train/measure/flops.py's cuda_peak answering from it."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from train.measure.flops import cuda_peak
 from train.memory.gpus import GB, GPUS, gpu, gpu_of_device_name
@@ -94,3 +95,20 @@ def test_an_unknown_name_lists_the_known_ones() -> None:
 )
 def test_cuda_peak_answers_from_the_table(name: str, precision: str, peak: float | None) -> None:
     assert cuda_peak(name, precision) == peak
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_this_machines_card_offers_what_cuda_reports_free() -> None:
+    """On the card itself, `usable` (search.memory_budget=usable) is measured, not the
+    table's 512 MiB context: what mem_get_info reports free plus what this process's caching
+    allocator holds already."""
+    from train.memory.device import device_spec
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    held = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)  # the allocator holds some
+    spec = device_spec(device, None)
+    free, total = torch.cuda.mem_get_info(device)
+    assert spec.gpu is not None and spec.gpu.total_bytes == total
+    assert spec.gpu.usable_bytes == free + torch.cuda.memory_reserved(device)
+    del held

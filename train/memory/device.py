@@ -54,11 +54,14 @@ def _local_gpu(device: torch.device) -> Gpu:
     props = torch.cuda.get_device_properties(device)
     known = gpu_of_device_name(props.name)
     sms = props.multi_processor_count
-    if known is not None:
-        return Gpu(
-            known.name, props.total_memory, (props.major, props.minor), known.peak_flops, sms=sms
-        )
-    return Gpu(props.name, props.total_memory, (props.major, props.minor), {}, sms=sms)
+    # What this process cannot have of the card, measured (Gpu.usable_bytes: the table's
+    # figure for a card planned from elsewhere): what CUDA does not report free, less what
+    # this process's caching allocator holds (its own, and usable).
+    free, total = torch.cuda.mem_get_info(device)
+    held = max(0, total - free - torch.cuda.memory_reserved(device))
+    name, flops = (known.name, known.peak_flops) if known is not None else (props.name, {})
+    capability = (props.major, props.minor)
+    return Gpu(name, props.total_memory, capability, flops, sms=sms, context_bytes=held)
 
 
 def device_spec(device: torch.device, gpu_name: str | None) -> DeviceSpec:
