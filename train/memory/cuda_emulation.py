@@ -8,7 +8,8 @@ where CPU and CUDA allocate differently:
 - Autocast's cast policy. CPU autocast casts other ops than CUDA autocast (CUDA runs softmax,
   layer_norm, sum, exp, ... in fp32 and casts addmv, einsum, mv, ... down; CPU does neither).
   While the emulation is active, `torch.autocast("cpu", dtype)` applies CUDA's policy
-  (`CUDA_AUTOCAST_POLICY`, PyTorch's AT_FORALL_* lists of aten/src/ATen/autocast_mode.h):
+  (`CUDA_AUTOCAST_POLICY`: the ops the installed torch has AutocastCUDA kernels for, each
+  with its policy from PyTorch's AT_FORALL_* lists of aten/src/ATen/autocast_mode.h):
   Python kernels at the AutocastCPU dispatch key cast exactly as CUDA's C++ kernels do and
   redispatch below autocast; ops that only CPU autocasts fall through. The weight-cast cache
   is CUDA's: an fp32 leaf requiring grad is cast once per autocast region and the cast lives
@@ -16,11 +17,11 @@ where CPU and CUDA allocate differently:
   table against the installed binary's AutocastCUDA kernels and the output dtypes against
   real CUDA autocast on fake CUDA tensors.
 - The attention kernel. `scaled_dot_product_attention` on CPU runs a CPU kernel; under the
-  emulation it picks a backend by CUDA's rules for the emulated compute capability
-  (cuDNN, flash, memory-efficient or math; aten/src/ATen/native/transformers/cuda/
-  sdp_utils.cpp) and calls that CUDA op, whose meta kernel runs on fake CPU tensors: its
-  outputs and what its autograd node saves (flash's fp32 logsumexp (B, H, L), philox state)
-  are CUDA's, forward and backward.
+  emulation it picks a backend by CUDA's rules for the emulated compute capability and the
+  installed torch's release (cuDNN, flash, memory-efficient or math; aten/src/ATen/native/
+  transformers/cuda/sdp_utils.cpp; `SdpaRules`) and calls that CUDA op, whose meta kernel
+  runs on fake CPU tensors: its outputs and what its autograd node saves (flash's fp32
+  logsumexp (B, H, L), philox state) are CUDA's, forward and backward.
 
 Ops whose CUDA kernels differ from CPU's only in internal workspaces (cuDNN convolutions,
 cuBLAS) need nothing here: workspaces are covered by the predictor's margin. Not emulated:
@@ -373,8 +374,8 @@ class SdpaRules:
     wheel_cudnn_version: int
 
 
-# Per release: whether the 2.14 changes are in, and its CUDA wheels' cuDNN (2.13's CUDA wheel
-# is not on this machine's index: 2.12's is assumed).
+# Per release: whether the 2.14 changes are in, and its CUDA wheels' cuDNN (2.11: 9.19, 2.12:
+# 9.20, 2.14: 9.24, 2.15: 9.26; 2.13's CUDA wheel was not read: 2.12's is assumed).
 _RELEASES = {(2, 11): (False, 91900), (2, 12): (False, 92000), (2, 14): (True, 92400),
              (2, 15): (True, 92600)}  # fmt: skip
 
