@@ -22,18 +22,15 @@ from train.memory.cuda_emulation import (
     CUDA_AUTOCAST_POLICY,
     KNOWN_AUTOCAST_POLICY,
     NOT_EMULATED,
-    SDPA_RULES,
     CudaEmulation,
-    SdpaParams,
     autocast_kernels,
     installed_policy,
     op_exists,
-    sdpa_rules,
-    select_sdp_backend,
 )
 from train.memory.device import DeviceSpec
 from train.memory.gpus import gpu
 from train.memory.predict import MemoryPredictor
+from train.memory.sdpa import SDPA_RULES, SdpaParams, sdpa_rules, select_sdp_backend
 
 aten = torch.ops.aten
 
