@@ -5,7 +5,7 @@
 # tools) resolved around that torch. Prints how long the install took and what it weighed,
 # then runs the tests that cover train/memory/ with -n 0. Exit status: pytest's.
 #   bench/torch_versions.sh                          # torch and torchvision at pyproject's bounds
-#   bench/torch_versions.sh 2.15.0 0.30.0            # another pair
+#   bench/torch_versions.sh 2.15.0 0.29.2            # another pair (0.29.2 allows torch>=2.14)
 #   TORCH_VENV=/tmp/t211 bench/torch_versions.sh     # where the environment goes
 # A second run reuses the environment (and pip's cache beside it): only the tests run again.
 # Not in .ci/run: PyPI has only CUDA builds of an older torch (2.11: 530 MB, with ~1.9 GB of
