@@ -391,10 +391,9 @@ class _Tabulation:
             for key in itertools.product(report.precisions, report.batch_sizes, report.accum_steps)
         }
         report.seconds = time.perf_counter() - max(self.started, since or self.started)
-        workspaces = predictor.workspaces
-        if report.cuda and workspaces.seen:  # the step has cuDNN convolutions
-            report.workspaces = workspaces.source
-            report.workspace_cap_bytes = workspaces.cap_bytes
+        if report.cuda and predictor.workspace_source:  # the steps have cuDNN convolutions
+            report.workspaces = predictor.workspace_source
+            report.workspace_cap_bytes = predictor.workspaces.cap_bytes
         return report
 
 

@@ -160,7 +160,11 @@ class Workload:
         settings = OmegaConf.to_container(optimizer, resolve=True)
         settings.pop("lr", None)
         mode = spec.trainer.activation_checkpointing
-        target = dataclasses.asdict(spec.target)  # the device predicted for, and its allocator
+        # the device predicted for and its allocator; of its cuDNN workspaces what they are
+        # counted at (what the card measured is shared, not part of the key)
+        cudnn = spec.target.cudnn
+        target = dataclasses.asdict(dataclasses.replace(spec.target, cudnn=None))
+        target["cudnn"] = None if cudnn is None else (cudnn.source, cudnn.cap_bytes)
         layout = [settings, target, mode, _parallel_key(spec.trainer)]
         key = config_key([self.key, *layout, whole])
         # Predictors of one model over other data (another data.seq_len) share the lines

@@ -225,12 +225,13 @@ def test_a_report_for_a_gpu_this_machine_lacks_is_in_cuda_reserved_bytes(hydra_c
 
 
 def test_a_cuda_report_counts_cudnn_workspaces_at_the_cap_and_says_it_is_a_bound(
-    hydra_conf,
+    hydra_conf, monkeypatch
 ) -> None:
     """The small CNN's convolutions on a card this machine lacks: each cuDNN call's workspace
     is counted at cudnn_workspace_mib (64 MiB by default), which holds a segment of its own
     beside the step's (train/memory/cudnn.py), and the report says the cells are a bound;
     with no cap nothing is counted, and the report says that instead."""
+    monkeypatch.delenv("CUDNN_CONV_WSCAP_DBG", raising=False)  # a shell's own cap would win
     capped = _report(hydra_conf, [*SMALL, "search.gpu=A100-40GB"])
     uncapped = _report(hydra_conf, [*SMALL, "search.gpu=A100-40GB", "cudnn_workspace_mib=null"])
     assert (capped.workspaces, capped.workspace_cap_bytes) == ("cap", 64 * MiB)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from train.memory.budget import TensorMemoryTracker
 from train.memory.cudnn import (
     WSCAP_ENV,
     CudnnWorkspaces,
+    MeasureOnDevice,
     MiB,
     apply_cap,
     cap_problems,
@@ -31,6 +33,7 @@ from train.memory.device import DeviceSpec
 from train.memory.gpus import gpu
 from train.memory.predict import MemoryPredictor
 from train.run import memory_figures, plan
+from train.workload import Workloads
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "cuda-traces"
@@ -43,12 +46,14 @@ SIZES = {
 }
 
 
-def _by_kind(signature: tuple, _args: tuple) -> int:
+def _by_kind(signature: tuple) -> int:
     return SIZES[signature[0]]
 
 
-def _step(model: nn.Module, x: torch.Tensor, workspaces: CudnnWorkspaces) -> list[tuple[int, int]]:
-    tracker = TensorMemoryTracker(record=True, composites=conv_composites(workspaces))
+def _step(
+    model: nn.Module, x: torch.Tensor, workspaces: CudnnWorkspaces, calls: dict
+) -> list[tuple[int, int]]:
+    tracker = TensorMemoryTracker(record=True, composites=conv_composites(workspaces, calls))
     tracker.register(model.parameters())
     with tracker:
         model(x).sum().backward()
@@ -66,37 +71,47 @@ def test_a_convolution_allocates_its_workspace_after_its_output_and_frees_it_at_
     run_conv_plan's workspace, freed when it returns. The backward of a convolution whose
     input needs no gradient is the weight-gradient alone (output_mask[0] false: no
     backward-data call); the summed loss's gradient reaches it expanded (stride 0), so cuDNN
-    gets a contiguous copy; then the weight-gradient, its workspace, and the bias gradient."""
+    gets it as it is; cudnn_convolution_backward_weight copies it contiguous, allocates the
+    weight-gradient, runs with its workspace, and frees the copy on return; the bias
+    gradient comes after."""
     with FakeTensorMode():
         conv = nn.Conv2d(3, 4, 3, padding=1)
         x = torch.empty(2, 3, 8, 8)
-        workspaces = CudnnWorkspaces(cap_bytes=None, measure=_by_kind)
-        sizes = _sizes(_step(conv, x, workspaces))
+        workspaces, calls = CudnnWorkspaces(cap_bytes=None, measure=_by_kind), {}
+        sizes = _sizes(_step(conv, x, workspaces, calls))
     out = 2 * 4 * 8 * 8 * 4  # fp32 output, (2, 4, 8, 8)
     weight, bias = 4 * 3 * 3 * 3 * 4, 4 * 4
     forward = sizes.index(SIZES["forward"])
     assert sizes[forward - 1 : forward + 2] == [out, SIZES["forward"], -1]
     filter_ = sizes.index(SIZES["backward_filter"])
-    # the gradient's contiguous copy, the weight-gradient, its workspace (freed), the bias's
-    assert sizes[filter_ - 2 : filter_ + 3] == [out, weight, SIZES["backward_filter"], -1, bias]
+    # the gradient's contiguous copy, the weight-gradient, its workspace (freed), the copy
+    # freed, the bias's gradient
+    assert sizes[filter_ - 2 : filter_ + 4] == [
+        out, weight, SIZES["backward_filter"], -1, -1, bias,
+    ]  # fmt: skip
     assert SIZES["backward_data"] not in sizes
-    assert sorted(s[0] for s in workspaces.seen) == ["backward_filter", "forward"]
+    assert sorted(s[0] for s in calls) == ["backward_filter", "forward"]
+    assert calls == {s: SIZES[s[0]] for s in calls}
 
 
 def test_a_second_convolution_also_takes_the_backward_data_call_before_its_filter() -> None:
     """A convolution whose input needs a gradient (here the second layer's): its input
-    gradient first (cudnn_convolution_backward_input), then its weight gradient."""
+    gradient first (cudnn_convolution_backward_input: the gradient allocated, then the
+    operands' copies, the workspace, the copies freed), then its weight gradient
+    (cudnn_convolution_backward_weight: the copies first, then the gradient)."""
     with FakeTensorMode():
         model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1))
         x = torch.empty(2, 3, 8, 8)
-        workspaces = CudnnWorkspaces(cap_bytes=None, measure=_by_kind)
-        sizes = _sizes(_step(model, x, workspaces))
+        workspaces, calls = CudnnWorkspaces(cap_bytes=None, measure=_by_kind), {}
+        sizes = _sizes(_step(model, x, workspaces, calls))
     grad_input, grad_weight = 2 * 4 * 8 * 8 * 4, 4 * 4 * 3 * 3 * 4
+    copy = grad_input  # the summed loss's gradient, expanded, made contiguous: (2, 4, 8, 8)
     data = sizes.index(SIZES["backward_data"])
-    assert sizes[data - 1 : data + 4] == [
-        grad_input, SIZES["backward_data"], -1, grad_weight, SIZES["backward_filter"],
+    assert sizes[data - 2 : data + 6] == [
+        grad_input, copy, SIZES["backward_data"], -1, -1,
+        copy, grad_weight, SIZES["backward_filter"],
     ]  # fmt: skip
-    kinds = [s[0] for s in workspaces.seen]
+    kinds = [s[0] for s in calls]
     assert sorted(kinds) == ["backward_data"] + ["backward_filter"] * 2 + ["forward"] * 2
 
 
@@ -138,17 +153,19 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def test_a_planned_card_counts_every_call_at_the_cap_and_says_it_is_a_bound() -> None:
-    """Without the card, each cuDNN call's workspace is the cap, and the prediction carries
-    the cap it assumed: the live peak is then inside a call (the cap over what is live
+    """Without the card, each cuDNN call's workspace is the cap, and the predictor says so:
+    the live peak is then inside a call (the cap over what is live
     there, at most the uncapped peak), and the reserve holds one more segment of exactly the
     cap (an allocation over 10 MiB gets a segment of its own size, rounded to 2 MiB; each
     call's workspace reuses the block the last one freed)."""
     example = (torch.zeros(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))
     trainer = TrainerConfig(batch_size=4, accum_steps=1, precision="fp32")
-    capped = MemoryPredictor(_small_cnn, _sgd, example, _planned(64 * MiB)).predict(trainer, 64)
-    free = MemoryPredictor(_small_cnn, _sgd, example, _planned(None)).predict(trainer, 64)
-    assert capped.has_convolutions and capped.workspace_cap_bytes == 64 * MiB
-    assert free.has_convolutions and free.workspace_cap_bytes is None
+    capping = MemoryPredictor(_small_cnn, _sgd, example, _planned(64 * MiB))
+    uncapped = MemoryPredictor(_small_cnn, _sgd, example, _planned(None))
+    capped, free = capping.predict(trainer, 64), uncapped.predict(trainer, 64)
+    assert capping.has_convolutions and capping.workspace_source == "cap"
+    assert uncapped.has_convolutions and uncapped.workspace_source == "none"
+    assert (capped.workspace_max_bytes, free.workspace_max_bytes) == (64 * MiB, 0)
     assert 64 * MiB - free.tensor_bytes <= capped.tensor_bytes - free.tensor_bytes <= 64 * MiB
     assert capped.peak_bytes == free.peak_bytes + 64 * MiB
 
@@ -163,8 +180,9 @@ def test_the_workspace_counted_is_logged_with_the_prediction() -> None:
     assert memory_figures(spec, capped, None)[CUDNN_WORKSPACE_BYTES] == 64 * MiB
     measured = CudnnWorkspaces(cap_bytes=64 * MiB, measure=_by_kind)
     spec_measured = DeviceSpec("cuda", A100.total_bytes, A100, AllocatorSettings(), True, measured)
-    on_card = MemoryPredictor(_small_cnn, _sgd, example, spec_measured).predict(trainer, 64)
-    assert on_card.workspace_cap_bytes is None  # measured: not a bound
+    measuring = MemoryPredictor(_small_cnn, _sgd, example, spec_measured)
+    on_card = measuring.predict(trainer, 64)
+    assert measuring.workspace_source == "measured"  # not a bound
     assert memory_figures(spec, on_card, None)[CUDNN_WORKSPACE_BYTES] == max(SIZES.values())
     linear = MemoryPredictor(
         lambda: nn.Sequential(nn.Linear(32, 10)),
@@ -178,10 +196,45 @@ def test_the_workspace_counted_is_logged_with_the_prediction() -> None:
 def test_a_model_without_convolutions_has_none() -> None:
     example = (torch.zeros(4, 32), torch.zeros(4, dtype=torch.long))
     trainer = TrainerConfig(batch_size=4, accum_steps=1, precision="fp32")
-    prediction = MemoryPredictor(
+    predictor = MemoryPredictor(
         lambda: nn.Sequential(nn.Linear(32, 10)), _sgd, example, _planned(64 * MiB)
-    ).predict(trainer, 64)
-    assert not prediction.has_convolutions and prediction.workspace_cap_bytes is None
+    )
+    prediction = predictor.predict(trainer, 64)
+    assert not predictor.has_convolutions and predictor.workspace_source == ""
+    assert prediction.workspace_max_bytes is None
+
+
+def test_a_call_that_cannot_run_alone_on_the_card_is_counted_at_the_cap() -> None:
+    """MeasureOnDevice answers None when a call runs out of memory alone: the cap counts."""
+    workspaces = CudnnWorkspaces(cap_bytes=8 * MiB, measure=lambda signature: None)
+    assert workspaces.bytes_of(("forward",)) == 8 * MiB
+    assert workspaces.measured == {("forward",): 8 * MiB}
+
+
+def test_a_device_spec_that_measures_travels_to_ranks_by_pickle() -> None:
+    """DDP/FSDP ranks get the run's spec by pickle: its measurer is a class, not a closure
+    (constructing it touches no GPU)."""
+    cudnn = CudnnWorkspaces(measure=MeasureOnDevice(torch.device("cuda", 0)))
+    cudnn.measured[("forward",)] = 3
+    spec = DeviceSpec("cuda", A100.total_bytes, A100, AllocatorSettings(), True, cudnn)
+    back = pickle.loads(pickle.dumps(spec))
+    assert back.cudnn is not None and back.cudnn.measured == {("forward",): 3}
+    assert back.cudnn.measure.device == torch.device("cuda", 0)
+
+
+def test_the_workload_keeps_one_predictor_whatever_the_card_measured(hydra_conf) -> None:
+    """What the card measured is shared by a run's predictors, not part of their key: a
+    second `predictor(spec)` after a prediction is the same predictor (it was rebuilt, or
+    failed to serialise its key, while the measurements were in it)."""
+    cfg = hydra_conf(["model=small_cnn", "data=digits", "search.gpu=A100-40GB"])
+    spec = plan(cfg, cfg.search.memory_budget)
+    assert spec.target.cudnn is not None
+    spec.target.cudnn.measure = _by_kind  # as on the card
+    workloads = Workloads()
+    first = workloads.of(cfg).predictor(spec, cfg.optimizer)
+    workloads.of(cfg).predict(spec, cfg.optimizer)
+    assert spec.target.cudnn.measured  # it measured
+    assert workloads.of(cfg).predictor(spec, cfg.optimizer) is first
 
 
 def test_the_cap_is_exported_for_cudnn_and_taken_back_only_where_batchfit_set_it() -> None:
@@ -204,15 +257,17 @@ def test_a_bad_cap_is_refused_naming_the_key_and_a_fix(bad: object) -> None:
     assert "override with cudnn_workspace_mib=64" in problem
 
 
-def test_a_bad_cap_stops_the_run_before_it_starts() -> None:
+def test_a_bad_cap_stops_the_run_before_it_starts(monkeypatch) -> None:
+    monkeypatch.delenv(WSCAP_ENV, raising=False)
     with initialize_config_dir(str(CONF), version_base=None):
         cfg = compose("config", overrides=["cudnn_workspace_mib=lots", "search.gpu=A100-40GB"])
     with pytest.raises(ConfigError, match="cudnn_workspace_mib must be a whole number"):
         plan(cfg, "90%")
 
 
-def test_the_default_cap_reaches_a_planned_card() -> None:
+def test_the_default_cap_reaches_a_planned_card(monkeypatch) -> None:
     """The config's default (64 MiB, conf/config.yaml) is exported and in the DeviceSpec."""
+    monkeypatch.delenv(WSCAP_ENV, raising=False)  # a shell's own cap would win
     with initialize_config_dir(str(CONF), version_base=None):
         cfg = compose("config", overrides=["search.gpu=A100-40GB"])
     spec = plan(cfg, "90%")
@@ -222,11 +277,12 @@ def test_the_default_cap_reaches_a_planned_card() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_the_gpu_each_workspace_is_measured_and_within_the_cap() -> None:
+def test_on_the_gpu_each_workspace_is_measured_and_within_the_cap(monkeypatch) -> None:
     """On the card, each call is measured (train/memory/cudnn.py measure_on_device); cuDNN
     honours CUDNN_CONV_WSCAP_DBG, so no measured workspace passes the cap exported."""
     from train.memory.device import device_spec
 
+    monkeypatch.setenv(WSCAP_ENV, "16")  # given back after the test
     apply_cap(16)
     device = torch.device("cuda", torch.cuda.current_device())
     spec = device_spec(device, None)
@@ -237,6 +293,7 @@ def test_on_the_gpu_each_workspace_is_measured_and_within_the_cap() -> None:
         nn.Flatten(), nn.Linear(64 * 32 * 32, 10),
     )  # fmt: skip
     trainer = TrainerConfig(batch_size=64, accum_steps=1, precision="fp32")
-    prediction = MemoryPredictor(model, _sgd, example, spec).predict(trainer, 256)
-    assert prediction.has_convolutions and prediction.workspace_cap_bytes is None
+    predictor = MemoryPredictor(model, _sgd, example, spec)
+    prediction = predictor.predict(trainer, 256)
+    assert predictor.workspace_source == "measured" and prediction.workspace_max_bytes is not None
     assert spec.cudnn.measured and max(spec.cudnn.measured.values()) <= 16 * MiB

@@ -101,14 +101,17 @@ def test_cuda_peak_answers_from_the_table(name: str, precision: str, peak: float
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_this_machines_card_offers_what_cuda_reports_free() -> None:
     """On the card itself, `usable` (search.memory_budget=usable) is measured, not the
-    table's 512 MiB context: what mem_get_info reports free plus what this process's caching
-    allocator holds already."""
+    table's 512 MiB context: what mem_get_info reported free plus what this process's
+    caching allocator held, at the process's first plan (once: its plans agree). Since
+    then the context can only have grown (kernels loaded, handles made)."""
     from train.memory.device import device_spec
 
     device = torch.device("cuda", torch.cuda.current_device())
     held = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)  # the allocator holds some
     spec = device_spec(device, None)
+    assert spec.gpu is not None and device_spec(device, None).gpu == spec.gpu
     free, total = torch.cuda.mem_get_info(device)
-    assert spec.gpu is not None and spec.gpu.total_bytes == total
-    assert spec.gpu.usable_bytes == free + torch.cuda.memory_reserved(device)
+    now = free + torch.cuda.memory_reserved(device)
+    assert spec.gpu.total_bytes == total
+    assert now <= spec.gpu.usable_bytes < now + 2**30
     del held

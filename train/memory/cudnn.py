@@ -70,14 +70,16 @@ Signature = tuple
 
 @dataclass
 class CudnnWorkspaces:
-    """How large a cuDNN call's workspace is taken to be: `measured` bytes per call
-    signature where known (on the card), else `cap_bytes` (None: no cap, nothing counted).
-    `seen` collects the signatures of the calls met, for measuring them."""
+    """How large a cuDNN call's workspace is taken to be: measured on the card where a
+    `measure` is given (each signature once, kept in `measured`), else `cap_bytes` (None: no
+    cap, nothing counted). One per run's DeviceSpec, shared by its predictors; not part of
+    what identifies a prediction (train/workload.py keys predictors without it)."""
 
     cap_bytes: int | None = DEFAULT_CAP_MIB * MiB
     measured: dict[Signature, int] = field(default_factory=dict)
-    measure: Callable[[Signature, tuple], int] | None = None  # on the card: runs the call
-    seen: set[Signature] = field(default_factory=set)
+    # on the card: runs one call of a signature, its workspace in bytes (None: it could not
+    # run there, out of memory: the cap is counted)
+    measure: Callable[[Signature], int | None] | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> CudnnWorkspaces:
@@ -85,21 +87,14 @@ class CudnnWorkspaces:
         value = environ.get(WSCAP_ENV)
         return cls(cap_bytes=None if value is None else int(value) * MiB)
 
-    def bytes_of(self, signature: Signature, args: tuple) -> int:
+    def bytes_of(self, signature: Signature) -> int:
         """The workspace of one call: measured on the card, else the cap, else 0."""
-        self.seen.add(signature)
         if signature not in self.measured and self.measure is not None:
-            self.measured[signature] = self.measure(signature, args)
+            found = self.measure(signature)
+            self.measured[signature] = self.cap_bytes or 0 if found is None else found
         if signature in self.measured:
             return self.measured[signature]
         return self.cap_bytes or 0
-
-    @property
-    def largest_bytes(self) -> int | None:
-        """The largest workspace counted for a call met (None: none met)."""
-        if not self.seen:
-            return None
-        return max(self.measured.get(s, self.cap_bytes or 0) for s in self.seen)
 
     @property
     def source(self) -> str:
@@ -107,11 +102,6 @@ class CudnnWorkspaces:
         if self.measure is not None:
             return "measured"
         return "cap" if self.cap_bytes is not None else "none"
-
-    @property
-    def is_bound(self) -> bool:
-        """Whether a call's workspace was counted at the cap (not measured)."""
-        return self.measure is None and self.cap_bytes is not None
 
 
 def cap_problems(value: Any) -> list[str]:
@@ -163,9 +153,12 @@ def _signature(kind: str, input_: torch.Tensor, weight: torch.Tensor, rest: tupl
     )
 
 
-def _workspace(workspaces: CudnnWorkspaces, signature: Signature, args: tuple, like: Any) -> None:
+Calls = dict  # Signature -> the workspace counted for it: the calls a step made
+
+
+def _workspace(workspaces: CudnnWorkspaces, calls: Calls, signature: Signature, like: Any) -> None:
     """One call's workspace: allocated, then freed (run_conv_plan's DataPtr)."""
-    nbytes = workspaces.bytes_of(signature, args)
+    nbytes = calls[signature] = workspaces.bytes_of(signature)
     if nbytes > 0:
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
         del workspace
@@ -183,46 +176,66 @@ def _memory_format(input_: torch.Tensor, weight: torch.Tensor) -> torch.memory_f
     return torch.contiguous_format
 
 
-def conv_composites(workspaces: CudnnWorkspaces) -> dict[Any, Callable[..., Any]]:
+def conv_composites(workspaces: CudnnWorkspaces, calls: Calls) -> dict[Any, Callable[..., Any]]:
     """aten.convolution and aten.convolution_backward run as CUDA's cuDNN backend runs
-    them (module docstring): the copies that make their operands contiguous in the layout
-    cuDNN is given (`input.contiguous(backend_memory_format)` in Convolution.cpp, the
-    gradient's `.to(input.suggest_memory_format())` in ConvShared.cpp), each output, then
-    the workspace of the cuDNN call that fills it, allocated and freed; the bias gradient
-    last. For the memory tracker's `composites`."""
+    them (module docstring), each call's signature and workspace recorded in `calls`. For
+    the memory tracker's `composites`. The copies are those that make operands contiguous
+    in the layout cuDNN is given, each made where the source makes it and freed when its
+    function returns:
+
+    - forward (`_convolution`): the input (Convolution.cpp), then in `cudnn_convolution` the
+      output, the weight (`cudnn_convolution_forward_out`), the workspace;
+    - backward (`convolution_backward`): the input when the weight's gradient is wanted
+      (Convolution.cpp); a transposed convolution's gradient (`cudnn_convolution_transpose_
+      backward`); then `cudnn_convolution_backward_input`: the input's gradient, the weight
+      and the gradient, the workspace; `cudnn_convolution_backward_weight`: the gradient and
+      the input, the weight's gradient, the workspace; the bias's gradient last, outside
+      cuDNN (`grad_output.sum`)."""
 
     def convolution(input_, weight, bias, stride, padding, dilation, transposed,
                     output_padding, groups):  # fmt: skip  # noqa: ANN001, ANN202
         rest = (stride, padding, dilation, transposed, output_padding, groups)
-        input_ = input_.contiguous(memory_format=_memory_format(input_, weight))
-        out = aten.convolution.default(input_, weight, bias, *rest)
+        layout = _memory_format(input_, weight)
+        contiguous = input_.contiguous(memory_format=layout)
+        out = aten.convolution.default(contiguous, weight, bias, *rest)
+        weight_copy = weight.contiguous(memory_format=layout)
         kind = "backward_data" if transposed else "forward"  # a transposed conv's plan
-        _workspace(workspaces, _signature(kind, input_, weight, rest), (input_, weight), out)
+        _workspace(workspaces, calls, _signature(kind, contiguous, weight, rest), out)
+        del weight_copy, contiguous
         return out
 
     def convolution_backward(grad_output, input_, weight, bias_sizes, stride, padding,
                              dilation, transposed, output_padding, groups, output_mask):  # fmt: skip  # noqa: ANN001, ANN202, E501
         rest = (stride, padding, dilation, transposed, output_padding, groups)
-        layout = _memory_format(input_, weight)
-        if output_mask[1]:  # "only make input contiguous when it is necessary"
-            input_ = input_.contiguous(memory_format=layout)
-        grad_output = grad_output.contiguous(memory_format=layout)
-        grads: list[Any] = [None, None, None]
-        # the input-gradient of a transposed convolution is a forward convolution's plan
-        parts = (("forward" if transposed else "backward_data", 0), ("backward_filter", 1))
-        for kind, index in parts:
-            if not output_mask[index]:
-                continue
+
+        def call(index: int, grad: Any, inputs: Any) -> Any:
             mask = [i == index for i in range(3)]
-            grads[index] = aten.convolution_backward.default(
-                grad_output, input_, weight, bias_sizes, *rest, mask
-            )[index]
-            signature = _signature(kind, input_, weight, rest)
-            _workspace(workspaces, signature, (grad_output, input_, weight), grads[index])
+            backward = aten.convolution_backward.default
+            return backward(grad, inputs, weight, bias_sizes, *rest, mask)[index]
+
+        layout = _memory_format(input_, weight)
+        # "only make input contiguous when it is necessary" (for the weight's gradient)
+        inputs = input_.contiguous(memory_format=layout) if output_mask[1] else input_
+        grad = grad_output
+        if transposed:
+            grad = grad_output.contiguous(memory_format=_memory_format(input_, input_))
+        grads: list[Any] = [None, None, None]
+        if output_mask[0]:
+            grads[0] = call(0, grad, inputs)
+            copies = [t.contiguous(memory_format=layout) for t in (weight, grad)]
+            # the input-gradient of a transposed convolution is a forward convolution's plan
+            kind = "forward" if transposed else "backward_data"
+            _workspace(workspaces, calls, _signature(kind, inputs, weight, rest), grads[0])
+            del copies
+        if output_mask[1]:
+            copies = [t.contiguous(memory_format=layout) for t in (grad, inputs)]
+            grads[1] = call(1, grad, inputs)
+            signature = _signature("backward_filter", inputs, weight, rest)
+            _workspace(workspaces, calls, signature, grads[1])
+            del copies
+        del inputs, grad  # the operands' copies end with cuDNN's calls
         if output_mask[2]:
-            grads[2] = aten.convolution_backward.default(
-                grad_output, input_, weight, bias_sizes, *rest, [False, False, True]
-            )[2]
+            grads[2] = call(2, grad_output, input_)
         return tuple(grads)
 
     return {
@@ -231,39 +244,48 @@ def conv_composites(workspaces: CudnnWorkspaces) -> dict[Any, Callable[..., Any]
     }
 
 
-def measure_on_device(device: torch.device) -> Callable[[Signature, tuple], int]:
+class MeasureOnDevice:
     """A CudnnWorkspaces.measure for this machine's GPU: runs the call of a signature once on
-    real tensors of its shapes (random values), alone, and returns what the caching
-    allocator's peak rose above what the call leaves allocated: its workspace and any
-    temporary of the call, as the caching allocator rounds them. The plan it runs is cached
-    by cuDNN for those shapes (module docstring), so the step runs the same one. The
+    real tensors of its shapes (random values, contiguous: the call copies nothing), alone,
+    and returns what the caching allocator's peak rose above what the call leaves
+    allocated: its workspace, as the caching allocator rounds it. The plan it runs is
+    cached by cuDNN for those shapes (module docstring), so the step runs the same one. The
     precision settings in force (TF32, determinism) are the step's: the predictor measures
-    inside its step."""
-    from torch.utils._python_dispatch import _disable_current_modes
+    inside its step. A call that runs out of memory alone answers None (its cap is
+    counted). A class, not a closure: a DeviceSpec travels to DDP/FSDP ranks by pickle."""
 
-    def measure(signature: Signature, _args: tuple) -> int:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, signature: Signature) -> int | None:
+        from torch.utils._python_dispatch import _disable_current_modes
+
         (kind, shape, strides, weight_shape, dtype, *params) = signature
         stride, padding, dilation, transposed, output_padding, groups = params
         rest = (list(stride), list(padding), list(dilation), transposed, list(output_padding),
                 groups)  # fmt: skip
+        device = self.device
         with _disable_current_modes(), torch.no_grad():
-            x = torch.empty_strided(shape, strides, dtype=dtype, device=device).normal_()
-            w = torch.randn(weight_shape, dtype=dtype, device=device)
-            out_shape = aten.convolution.default(x.to("meta"), w.to("meta"), None, *rest).shape
-            grad = torch.randn(out_shape, dtype=dtype, device=device)
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            if (kind, transposed) in (("forward", False), ("backward_data", True)):  # the conv
-                result = aten.convolution.default(x, w, None, *rest)
-            else:
-                index = 1 if kind == "backward_filter" else 0
-                mask = [i == index for i in range(3)]
-                result = aten.convolution_backward.default(grad, x, w, None, *rest, mask)
-            torch.cuda.synchronize(device)
-            left = torch.cuda.memory_allocated(device)
-            peak = torch.cuda.max_memory_allocated(device)
-            del result, x, w, grad
-        torch.cuda.empty_cache()
+            try:
+                x = torch.empty_strided(shape, strides, dtype=dtype, device=device).normal_()
+                w = torch.randn(weight_shape, dtype=dtype, device=device)
+                meta = aten.convolution.default(x.to("meta"), w.to("meta"), None, *rest)
+                grad = torch.randn(meta.shape, dtype=dtype, device=device)
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                if (kind, transposed) in (("forward", False), ("backward_data", True)):
+                    result = aten.convolution.default(x, w, None, *rest)  # the conv itself
+                else:
+                    index = 1 if kind == "backward_filter" else 0
+                    mask = [i == index for i in range(3)]
+                    result = aten.convolution_backward.default(grad, x, w, None, *rest, mask)
+                torch.cuda.synchronize(device)
+                left = torch.cuda.memory_allocated(device)
+                peak = torch.cuda.max_memory_allocated(device)
+                del result
+            except torch.OutOfMemoryError:
+                return None
+            finally:
+                x = w = grad = None
+                torch.cuda.empty_cache()
         return max(0, peak - left)
-
-    return measure

@@ -15,13 +15,14 @@ reports what fits.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from train.memory.allocator_settings import AllocatorSettings
 from train.memory.budget import device_total_bytes
-from train.memory.cudnn import CudnnWorkspaces, measure_on_device
+from train.memory.cudnn import CudnnWorkspaces, MeasureOnDevice
 from train.memory.gpus import Gpu, gpu, gpu_of_device_name
 
 
@@ -57,11 +58,19 @@ def _local_gpu(device: torch.device) -> Gpu:
     # What this process cannot have of the card, measured (Gpu.usable_bytes: the table's
     # figure for a card planned from elsewhere): what CUDA does not report free, less what
     # this process's caching allocator holds (its own, and usable).
-    free, total = torch.cuda.mem_get_info(device)
-    held = max(0, total - free - torch.cuda.memory_reserved(device))
+    held = _held_bytes(props.name, device.index)
     name, flops = (known.name, known.peak_flops) if known is not None else (props.name, {})
     capability = (props.major, props.minor)
     return Gpu(name, props.total_memory, capability, flops, sms=sms, context_bytes=held)
+
+
+@functools.cache
+def _held_bytes(_name: str, index: int | None) -> int:
+    """What this process cannot have of the card, measured once (at its first plan, before
+    it trains): what CUDA does not report free less what its caching allocator holds. Once,
+    so that every plan of a process agrees (a study's predictors are shared between them)."""
+    free, total = torch.cuda.mem_get_info(index)
+    return max(0, total - free - torch.cuda.memory_reserved(index))
 
 
 def device_spec(device: torch.device, gpu_name: str | None) -> DeviceSpec:
@@ -79,7 +88,7 @@ def device_spec(device: torch.device, gpu_name: str | None) -> DeviceSpec:
                 f"search.gpu={gpu_name}"
             )
         cudnn = CudnnWorkspaces.from_env()
-        cudnn.measure = measure_on_device(device)
+        cudnn.measure = MeasureOnDevice(device)
         return DeviceSpec(
             "cuda", local.total_bytes, local, AllocatorSettings.from_env(), cudnn=cudnn
         )

@@ -44,7 +44,7 @@ from train.measure.flops import count_flops
 from train.memory.allocator_settings import AllocatorSettings
 from train.memory.budget import MemoryStats, TensorMemoryTracker
 from train.memory.cuda_emulation import CudaEmulation
-from train.memory.cudnn import CudnnWorkspaces, conv_composites
+from train.memory.cudnn import Calls, CudnnWorkspaces, conv_composites
 from train.memory.device import DeviceSpec, device_spec
 from train.memory.reserve import CudaReserve, cublas_workspaces, live_peak_bytes, predict_reserved
 from train.memory.stack import DEPTHS, FSDP_DEPTHS, DepthLine, Step, find_stack, shallow_copy
@@ -70,11 +70,9 @@ class Prediction:
     # CUDA: the allocator's peak reserve under the run's limit, what max_memory_reserved
     # reads after the step (None: no limit asked for, or out of memory under it).
     reserved_bytes: int | None = None
-    # cuDNN convolutions in the step (CUDA): whether it has any, and the workspace each call
-    # was counted at when that is the cap, a bound (None: measured on the card, or no cap)
-    has_convolutions: bool = False
-    workspace_cap_bytes: int | None = None
-    workspace_max_bytes: int | None = None  # the largest call's workspace counted (cap or measured)
+    # CUDA, a step with cuDNN convolutions: the largest workspace counted for one of its
+    # calls (the cap, or measured on the card: train/memory/cudnn.py); None: no convolutions
+    workspace_max_bytes: int | None = None
 
     def error(self, measured: MemoryStats | RunResult) -> float:
         """(predicted - measured) / measured, like against like: on CUDA the reserve under
@@ -208,8 +206,11 @@ class MemoryPredictor:
         # with CUDA's autocast policy and kernel choices for a CUDA target.
         self.target = device if isinstance(device, DeviceSpec) else _spec_of(device)
         self.device = torch.device("cpu")
-        # A CUDA target's cuDNN convolutions run with their workspaces (train/memory/cudnn.py)
+        # A CUDA target's cuDNN convolutions run with their workspaces (train/memory/cudnn.py):
+        # every call met, and per micro-batch size and precision the largest of a step's
         self.workspaces = self.target.cudnn or CudnnWorkspaces(cap_bytes=None)
+        self._conv_calls: Calls = {}
+        self._step_workspace: dict[tuple[int, str], int] = {}
         # Real inputs (a builder's example batch) become fake where they meet fake weights.
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.task = task or Classification()
@@ -381,17 +382,36 @@ class MemoryPredictor:
         tensor_bytes = live_peak_bytes(events)
         if self.target.type != "cuda":
             return Prediction(tensor_bytes, tensor_bytes, time.perf_counter() - started)
-        convs = self._has_convolutions()
-        cap = self.workspaces.cap_bytes if convs and self.workspaces.is_bound else None
-        largest = self.workspaces.largest_bytes if convs else None
+        largest = self._step_workspace_bytes((sizes[0], trainer.precision))
         reserve = self._reserve(events, limit_bytes)
-        pending = _Pending(reserve, tensor_bytes, started, limit_bytes, convs, cap, largest)
+        pending = _Pending(reserve, tensor_bytes, started, limit_bytes, largest)
         return pending if _BESIDE else pending.result()
 
-    def _has_convolutions(self) -> bool:
-        """Whether the step has cuDNN convolutions: its own or its shallow copies'."""
-        shallow = (p.workspaces.seen for p in self._shallow.values())
-        return bool(self.workspaces.seen) or any(shallow)
+    @property
+    def has_convolutions(self) -> bool:
+        """Whether the model's steps have cuDNN convolutions (CUDA), those of its shallow
+        copies included; known once a step was computed."""
+        return bool(self._conv_calls) or any(p.has_convolutions for p in self._shallow.values())
+
+    @property
+    def workspace_source(self) -> str:
+        """What the cuDNN workspaces of its steps are counted at: "cap", "measured" (on the
+        card), "none" (no cap); "" without convolutions."""
+        return self.workspaces.source if self.has_convolutions else ""
+
+    def _step_workspace_bytes(self, step: tuple[int, str]) -> int | None:
+        """The largest workspace counted in the step of this micro-batch size and precision: its own
+        calls' where it was computed, else (a step read off a line) the cap, or on the card
+        the largest measured for any call met."""
+        if not self.has_convolutions:
+            return None
+        for predictor in (self, *self._shallow.values()):
+            if step in predictor._step_workspace:
+                return predictor._step_workspace[step]
+        if self.workspaces.source == "cap":
+            return self.workspaces.cap_bytes
+        calls = [self._conv_calls, *(p._conv_calls for p in self._shallow.values())]
+        return max((n for found in calls for n in found.values()), default=None)
 
     def _reserve(self, events: Events, limit_bytes: int | None) -> Future[CudaReserve]:
         """The step's events through the caching-allocator model, with the cuBLAS
@@ -446,8 +466,9 @@ class MemoryPredictor:
         if self.optimizer is None:
             self._prepare()
         precision = Precision(trainer.precision, self.device.type)
+        calls: Calls = {}  # this step's cuDNN convolutions and their workspaces
         cuda = self.target.type == "cuda"
-        composites = conv_composites(self.workspaces) if cuda else None
+        composites = conv_composites(self.workspaces, calls) if cuda else None
         tracker = TensorMemoryTracker(self.device, record=True, composites=composites)
         marks: list[int] = []
         with self.mode, precision.matmul_mode(), self._as_target():
@@ -466,6 +487,9 @@ class MemoryPredictor:
                 )
         assert tracker.events is not None
         assert live_peak_bytes(tracker.events) == tracker.peak_bytes
+        if calls:
+            self._conv_calls.update(calls)
+            self._step_workspace[sizes[0], trainer.precision] = max(calls.values())
         return tracker.events, marks
 
     @contextmanager
@@ -565,8 +589,6 @@ class _Pending:
     tensor_bytes: int
     started: float
     limit_bytes: int | None
-    has_convolutions: bool = False
-    workspace_cap_bytes: int | None = None
     workspace_max_bytes: int | None = None
 
     def result(self) -> Prediction:
@@ -576,8 +598,6 @@ class _Pending:
             self.tensor_bytes,
             time.perf_counter() - self.started,
             reserve.peak_reserved_under_limit_bytes if self.limit_bytes is not None else None,
-            self.has_convolutions,
-            self.workspace_cap_bytes,
             self.workspace_max_bytes,
         )
 
