@@ -38,7 +38,7 @@ CUDNN_CONV_WSCAP_DBG wins), and a prediction for a card it does not have counts 
 cuDNN call's workspace at the cap: a bound, which the fit report says it is. On the card
 itself (a study or a fit report on the GPU) each convolution is run once for real, alone, for
 each shape the step has, and its workspace is what the caching allocator measured
-(`measure_on_device`): the plan cache makes the training step take the same plan. With
+(`MeasureOnDevice`): the plan cache makes the training step take the same plan. With
 `benchmark` on (not batchfit's), the first call of each shape also allocates the largest
 workspace of all configs that fit to time them (`get_plans_from_find`): not modelled.
 """
