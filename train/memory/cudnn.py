@@ -104,6 +104,21 @@ class CudnnWorkspaces:
         return "cap" if self.cap_bytes is not None else "none"
 
 
+def step_workspace_bytes(
+    workspaces: CudnnWorkspaces, step: tuple[int, str], found: list[tuple[Calls, dict]]
+) -> int | None:
+    """The largest workspace counted in the step of a micro-batch size and precision, from
+    (calls met, largest per step computed) of a predictor and its shallow copies: the
+    step's own where it was computed, else (a step read off a line) the cap, or on the card
+    the largest measured for any call met."""
+    for _, by_step in found:
+        if step in by_step:
+            return by_step[step]
+    if workspaces.source == "cap":
+        return workspaces.cap_bytes
+    return max((n for calls, _ in found for n in calls.values()), default=None)
+
+
 def cap_problems(value: Any) -> list[str]:
     """What is wrong with cudnn_workspace_mib: a whole number of MiB >= 0, or null."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):

@@ -44,7 +44,7 @@ from train.measure.flops import count_flops
 from train.memory.allocator_settings import AllocatorSettings
 from train.memory.budget import MemoryStats, TensorMemoryTracker
 from train.memory.cuda_emulation import CudaEmulation
-from train.memory.cudnn import Calls, CudnnWorkspaces, conv_composites
+from train.memory.cudnn import Calls, CudnnWorkspaces, conv_composites, step_workspace_bytes
 from train.memory.device import DeviceSpec, device_spec
 from train.memory.reserve import CudaReserve, cublas_workspaces, live_peak_bytes, predict_reserved
 from train.memory.stack import DEPTHS, FSDP_DEPTHS, DepthLine, Step, find_stack, shallow_copy
@@ -400,18 +400,11 @@ class MemoryPredictor:
         return self.workspaces.source if self.has_convolutions else ""
 
     def _step_workspace_bytes(self, step: tuple[int, str]) -> int | None:
-        """The largest workspace counted in the step of this micro-batch size and precision: its own
-        calls' where it was computed, else (a step read off a line) the cap, or on the card
-        the largest measured for any call met."""
+        """train/memory/cudnn.py step_workspace_bytes over this predictor and its copies."""
         if not self.has_convolutions:
             return None
-        for predictor in (self, *self._shallow.values()):
-            if step in predictor._step_workspace:
-                return predictor._step_workspace[step]
-        if self.workspaces.source == "cap":
-            return self.workspaces.cap_bytes
-        calls = [self._conv_calls, *(p._conv_calls for p in self._shallow.values())]
-        return max((n for found in calls for n in found.values()), default=None)
+        found = [(p._conv_calls, p._step_workspace) for p in (self, *self._shallow.values())]
+        return step_workspace_bytes(self.workspaces, step, found)
 
     def _reserve(self, events: Events, limit_bytes: int | None) -> Future[CudaReserve]:
         """The step's events through the caching-allocator model, with the cuBLAS
