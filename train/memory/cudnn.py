@@ -66,6 +66,7 @@ DEFAULT_CAP_MIB = 64
 # parameters): ("forward" | "backward_data" | "backward_filter", input shape, input
 # stride, weight shape, dtype, stride, padding, dilation, transposed, output padding, groups).
 Signature = tuple
+Calls = dict  # Signature -> the workspace counted for it: the calls a step made
 
 
 @dataclass
@@ -91,7 +92,7 @@ class CudnnWorkspaces:
         """The workspace of one call: measured on the card, else the cap, else 0."""
         if signature not in self.measured and self.measure is not None:
             found = self.measure(signature)
-            self.measured[signature] = self.cap_bytes or 0 if found is None else found
+            self.measured[signature] = (self.cap_bytes or 0) if found is None else found
         if signature in self.measured:
             return self.measured[signature]
         return self.cap_bytes or 0
@@ -166,9 +167,6 @@ def _signature(kind: str, input_: torch.Tensor, weight: torch.Tensor, rest: tupl
         tuple(output_padding),
         int(groups),
     )
-
-
-Calls = dict  # Signature -> the workspace counted for it: the calls a step made
 
 
 def _workspace(workspaces: CudnnWorkspaces, calls: Calls, signature: Signature, like: Any) -> None:

@@ -58,14 +58,14 @@ def _local_gpu(device: torch.device) -> Gpu:
     # What this process cannot have of the card, measured (Gpu.usable_bytes: the table's
     # figure for a card planned from elsewhere): what CUDA does not report free, less what
     # this process's caching allocator holds (its own, and usable).
-    held = _held_bytes(props.name, device.index)
+    held = _held_bytes(device.index)
     name, flops = (known.name, known.peak_flops) if known is not None else (props.name, {})
     capability = (props.major, props.minor)
     return Gpu(name, props.total_memory, capability, flops, sms=sms, context_bytes=held)
 
 
 @functools.cache
-def _held_bytes(_name: str, index: int | None) -> int:
+def _held_bytes(index: int | None) -> int:
     """What this process cannot have of the card, measured once (at its first plan, before
     it trains): what CUDA does not report free less what its caching allocator holds. Once,
     so that every plan of a process agrees (a study's predictors are shared between them)."""
