@@ -18,6 +18,14 @@ from tracking.config import (
     integer_problems,
     number_problems,
 )
+from tracking.metrics import (
+    DEVICE_UTILIZATION,
+    ENERGY_J,
+    ENERGY_PER_SAMPLE,
+    MEAN_WATTS,
+    TO_TARGET_J,
+    joules_per,
+)
 from tracking.redact import redact
 from train.config import RunSpec
 from train.memory.predict import PredictionUnsupported
@@ -33,6 +41,11 @@ RUN_METRICS = {
     "time/data_wait_share": "minimize",
     "perf/mfu": "maximize",  # model FLOPs utilisation (train/measure/flops.py)
     "perf/achieved_flops": "maximize",
+    # measured where the hardware counts energy (train/measure/energy.py); absent elsewhere
+    ENERGY_J: "minimize",
+    ENERGY_PER_SAMPLE: "minimize",
+    MEAN_WATTS: "minimize",
+    DEVICE_UTILIZATION: "maximize",
 }
 
 
@@ -42,10 +55,13 @@ def known_metrics(task: Task) -> dict[str, str]:
     found = dict(task.directions())
     if task.unit != "samples":
         found[f"throughput/{task.unit}_per_sec"] = "maximize"
+        found[joules_per(task.unit)] = "minimize"
     return {**found, **RUN_METRICS}
 
 
 TO_TARGET = "time/to_target_s"  # training seconds until validation first met search.target
+# What a trial that met search.target also reports (search/objective.py)
+TARGET_METRICS = {TO_TARGET: "minimize", TO_TARGET_J: "minimize"}
 
 
 @dataclass(frozen=True)

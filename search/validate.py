@@ -27,7 +27,7 @@ from optuna.storages import BaseStorage
 
 from search.config import (
     OBJECTIVE_METRICS,
-    TO_TARGET,
+    TARGET_METRICS,
     RecommendRule,
     SearchConfig,
     Target,
@@ -77,7 +77,7 @@ def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
             target = Target.parse(search.target, known)
         except ConfigError as error:
             target_problems = error.problems
-        known = {**known, TO_TARGET: "minimize"}
+        known = {**known, **TARGET_METRICS}
     rule, rule_problems = recommend_rule(search.get("recommend"), known)
     rule_problems += target_problems + unknown_keys("search", search, search_keys())
     objectives = search.objectives

@@ -54,6 +54,17 @@ TRACKING_S = "time/tracking_s"  # its MLflow calls
 PREDICTION_S = "time/prediction_s"  # its memory prediction
 PROJECTED_S = "time/projected_s"  # a `slow` trial's projected training
 
+# Energy (train/measure/energy.py): joules the hardware's own counters (NVML, RAPL) counted
+# over the timed steps, the same window as time/step_ms, summed over a run's devices and ranks
+ENERGY_PREFIX = "energy/"
+ENERGY_J = "energy/joules"
+ENERGY_PER_SAMPLE = "energy/joules_per_sample"
+MEAN_WATTS = "energy/mean_watts"  # energy/joules / the timed seconds
+TO_TARGET_J = "energy/to_target_j"  # mean watts x time/to_target_s: the joules to search.target
+# The device's mean utilisation over the timed steps, a share (0-1): NVML's GPU utilisation
+# on a GPU, the process's CPU time / (wall time x its threads) on a CPU
+DEVICE_UTILIZATION = "device/utilization"
+
 # The gradient noise scale (train/measure/noise.py): B_simple and its two parts
 GRAD_NOISE_SCALE = "stats/grad_noise_scale"
 GRAD_SQ_NORM = "stats/grad_sq_norm"
@@ -74,6 +85,11 @@ def val(name: str) -> str:
 def throughput(unit: str) -> str:
     """The throughput of a task counting `unit`: throughput('samples') == THROUGHPUT_SAMPLES."""
     return f"{THROUGHPUT_PREFIX}{unit}_per_sec"
+
+
+def joules_per(unit: str) -> str:
+    """Joules per unit of a task counting `unit`: joules_per('samples') == ENERGY_PER_SAMPLE."""
+    return f"{ENERGY_PREFIX}joules_per_{unit.removesuffix('s')}"
 
 
 def rank_peak_bytes(rank: int) -> str:
