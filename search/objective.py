@@ -30,7 +30,7 @@ import optuna
 from omegaconf import DictConfig, OmegaConf
 
 from search.budget import answer_for, study_records
-from search.config import SearchConfig
+from search.config import TO_TARGET, SearchConfig
 from search.configure import Configured, Configurer
 from search.outcome import end, ended, failed, log, run_metrics, trial_record, write
 from search.record import (
@@ -52,13 +52,14 @@ from search.stopping import (
 )
 from tracking import interrupts
 from tracking.config import ConfigError
-from tracking.metrics import SCALING_EFFICIENCY, VAL_LOSS
+from tracking.metrics import SCALING_EFFICIENCY, TO_TARGET_J, VAL_LOSS
 from tracking.metrics import throughput as throughput_metric
 from tracking.runs import RunLog, Tracker
 from tracking.tags import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG
 from train.batches import steps_plan
 from train.config import RunSpec
 from train.loop import Diverged, Hooks, RunResult
+from train.measure.energy import ENERGY_TAG
 from train.measure.flops import MFU_NOTE_TAG
 from train.measure.noise import NOISE_TAG
 from train.memory.budget import MemoryStats, OutOfMemory, release_memory
@@ -248,8 +249,10 @@ class Objective:
         """A run that trained to its end (or its target); pruned as `missed_target` when it
         ended short of search.target, its figures kept (it cannot be ranked by time)."""
         perf, note = self._perf(cfg, spec, result, log)
-        log.tags({NOISE_TAG: result.noise_estimator})
+        log.tags({NOISE_TAG: result.noise_estimator, ENERGY_TAG: result.energy_note})
         extra = {**perf, **watch.target.figures()}
+        if TO_TARGET in extra and result.energy is not None:  # the timed steps' mean power
+            extra[TO_TARGET_J] = result.energy.mean_watts * extra[TO_TARGET]
         throughput = result.figures().get(throughput_metric(result.unit))
         efficiency = scaling_efficiency(
             study_records(trial.study), trial.params, spec.params(), throughput

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import optuna
+import torch
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException, InstantiationException
 from hydra.utils import instantiate
@@ -42,6 +43,7 @@ from tracking.config import ConfigError, unknown_keys
 from tracking.mlflow_config import MlflowConfig
 from train.build import build_task
 from train.config import RunSpec
+from train.measure.energy import needs_energy, why_unmeasured
 from train.params import (
     ACCUM_KEY,
     BATCH_KEY,
@@ -188,6 +190,10 @@ def validate(
             )
         elif note:
             notes.append(note)
+    if settings is not None and spec is not None and open_store:  # it trains here
+        energy_problems, energy_note = _check_energy(settings, spec.device)
+        problems += energy_problems
+        notes += [energy_note] if energy_note else []
     if settings is not None and spec is not None and not problems:  # the margin's kind of step
         searched = space.distributions if space is not None else ()
         settings = resolve_margin(settings, cfg, spec, searched, workloads)
@@ -209,6 +215,26 @@ def validate(
     if problems:
         raise ConfigError(problems)
     return Checked(settings, space, spec, storage, notes, sampler, pruner)
+
+
+def _check_energy(settings: SearchConfig, device: torch.device) -> tuple[list[str], str | None]:
+    """Where no counter is readable (train/measure/energy.py): the note said once per study,
+    and a problem for each energy figure the study was asked to optimise or prefer, which
+    no trial would report."""
+    why = why_unmeasured(device)
+    if why is None:
+        return [], None
+    asked = [(f"search.objectives={m}", m) for m in settings.objectives if needs_energy(m)]
+    prefer = settings.recommend.prefer
+    if needs_energy(prefer):
+        asked.append((f"search.recommend.prefer={prefer}", prefer))
+    problems = [
+        f"{key}: {why.removeprefix('energy: ')}, so no trial would report {metric}; choose "
+        "another metric, or run where NVML (an NVIDIA GPU, the energy extra) or RAPL "
+        "(/sys/class/powercap readable) counts energy"
+        for key, metric in asked
+    ]
+    return problems, why
 
 
 # Keys TrainerConfig checks together (trainer.devices needs a strategy; fsdp refuses fp16)

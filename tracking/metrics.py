@@ -63,6 +63,7 @@ MEAN_WATTS = "energy/mean_watts"  # energy/joules / the timed seconds
 TO_TARGET_J = "energy/to_target_j"  # mean watts x time/to_target_s: the joules to search.target
 # The device's mean utilisation over the timed steps, a share (0-1): NVML's GPU utilisation
 # on a GPU, the process's CPU time / (wall time x its threads) on a CPU
+DEVICE_PREFIX = "device/"
 DEVICE_UTILIZATION = "device/utilization"
 
 # The gradient noise scale (train/measure/noise.py): B_simple and its two parts

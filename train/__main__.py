@@ -43,6 +43,7 @@ from tracking.runs import RunLog, Tracker
 from tracking.tags import PRUNE_REASON_TAG, ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG
 from train import model_file
 from train.loop import Diverged, Hooks, RunResult
+from train.measure.energy import ENERGY_TAG
 from train.measure.flops import MFU_NOTE_TAG
 from train.measure.noise import NOISE_TAG
 from train.memory.budget import OutOfMemory, format_bytes
@@ -356,7 +357,9 @@ def _logged_figures(ready: Prepared, log: RunLog, result: RunResult, console: Co
     if mfu_note:
         log.tags({MFU_NOTE_TAG: mfu_note})
         console.print(f"[yellow]note[/yellow] {escape(mfu_note)}", soft_wrap=True)
-    log.tags({NOISE_TAG: result.noise_estimator})
+    log.tags({NOISE_TAG: result.noise_estimator, ENERGY_TAG: result.energy_note})
+    if result.energy is None:  # why not, once: never a zero
+        console.print(f"[yellow]note[/yellow] {escape(result.energy_note)}", soft_wrap=True)
     log.end_figures({**result.metrics(), **extra, **perf}, result.num_steps)
     figures = result.figures()
     spread = figures.get(THROUGHPUT_SPREAD)

@@ -40,11 +40,19 @@ from tracking.metrics import (
     rank_peak_bytes,
     throughput,
 )  # fmt: skip
-from train.batches import Padding, Pipeline, steps_plan, to_device
+from train.batches import (
+    Padding,
+    Pipeline,
+    samples_planned,
+    step_micro_batch_sizes,
+    steps_plan,
+    to_device,
+)
 from train.config import TrainerConfig
 from train.data import Datasets, Splits
 from train.evaluate import evaluate, probe_seconds_per_sample
 from train.language.quantize import quant_state_tensors
+from train.measure.energy import Energy, energy_meter
 from train.measure.noise import NoiseReading, NoiseScale
 from train.measure.throughput import ThroughputClock
 from train.memory.budget import (
@@ -118,6 +126,10 @@ class RunResult:
     # None, and why not, where the run had no step to measure it on
     noise: NoiseReading | None = None
     noise_estimator: str = ""
+    # The joules the device's counters saw over the timed steps (train/measure/energy.py);
+    # None, and why not (or what counted them), where it has no counter
+    energy: Energy | None = None
+    energy_note: str = ""
     # The validation loss of a uniform guess (Task.chance_loss): ln C for C classes; None
     # where the task's loss has none or the run never validated
     chance_loss: float | None = None
@@ -153,6 +165,8 @@ class RunResult:
                 values[rank_peak_bytes(rank)] = float(peak)
         if self.noise is not None:
             values.update(self.noise.metrics())
+        if self.energy is not None:
+            values.update(self.energy.metrics(self.timed_samples, self.timed_units, self.unit))
         if len(self.interval_rates) >= MIN_SPREAD_INTERVALS:
             rates = sorted(self.interval_rates)
             values[THROUGHPUT_SPREAD] = (rates[-1] - rates[0]) / statistics.median(rates)
@@ -233,24 +247,6 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[to
     for state in optimizer.state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors
-
-
-def samples_planned(num_train: int, cfg: TrainerConfig) -> int:
-    """Samples the run trains on, over all its devices."""
-    steps_per_epoch, num_steps = steps_plan(num_train, cfg)
-    full_epochs, rest_steps = divmod(num_steps, steps_per_epoch)
-    return full_epochs * num_train + min(rest_steps * cfg.global_batch_size, num_train)
-
-
-def step_micro_batch_sizes(num_train: int, cfg: TrainerConfig, step: int) -> list[int]:
-    """Samples per micro-batch of optimizer step `step` on rank 0 (the one with the most),
-    sliced as `fit` slices them: the last step of an epoch may be short, and so may its
-    last micro-batch."""
-    steps_per_epoch, _ = steps_plan(num_train, cfg)
-    start = (step % steps_per_epoch) * cfg.global_batch_size
-    samples = min(cfg.global_batch_size, num_train - start)
-    chunk = cfg.batch_size * cfg.devices
-    return [min(cfg.batch_size, samples - i) for i in range(0, samples, chunk)]
 
 
 def memory_steps(num_train: int, cfg: TrainerConfig, num_steps: int) -> list[int]:
@@ -454,7 +450,8 @@ def _fit(plan: _Plan) -> RunResult:
     if hooks.on_probe:
         seconds = probe_seconds_per_sample(model, pipeline, cfg, plan.precision, run.device, task)
         hooks.on_probe(seconds, samples_planned(pipeline.num_train, cfg))
-    clock = ThroughputClock(run.device, plan.first_timed_step, task.unit)
+    meter = energy_meter(run.device)  # or why there is none
+    clock = ThroughputClock(run.device, plan.first_timed_step, task.unit, meter=meter)
     interval_loss = _IntervalLoss(run.device)
     train_loss, num_samples, evals, done_steps = math.nan, 0, [], plan.num_steps
     model.train()
@@ -596,5 +593,7 @@ def _result(
         interval_rates=clock.interval_rates,
         noise=noise,
         noise_estimator=plan.noise_note,
+        energy=clock.energy(),
+        energy_note=clock.energy_note,
         chance_loss=plan.chance[0] if plan.chance else None,
     )

@@ -4,7 +4,9 @@ A run's first steps stay off the clock: the warm-up steps (kernel selection, all
 growth) and the steps measured under the CPU memory tracker (train/loop.py `memory_steps`),
 whose time is tracking, not training. Validation stays off it too. The device is
 synchronised before every reading, so a reading counts the kernels queued before it; the
-clock is read only at logging intervals and validations, never in the hot loop.
+clock is read only at logging intervals and validations, never in the hot loop. The energy
+meter (train/measure/energy.py) is read at the same synchronised points: its joules are
+the timed steps'.
 """
 
 from __future__ import annotations
@@ -15,16 +17,24 @@ from collections.abc import Callable
 import torch
 
 from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_SAMPLES, throughput
+from train.measure.energy import Energy, EnergyMeter
 
 
 class Stopwatch:
-    """Seconds between start() and stop(), summed; synchronises the device before reading."""
+    """Seconds between start() and stop(), summed; synchronises the device before reading,
+    and reads the energy `meter` there too."""
 
-    def __init__(self, device: torch.device, now: Callable[[], float] | None = None):
+    def __init__(
+        self,
+        device: torch.device,
+        now: Callable[[], float] | None = None,
+        meter: EnergyMeter | None = None,
+    ):
         self.device = device
         self.seconds = 0.0
         self._now = now or time.perf_counter  # looked up now: a patched perf_counter counts
         self._started: float | None = None
+        self.meter = meter
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -32,6 +42,8 @@ class Stopwatch:
 
     def start(self) -> None:
         self._sync()
+        if self.meter is not None:
+            self.meter.start()
         self._started = self._now()
 
     def stop(self) -> None:
@@ -39,6 +51,8 @@ class Stopwatch:
             self._sync()
             self.seconds += self._now() - self._started
             self._started = None
+            if self.meter is not None:
+                self.meter.stop()
 
     def read(self) -> float:
         self.stop()
@@ -64,7 +78,8 @@ class ThroughputClock:
 
     Per step, begin(step) before its batches are fetched (the wait for them is training
     time) and step(...) after it; interval(step) at each logging interval; pause() and
-    resume(step) around each validation, train_seconds(steps) in between.
+    resume(step) around each validation, train_seconds(steps) in between. `meter`: the
+    device's energy meter, or why it has none (energy(), energy_note).
     """
 
     def __init__(
@@ -73,14 +88,17 @@ class ThroughputClock:
         first_timed_step: int,
         unit: str = "samples",
         now: Callable[[], float] | None = None,
+        meter: EnergyMeter | str | None = None,
     ):
+        self._meter = meter if isinstance(meter, EnergyMeter) else None
+        self._why_unmeasured = meter if isinstance(meter, str) else ""
         self.first_timed_step = first_timed_step
         self.unit = unit  # the task's loss unit (tokens for a language model)
         self.timed_samples = 0
         self.timed_units = 0
         self.data_wait_s = 0.0  # of the timed seconds, waiting for the input pipeline
         self.interval_rates: list[float] = []  # samples/s of each timed logging interval
-        self._watch = Stopwatch(device, now)
+        self._watch = Stopwatch(device, now, self._meter)
         self._now = now or time.perf_counter
         self._started = self._now()  # the run's wall clock, for on_step and the untimed steps
         self._untimed_wall = 0.0  # wall seconds of the steps before the first timed one
@@ -88,6 +106,20 @@ class ThroughputClock:
         self._paused_at: float | None = None
         self._last_read = (0, 0.0)  # timed samples and seconds at the previous interval
         self._train_s = 0.0
+
+    def energy(self) -> Energy | None:
+        """What the energy meter counted over the timed steps; None without one."""
+        return self._meter.reading() if self._meter is not None else None
+
+    @property
+    def energy_note(self) -> str:
+        """What counted the timed steps' joules, or why nothing did."""
+        if self._meter is None:
+            return self._why_unmeasured
+        if self._meter.failed is not None:
+            return self._meter.failed
+        reading = self._meter.reading()
+        return reading.source if reading is not None else "energy: no timed step"
 
     @property
     def seconds(self) -> float:

@@ -47,6 +47,7 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
 from train.loop import Diverged, Hooks, Run, RunResult, fit
+from train.measure.energy import Energy
 from train.memory.budget import MemoryStats, OutOfMemory
 
 STOP_GRACE_S = 30.0  # after a stop is asked, how long the ranks have before they are killed
@@ -286,6 +287,7 @@ def _global(results: dict[int, dict]) -> RunResult:
         interval_rates=[
             sum(rates) for rates in zip(*(f["interval_rates"] for f in ranks), strict=False)
         ],
+        energy=Energy.combine([f["energy"] for f in ranks]),  # each counter once
     )
 
 
@@ -403,6 +405,7 @@ def _rank_figures(result: RunResult) -> dict:
         "peak_bytes": result.peak_bytes,
         "reserved_bytes": result.reserved_bytes,
         "interval_rates": result.interval_rates,
+        "energy": result.energy,
     }
 
 

@@ -1,0 +1,431 @@
+"""The energy meter without the hardware: a fake NVML (the functions nvidia-ml-py exposes,
+a counter that advances), a fake powercap tree (packages, a subzone, psys, a counter that
+wraps, an unreadable zone), the clock reading it at its synchronised points, the ranks'
+sum, and a run's figures."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.train.test_loop import _fit, _flat_linear, _splits
+from tracking.metrics import (
+    DEVICE_UTILIZATION,
+    ENERGY_J,
+    ENERGY_PER_SAMPLE,
+    MEAN_WATTS,
+    joules_per,
+)
+from train import loop
+from train.config import TrainerConfig
+from train.measure import energy
+from train.measure.energy import (
+    NVML_COUNTER,
+    NVML_SAMPLES,
+    RAPL,
+    UNMEASURED,
+    Energy,
+    EnergyMeter,
+    RaplReader,
+    energy_meter,
+    nvml_meter,
+    rapl_meter,
+    rapl_zones,
+    time_weighted_mean,
+)
+from train.measure.throughput import ThroughputClock
+
+CPU = torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- a fake NVML
+
+
+class FakeNvml:
+    """The part of nvidia-ml-py's pynvml module the meter calls, over one card whose
+    energy counter (mJ), power samples (mW) and utilisation samples (%) the test sets."""
+
+    NVML_TOTAL_POWER_SAMPLES = 0
+    NVML_GPU_UTILIZATION_SAMPLES = 1
+    NVML_VALUE_TYPE_UNSIGNED_INT = 1
+
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_NotSupported(NVMLError):  # noqa: N801 - pynvml's name
+        pass
+
+    class NVMLError_NotFound(NVMLError):  # noqa: N801 - pynvml's name
+        pass
+
+    def __init__(self, counter: bool = True, power_mw: int = 250_000):
+        self.counter = counter
+        self.energy_mj = 1_000_000  # since the driver loaded: never read from zero
+        self.power_mw = power_mw
+        self.samples: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
+        self.utilization = 40
+        self.inits = 0
+        self.uuids: list[str] = []
+
+    def nvmlInit(self) -> None:  # noqa: N802 - pynvml's names
+        self.inits += 1
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:  # noqa: N802
+        self.uuids.append(uuid)
+        return "handle"
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:  # noqa: N802
+        return "handle"
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: str) -> int:  # noqa: N802
+        if not self.counter:
+            raise self.NVMLError_NotSupported("Not Supported")
+        return self.energy_mj
+
+    def nvmlDeviceGetPowerUsage(self, handle: str) -> int:  # noqa: N802
+        return self.power_mw
+
+    def nvmlDeviceGetSamples(self, handle: str, kind: int, since: int):  # noqa: N802
+        found = [
+            SimpleNamespace(timeStamp=t, sampleValue=SimpleNamespace(uiVal=v))
+            for t, v in self.samples[kind]
+            if t > since
+        ]
+        if not found:
+            raise self.NVMLError_NotFound("Not Found")
+        return self.NVML_VALUE_TYPE_UNSIGNED_INT, found
+
+    def nvmlDeviceGetUtilizationRates(self, handle: str):  # noqa: N802
+        return SimpleNamespace(gpu=self.utilization, memory=0)
+
+
+def test_the_fake_nvml_is_shaped_like_nvidia_ml_py() -> None:
+    """Every function and constant the fake gives the meter exists in pynvml with the same
+    parameters: the meter cannot call what the real module lacks."""
+    pynvml = pytest.importorskip("pynvml")
+    for name, member in vars(FakeNvml).items():
+        if name.startswith("nvml"):
+            real = getattr(pynvml, name)
+            ours = list(inspect.signature(member).parameters)[1:]  # less self
+            assert len(inspect.signature(real).parameters) == len(ours), name
+        elif name.startswith("NVML"):
+            assert hasattr(pynvml, name), name
+    assert issubclass(pynvml.NVMLError_NotSupported, pynvml.NVMLError)
+    assert pynvml.NVML_VALUE_TYPE_UNSIGNED_INT == 1
+
+
+class Clock:
+    """perf_counter seconds and NVML's CPU microseconds, moved by the test."""
+
+    def __init__(self) -> None:
+        self.s = 100.0
+
+    def now(self) -> float:
+        return self.s
+
+    def now_us(self) -> int:
+        return round(self.s * 1e6)
+
+
+def test_the_nvml_counter_gives_the_joules_of_each_window_and_the_mean_utilisation() -> None:
+    nvml, clock = FakeNvml(), Clock()
+    meter = nvml_meter(CPU, nvml, clock.now_us, uuid="GPU-1234")
+    assert isinstance(meter, EnergyMeter)
+    meter._now = clock.now
+    assert nvml.uuids == ["GPU-1234"]
+    meter.start()
+    nvml.energy_mj += 300_000  # 300 J over 2 s
+    nvml.samples[1] = [(clock.now_us() + 500_000, 60), (clock.now_us() + 1_500_000, 80)]
+    clock.s += 2
+    meter.stop()
+    nvml.energy_mj += 999_000  # between windows (a validation): not counted
+    clock.s += 5
+    meter.start()
+    nvml.energy_mj += 100_000  # 100 J over 1 s
+    clock.s += 1
+    nvml.utilization = 10  # no sample in this window: the last reading
+    meter.stop()
+    reading = meter.reading()
+    assert reading is not None
+    assert reading.source == NVML_COUNTER
+    assert reading.joules == pytest.approx(400.0)
+    assert reading.seconds == pytest.approx(3.0)
+    assert reading.mean_watts == pytest.approx(400 / 3)
+    # window means 0.70 (2 s) and 0.10 (1 s), weighted by their seconds
+    assert reading.utilization == pytest.approx((0.7 * 2 + 0.1 * 1) / 3)
+    assert reading.counters == ("GPU-1234",)
+
+
+def test_without_an_energy_counter_the_power_samples_are_integrated_over_the_window() -> None:
+    nvml, clock = FakeNvml(counter=False, power_mw=999_000), Clock()
+    meter = nvml_meter(CPU, nvml, clock.now_us, uuid="GPU-1")
+    assert isinstance(meter, EnergyMeter)
+    meter._now = clock.now
+    start = clock.now_us()
+    # 200 W for 1 s then a ramp to 300 W over 1 s: trapezoid mean (200 + 250) / 2 = 225 W
+    nvml.samples[0] = [(start - 10, 5_000_000), (start + 1, 200_000), (start + 1_000_001, 200_000),
+                       (start + 2_000_001, 300_000)]  # fmt: skip
+    meter.start()
+    clock.s += 4  # a window of 4 s whose samples span 2 s: their mean over its seconds
+    meter.stop()
+    reading = meter.reading()
+    assert reading is not None and reading.source == NVML_SAMPLES
+    assert reading.joules == pytest.approx(225 * 4)
+    # A window with no sample in it: the power reading at its end.
+    meter.start()
+    clock.s += 0.5
+    meter.stop()
+    assert meter.reading().joules == pytest.approx(225 * 4 + 999 * 0.5)
+
+
+def test_time_weighted_mean_by_hand() -> None:
+    assert time_weighted_mean([(0, 10.0)]) == 10.0
+    assert time_weighted_mean([(0, 0.0), (2, 2.0), (3, 2.0)]) == pytest.approx((2 + 2) / 3)
+
+
+def test_nvml_without_the_package_or_a_card_says_why() -> None:
+    class Broken(FakeNvml):
+        def nvmlInit(self) -> None:  # noqa: N802
+            raise self.NVMLError("Driver Not Loaded")
+
+    why = nvml_meter(CPU, Broken(), uuid="GPU-1")
+    assert why == "energy: not measured here: NVML: Driver Not Loaded"
+    # No power reading at all either: no meter, not a meter of zeros.
+
+    class Blind(FakeNvml):
+        def nvmlDeviceGetPowerUsage(self, handle: str) -> int:  # noqa: N802
+            raise self.NVMLError_NotSupported("Not Supported")
+
+    assert nvml_meter(CPU, Blind(counter=False), uuid="GPU-1").startswith(
+        "energy: not measured here: NVML"
+    )
+
+
+def test_a_counter_failing_mid_run_ends_the_measurement_not_the_run() -> None:
+    nvml, clock = FakeNvml(), Clock()
+    meter = nvml_meter(CPU, nvml, clock.now_us, uuid="GPU-1")
+    meter._now = clock.now
+    meter.start()
+    clock.s += 1
+    meter.stop()
+    assert meter.reading() is not None
+    nvml.counter = False  # the driver went away
+    meter.start()
+    assert meter.reading() is None
+    assert meter.failed is not None and "NotSupported" in meter.failed
+    meter.stop()  # nothing raised
+
+
+# --------------------------------------------------------------------------- a powercap tree
+
+
+def _zone(root: Path, name: str, label: str, energy_uj: int, range_uj: int = 10**9) -> Path:
+    zone = root / name
+    zone.mkdir(parents=True)
+    (zone / "name").write_text(f"{label}\n")
+    (zone / "energy_uj").write_text(f"{energy_uj}\n")
+    (zone / "max_energy_range_uj").write_text(f"{range_uj}\n")
+    return zone
+
+
+def _unreadable(zone: Path) -> None:
+    """Its counter as an unprivileged process finds it since CVE-2020-8694 (mode 0400, root's);
+    as root, where modes do not stop a read, a counter that is not there."""
+    counter = zone / "energy_uj"
+    if os.geteuid() == 0:
+        counter.unlink()
+        counter.symlink_to(zone / "gone")
+    else:
+        counter.chmod(0)
+
+
+def _powercap(root: Path) -> dict[str, Path]:
+    return {
+        "package-0": _zone(root, "intel-rapl:0", "package-0", 5_000_000),
+        "core": _zone(root, "intel-rapl:0:0", "core", 1_000_000),  # inside package-0
+        "package-1": _zone(root, "intel-rapl:1", "package-1", 990_000_000),  # about to wrap
+        "psys": _zone(root, "intel-rapl:2", "psys", 7_000_000),  # holds the packages
+        "locked": _zone(root, "intel-rapl:3", "package-3", 1_000),
+        "mmio": _zone(root, "intel-rapl-mmio:0", "package-0", 0),  # package-0 through MMIO
+    }
+
+
+def test_rapl_reads_the_readable_packages_only(tmp_path: Path) -> None:
+    zones = _powercap(tmp_path)
+    _unreadable(zones["locked"])
+    found = rapl_zones(tmp_path)
+    assert [z.name for z in found] == ["intel-rapl:0", "intel-rapl:1"]
+
+
+def test_rapl_counts_a_wrap_around(tmp_path: Path) -> None:
+    zones = _powercap(tmp_path)
+    _unreadable(zones["locked"])
+    clock = Clock()
+    meter = rapl_meter(tmp_path)
+    assert isinstance(meter, EnergyMeter)
+    meter._now = clock.now
+    meter.start()
+    (zones["package-0"] / "energy_uj").write_text("35000000\n")  # +30 J
+    (zones["package-1"] / "energy_uj").write_text("20000000\n")  # wrapped: +10 J +20 J
+    (zones["core"] / "energy_uj").write_text("99000000\n")  # inside package-0: not added
+    (zones["psys"] / "energy_uj").write_text("99000000\n")  # the packages again: not added
+    clock.s += 2
+    meter.stop()
+    reading = meter.reading()
+    assert reading is not None and reading.source == RAPL
+    assert reading.joules == pytest.approx(30 + 30)
+    assert reading.mean_watts == pytest.approx(30)
+
+
+def test_rapl_reader_by_hand(tmp_path: Path) -> None:
+    zone = _zone(tmp_path, "intel-rapl:0", "package-0", 900, range_uj=1000)
+    reader = RaplReader(zone)
+    reader.start()
+    (zone / "energy_uj").write_text("100")  # 900 -> 1000 (= 0) -> 100: 200 uJ
+    assert reader.stop(1.0) == pytest.approx(200e-6)
+
+
+def test_no_readable_counter_is_said_never_a_zero(tmp_path: Path) -> None:
+    assert rapl_meter(tmp_path / "absent") == UNMEASURED
+    zones = _powercap(tmp_path / "locked")
+    for zone in zones.values():
+        _unreadable(zone)
+    assert rapl_meter(tmp_path / "locked") == UNMEASURED
+    assert UNMEASURED == "energy: not measured here: no RAPL or NVML counter readable"
+
+
+# --------------------------------------------------------------------------- figures, ranks
+
+
+def test_the_figures_of_a_reading_by_hand() -> None:
+    reading = Energy(joules=120.0, seconds=4.0, source=RAPL, counters=("h:intel-rapl:0",),
+                     utilization=0.5)  # fmt: skip
+    assert reading.metrics(samples=600, units=600, unit="samples") == {
+        ENERGY_J: 120.0, MEAN_WATTS: 30.0, ENERGY_PER_SAMPLE: 0.2, DEVICE_UTILIZATION: 0.5,
+    }  # fmt: skip
+    tokens = reading.metrics(samples=60, units=12_000, unit="tokens")
+    assert tokens[ENERGY_PER_SAMPLE] == 2.0
+    assert tokens[joules_per("tokens")] == pytest.approx(0.01)
+    assert joules_per("tokens") == "energy/joules_per_token"
+
+
+def test_ranks_sum_their_cards_and_count_a_shared_package_once() -> None:
+    def card(uuid: str, joules: float, util: float) -> Energy:
+        return Energy(joules, 2.0, NVML_COUNTER, (uuid,), util)
+
+    both = Energy.combine([card("GPU-a", 100, 0.9), card("GPU-b", 140, 0.7)])
+    assert both.joules == 240 and both.utilization == pytest.approx(0.8)
+    assert both.mean_watts == 120
+    # Two ranks on one CPU package read the same counter over windows a little apart.
+    shared = [Energy(52, 2.1, RAPL, ("h:intel-rapl:0",), 0.9),
+              Energy(50, 2.0, RAPL, ("h:intel-rapl:0",), 0.8)]  # fmt: skip
+    once = Energy.combine(shared)
+    assert once.joules == 52 and once.seconds == 2.1
+    assert Energy.combine(shared[::-1]).joules == 52
+    # A rank that measured nothing: no sum that would read as the whole.
+    assert Energy.combine([card("GPU-a", 100, 0.9), None]) is None
+
+
+# --------------------------------------------------------------------------- on the clock
+
+
+class Watts:
+    """A reader of a constant power over the meter's windows."""
+
+    source = RAPL
+    key = "fake"
+
+    def __init__(self, watts: float):
+        self.watts = watts
+        self.windows = 0
+
+    def start(self) -> None:
+        self.windows += 1
+
+    def stop(self, seconds: float) -> float:
+        return self.watts * seconds
+
+
+def test_the_meter_reads_where_the_clock_reads_so_validation_is_out() -> None:
+    clock = Clock()
+    meter = EnergyMeter([Watts(50.0)], now=clock.now)
+    throughput = ThroughputClock(CPU, first_timed_step=1, now=clock.now, meter=meter)
+    for step in range(4):
+        throughput.begin(step)
+        clock.s += 0.25  # a step
+        throughput.step(step, 8, 8, 0.0)
+        if step == 1:
+            throughput.pause()
+            clock.s += 10  # a validation
+            throughput.resume(step)
+        if step == 2:
+            throughput.interval(step)
+    throughput.stop()
+    reading = throughput.energy()
+    assert throughput.seconds == pytest.approx(0.75)  # steps 1-3
+    assert reading.seconds == pytest.approx(throughput.seconds)
+    assert reading.joules == pytest.approx(50 * 0.75)
+    assert throughput.energy_note == RAPL
+
+
+def test_a_clock_without_a_meter_says_why() -> None:
+    throughput = ThroughputClock(CPU, first_timed_step=0, meter=UNMEASURED)
+    throughput.begin(0)
+    throughput.stop()
+    assert throughput.energy() is None and throughput.energy_note == UNMEASURED
+
+
+def test_a_run_logs_its_energy_over_its_timed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run on a 50 W device whose validations sleep 0.5 s each: its joules are the timed
+    steps', not the validations' (which alone would be over 50 J)."""
+    watts = Watts(50.0)
+    busy = energy.ProcessBusy()
+    monkeypatch.setattr(loop, "energy_meter", lambda device: EnergyMeter([watts], busy))
+    real_evaluate = loop.evaluate
+
+    def slow_evaluate(*args, **kwargs):  # noqa: ANN002, ANN003
+        time.sleep(0.5)
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate", slow_evaluate)
+    data = _splits()
+    cfg = TrainerConfig(batch_size=16, max_steps=6, max_epochs=None, val_every_steps=2,
+                        warmup_steps=0, device="cpu", noise_scale_window=0)  # fmt: skip
+    result = _fit(_flat_linear(data), data, cfg)
+    reading = result.energy
+    assert reading is not None
+    assert reading.joules == pytest.approx(50 * reading.seconds)
+    assert reading.joules < 50 * 0.5  # one validation alone would be 25 J
+    figures = result.metrics()
+    assert figures[ENERGY_J] == reading.joules
+    assert figures[ENERGY_PER_SAMPLE] == pytest.approx(reading.joules / result.timed_samples)
+    assert figures[MEAN_WATTS] == pytest.approx(50)
+    assert DEVICE_UTILIZATION in figures and figures[DEVICE_UTILIZATION] > 0
+    assert result.energy_note == RAPL
+
+
+def test_a_run_without_a_counter_has_no_energy_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loop, "energy_meter", lambda device: UNMEASURED)
+    data = _splits()
+    cfg = TrainerConfig(batch_size=16, max_steps=4, max_epochs=None, device="cpu")
+    result = _fit(_flat_linear(data), data, cfg)
+    assert result.energy is None and result.energy_note == UNMEASURED
+    assert not [k for k in result.metrics() if k.startswith(("energy/", "device/"))]
+
+
+def test_the_device_picks_its_counter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCHFIT_POWERCAP", str(tmp_path / "none"))
+    assert energy_meter(CPU) == UNMEASURED
+    _zone(tmp_path / "tree", "intel-rapl:0", "package-0", 0)
+    monkeypatch.setenv("BATCHFIT_POWERCAP", str(tmp_path / "tree"))
+    assert isinstance(energy_meter(CPU), EnergyMeter)
+    assert energy.why_unmeasured(CPU) is None
+    assert energy.why_unmeasured(torch.device("meta")) == (
+        "energy: not measured here: no counter read on a meta device"
+    )
