@@ -5,6 +5,11 @@ I use?". The rule (`search.recommend`): among the completed trials whose `metric
 `tolerance` of its best value (relative: 0.01 is 1%), the one best in `prefer`. The default is
 the fastest configuration within 1% of the best val accuracy.
 
+Where the trials support a prediction of the time to a target (search/time_to_target.py),
+the configuration predicted to reach it soonest is recommended instead; with an energy
+metric to prefer (`prefer=energy/...`, e.g. energy/to_target_j or energy/joules_per_sample)
+and energy measured, the one predicted to reach it with the fewest joules.
+
 The answer is written as `best.yaml` (the trial's overrides, config search path included) to
 the Hydra output directory and to the study's parent MLflow run, and
 
@@ -27,6 +32,7 @@ from search import speed, time_to_target
 from search.config import RecommendRule
 from search.record import TrialRecord
 from search.space import override_value
+from tracking.metrics import ENERGY_PREFIX
 from train.measure.speed import Speed
 from train.overrides import BEST_KEY, override_key
 
@@ -94,12 +100,22 @@ class Recommendation:
     by_time_note: str | None = None
 
     @property
+    def by_energy(self) -> bool:
+        """Chosen from the plan by its fewest joules to the target (an energy `prefer`)."""
+        plan = self.by_time
+        return plan is not None and prefers_energy(self.rule) and plan.least_energy is not None
+
+    @property
+    def planned(self) -> time_to_target.Predicted | None:
+        """The configuration of the time-to-target plan recommended, when there is one."""
+        return planned(self.by_time, self.rule) if self.by_time is not None else None
+
+    @property
     def untrained(self) -> time_to_target.Predicted | None:
         """The fit report cell recommended, when no trial trained it: `trial` then gives
         the rest of its configuration (the learning rate at the reference batch)."""
-        if self.by_time is not None and not self.by_time.best.trials:
-            return self.by_time.best
-        return None
+        chosen = self.planned
+        return chosen if chosen is not None and not chosen.trials else None
 
     def overrides(self, trial_overrides: Sequence[str]) -> list[str]:
         """What trains the recommended configuration: the trial's overrides, with the
@@ -116,22 +132,21 @@ class Recommendation:
         cell = self.untrained
         if cell is not None:
             assert self.by_time is not None
+            basis = f" ({cell.step_basis} from its precision's trials)"
             return (
-                f"{cell.geometry}, the configuration predicted to reach the target soonest: "
-                f"{cell.steps:.0f} steps x {cell.step_s:.3g} s ({cell.step_basis} from its "
-                f"precision's trials) = {cell.seconds:.3g} s to {self.by_time.describe()}; "
-                f"no trial trained it: the fit report predicts it fits, and its learning "
-                f"rate is trial {n}'s (the nearest batch that reached the target), scaled by "
-                "the study's rule"
+                f"{cell.geometry}, the configuration predicted to reach the target "
+                f"{self._how(cell, basis)} to {self.by_time.describe()}; no trial trained "
+                f"it: the fit report predicts it fits, and its learning rate is trial {n}'s "
+                "(the nearest batch that reached the target), scaled by the study's rule"
             )
-        if self.by_time is not None:
-            best = self.by_time.best
+        chosen = self.planned
+        if chosen is not None:
+            assert self.by_time is not None
             return (
-                f"trial {n}, the configuration predicted to reach the target soonest: "
-                f"{best.geometry}, {best.steps:.0f} steps x {best.step_s:.3g} s = "
-                f"{best.seconds:.3g} s to {self.by_time.describe()}; "
-                f"{'trials' if len(best.trials) > 1 else 'trial'} "
-                f"{', '.join(map(str, best.trials))} trained it"
+                f"trial {n}, the configuration predicted to reach the target "
+                f"{self._how(chosen, name=f'{chosen.geometry}, ')} to {self.by_time.describe()}; "
+                f"{'trials' if len(chosen.trials) > 1 else 'trial'} "
+                f"{', '.join(map(str, chosen.trials))} trained it"
             )
         if rule.metric == rule.prefer or not rule.tolerance or self.preferred is None:
             return f"trial {n}, the best {rule.metric} ({self.value:.4g})"
@@ -141,13 +156,49 @@ class Recommendation:
             f"({self.best_value:.4g}; this one {self.value:.4g})"
         )
         if self.verdict is None:
-            return f"trial {n}, the best {rule.prefer} ({self.preferred:.4g}) {whose}"
+            best = "lowest" if prefers_energy(rule) else "best"
+            return f"trial {n}, the {best} {rule.prefer} ({self.preferred:.4g}) {whose}"
         if self.verdict.faster:
             return f"trial {n}, the fastest configuration {whose}; {self.verdict.describe()}"
         return (
             f"trial {n}, the most accurate {whose}, as no configuration among them is faster "
             f"beyond the noise; {self.verdict.describe()}"
         )
+
+    def _how(self, p: time_to_target.Predicted, basis: str = "", name: str = "") -> str:
+        """'soonest: 150 steps x 0.08 s = 12 s', or by energy 'with the fewest joules:
+        200 steps x 9.8 J = 1.96 kJ (14 s; the fastest, ... )'; `basis`: where its seconds
+        per step come from, `name`: its geometry, said before the figures."""
+        steps = f"{p.steps:.0f} steps"
+        if not self.by_energy:
+            return f"soonest: {name}{steps} x {p.step_s:.3g} s{basis} = {p.seconds:.3g} s"
+        assert self.by_time is not None and p.joules is not None and p.step_j is not None
+        fastest = self.by_time.best
+        than = ""
+        if fastest != p:
+            spent = (
+                f", {time_to_target.format_joules(fastest.joules)}"
+                if fastest.joules is not None
+                else ", its energy not measured"
+            )
+            than = f"; the fastest, {fastest.geometry}, {fastest.seconds:.3g} s{spent}"
+        return (
+            f"with the fewest joules: {name}{steps} x {p.step_j:.3g} J{basis} = "
+            f"{time_to_target.format_joules(p.joules)} ({p.seconds:.3g} s{than})"
+        )
+
+
+def prefers_energy(rule: RecommendRule) -> bool:
+    """Whether the rule prefers an energy metric (energy/joules_per_sample, ...)."""
+    return rule.prefer.startswith(ENERGY_PREFIX)
+
+
+def planned(plan: time_to_target.Plan, rule: RecommendRule) -> time_to_target.Predicted:
+    """The plan's configuration the rule recommends: the one predicted to reach the target
+    with the fewest joules when the rule prefers energy and some configuration has its
+    energy measured, else the one predicted to reach it soonest."""
+    least = plan.least_energy if prefers_energy(rule) else None
+    return least if least is not None else plan.best
 
 
 Scored = tuple[FrozenTrial, float, float | None]  # a trial, its `metric`, its `prefer`
@@ -193,12 +244,14 @@ def _by_speed_check(
     """The most accurate candidate, unless a geometry the speed check timed is faster than
     its geometry in every round: then the most accurate trial of the fastest such one."""
     unit = speed.unit_of(rule.prefer)
+    if unit is None:  # not a throughput (energy/*, memory/*): nothing the check timed
+        return None
     groups: dict[str, list[Scored]] = {}
     for s in within_tolerance:
         groups.setdefault(speed.label(speed.geometry(s[0])), []).append(s)
     timed = {name: speeds[name] for name in groups if name in speeds}
     anchor = speed.label(speed.geometry(_best_of(rule, within_tolerance, "metric")[0]))
-    if unit is None or len(timed) < 2 or anchor not in timed:
+    if len(timed) < 2 or anchor not in timed:
         return None
     faster = [name for name in timed if timed[name].beats(timed[anchor], unit)]
     chosen = max(faster, key=lambda name: timed[name].median(unit)) if faster else anchor
@@ -218,9 +271,10 @@ def recommend(
 ) -> Recommendation | None:
     """By the predicted time to target (`by_time`) where the trials support a prediction
     (to search.target's val/loss, `loss_target`, or the loss every batch size reached),
-    over the trained geometries and the fit report's fitting `cells`; else by the rule
-    (`by_rule`), saying why not. A cell no trial trained takes the rest of its
-    configuration from the trial that reached the target at the batch nearest its own."""
+    over the trained geometries and the fit report's fitting `cells`: the soonest, or with
+    an energy `prefer` the fewest joules (`planned`); else by the rule (`by_rule`), saying
+    why not. A cell no trial trained takes the rest of its configuration from the trial
+    that reached the target at the batch nearest its own."""
     rec = by_rule(trials, rule, speeds)
     if rec is None:
         return None
@@ -228,7 +282,7 @@ def recommend(
         plan = time_to_target.plan(trials, loss_target, cells)
     except time_to_target.Untrusted as why:
         return replace(rec, by_time_note=f"time to target not predicted: {why}")
-    best = plan.best
+    best = planned(plan, rule)
     if not best.trials:  # a cell: the crossing trial of the nearest batch, fewest steps first
         nearest = min(plan.points, key=lambda p: (abs(math.log(p.batch / best.batch)), p.steps))
         template = next(t for t in trials if t.number == nearest.trial)
@@ -240,7 +294,8 @@ def recommend(
     group = [t for t in trials if t.number in best.trials]
     top, _ = candidates(group, rule)
     if top is None:
-        return replace(rec, by_time_note="time to target: its fastest trials have no metric")
+        chosen = "most frugal" if prefers_energy(rule) and plan.least_energy else "fastest"
+        return replace(rec, by_time_note=f"time to target: its {chosen} trials have no metric")
     preferred = metric_value(top[0], rule.prefer)
     return replace(rec, trial=top[0], value=top[1], preferred=preferred, verdict=None, by_time=plan)
 
@@ -290,15 +345,27 @@ def best_document(rec: Recommendation, study_name: str, overrides: Sequence[str]
         del body["values"]
         body["configuration"] = cell.geometry
         body["trained_by_a_trial"] = False
-        body["predicted"] = {
-            "global_batch": cell.batch,
-            "steps_to_target": round(cell.steps, 1),
-            "seconds_per_step": cell.step_s,
-            "seconds_to_target": round(cell.seconds, 3),
-            "seconds_per_step_from": cell.step_basis,
-        }
+        body["predicted"] = _prediction(cell)
+    elif rec.by_energy and rec.planned is not None:  # chosen by it: the prediction beside
+        body["predicted"] = _prediction(rec.planned)
     header = (
         f"# The configuration study {study_name} recommends: {rec.describe()}.\n"
         f"# Train it again: python -m train +{BEST_KEY}=<this file> [more overrides]\n"
     )
     return header + OmegaConf.to_yaml(OmegaConf.create(body), sort_keys=False)
+
+
+def _prediction(p: time_to_target.Predicted) -> dict[str, Any]:
+    """best.yaml's `predicted`: a configuration's steps, seconds and (where measured)
+    joules to the target."""
+    found: dict[str, Any] = {
+        "global_batch": p.batch,
+        "steps_to_target": round(p.steps, 1),
+        "seconds_per_step": p.step_s,
+        "seconds_to_target": round(p.seconds, 3),
+        "seconds_per_step_from": p.step_basis,
+    }
+    if p.joules is not None:
+        found["joules_per_step"] = p.step_j
+        found["joules_to_target"] = round(p.joules, 1)
+    return found

@@ -28,14 +28,25 @@ step (step_ms / a), linear between two measured sizes ("interpolated"). A cell o
 measured sizes is not predicted (a step's fixed cost, or a device filling up, bends the
 line beyond them), nor is one some trial tried that did not complete (diverged, too slow,
 out of memory on the device): the trials showed it does not finish.
+
+Energy to target, where the hardware counts energy (train/measure/energy.py), is predicted
+the same way: a configuration's predicted steps times the joules of one of its steps. A
+geometry trials trained takes the median over them of each trial's mean watts
+(energy/mean_watts) x its own seconds per step; a fit report cell no trial trained, its
+family's joules per micro-step interpolated between the measured micro-batch sizes as the
+seconds are, times its accumulation. A family without energy figures predicts none (not
+zero). The fastest configuration is not always the most frugal (a larger batch takes more
+samples to the target, a busier device more watts), so `Plan.least_energy` and
+`energy_front` give the choice by energy too; Zeus (You et al., NSDI 2023) is the tool that
+optimises this energy-to-accuracy trade-off online, by batch size and power limit.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
@@ -43,7 +54,7 @@ from optuna.trial import FrozenTrial, TrialState
 from search import speed
 from search.critical_batch import NoFit, StepsModel, fit_samples, fit_steps
 from search.record import TrialRecord
-from tracking.metrics import GRAD_NOISE_SCALE, VAL_LOSS
+from tracking.metrics import GRAD_NOISE_SCALE, MEAN_WATTS, VAL_LOSS
 from train.params import ACCUM_KEY, BATCH_KEY, CHECKPOINTING_KEY, GLOBAL_PARAM
 
 FIT_TOLERANCE = 0.25  # the fit's worst relative error in steps over its points
@@ -79,10 +90,16 @@ class Predicted:
     step_basis: str = MEASURED  # or 'interpolated (64, 128)', 'measured (64, other accumulation)'
     # A fit report cell no trial trained: the overrides that set it (key, value), in order.
     sets: tuple[tuple[str, Any], ...] = ()
+    step_j: float | None = None  # joules per optimizer step; None: no energy measured
 
     @property
     def seconds(self) -> float:
         return self.steps * self.step_s
+
+    @property
+    def joules(self) -> float | None:
+        """Joules to the target: its predicted steps x joules per step, where measured."""
+        return None if self.step_j is None else self.steps * self.step_j
 
     @property
     def samples(self) -> float:
@@ -102,6 +119,19 @@ class Plan:
     @property
     def best(self) -> Predicted:
         return self.predicted[0]
+
+    @property
+    def by_energy(self) -> tuple[Predicted, ...]:
+        """The configurations with an energy to target, the fewest joules first (ties: the
+        faster first)."""
+        measured = (p for p in self.predicted if p.joules is not None)
+        return tuple(sorted(measured, key=lambda p: (p.joules, p.seconds)))
+
+    @property
+    def least_energy(self) -> Predicted | None:
+        """The configuration predicted to reach the target with the fewest joules; None
+        where no configuration has energy figures."""
+        return next(iter(self.by_energy), None)
 
     def describe(self) -> str:
         m = self.model
@@ -130,11 +160,41 @@ def steps_to(curve: Sequence[Sequence[float]], target: float) -> float | None:
     return None
 
 
+def format_joules(joules: float) -> str:
+    """'850 J', '1.23 kJ', '4.5 MJ': three significant figures in the unit that keeps
+    the number under 1000 (999.7 J is '1 kJ', not '1e+03 J')."""
+    text, unit = f"{joules:.3g}", "J"
+    for scale, bigger in ((1e3, "kJ"), (1e6, "MJ"), (1e9, "GJ")):
+        if abs(float(text)) < 1000:
+            break
+        text, unit = f"{joules / scale:.3g}", bigger
+    return f"{text} {unit}"
+
+
+def energy_front(predicted: Sequence[Predicted]) -> list[Predicted]:
+    """The configurations with an energy to target that no other beats on both counts
+    (as fast or faster and as frugal or more, better in one): the Pareto front of time
+    and energy to the target, fastest first."""
+    measured = [p for p in predicted if p.joules is not None]
+
+    def dominated(p: Predicted) -> bool:
+        return any(
+            q.seconds <= p.seconds
+            and q.joules <= p.joules
+            and (q.seconds, q.joules) != (p.seconds, p.joules)
+            for q in measured
+        )
+
+    return sorted((p for p in measured if not dominated(p)), key=lambda p: p.seconds)
+
+
 def table(plan: Plan) -> tuple[list[str], list[list[str]]]:
-    """The predicted geometries, fastest first, as rows."""
+    """The predicted geometries, fastest first, as rows; with their energy to target
+    where some configuration has one."""
+    energy = any(p.joules is not None for p in plan.predicted)
     header = [
-        "configuration", "global batch", "steps", "s/step", "s/step from", "time", "samples",
-        "trials",
+        "configuration", "global batch", "steps", "s/step", "s/step from", "time",
+        *(["energy"] if energy else []), "samples", "trials",
     ]  # fmt: skip
     rows = [
         [
@@ -144,6 +204,7 @@ def table(plan: Plan) -> tuple[list[str], list[list[str]]]:
             f"{p.step_s:.3g}",
             p.step_basis,
             f"{p.seconds:.3g} s",
+            *([format_joules(p.joules) if p.joules is not None else "-"] if energy else []),
             f"{p.samples:.0f}",
             ", ".join(map(str, p.trials)) or "-",
         ]
@@ -216,7 +277,12 @@ def plan(
     trained = _trained(trials, keys)
     predicted = [
         Predicted(
-            g.label, g.batch, model.steps(g.batch), statistics.median(g.step_s), tuple(g.trials)
+            g.label,
+            g.batch,
+            model.steps(g.batch),
+            statistics.median(g.step_s),
+            tuple(g.trials),
+            step_j=statistics.median(g.step_j) if g.step_j else None,
         )
         for g in trained.values()
         if g.complete
@@ -241,6 +307,7 @@ class _Trained:
     step_s: list[float]
     trials: list[int]  # its complete trials
     complete: bool = False  # one of them has its seconds per step
+    step_j: list[float] = field(default_factory=list)  # their joules per step, where measured
 
 
 def _family_keys(cells: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -270,6 +337,9 @@ def _trained(trials: Sequence[FrozenTrial], keys: Sequence[str]) -> dict[str, _T
         step_ms = record.outcome.step_ms
         if step_ms:
             g.step_s.append(step_ms / 1000)
+            watts = record.outcome.figure(MEAN_WATTS)
+            if watts is not None:  # the same timed steps: watts x seconds a step
+                g.step_j.append(watts * step_ms / 1000)
         g.complete |= t.state == TrialState.COMPLETE and bool(step_ms)
     return found
 
@@ -280,9 +350,9 @@ def _cells(
     keys: Sequence[str],
     trained: Mapping[str, _Trained],
 ) -> list[Predicted]:
-    """The fitting cells no trial trained, with their seconds per step from their family's
-    trials (`t`, the module's docstring); a family no trial timed is left out. `keys`: a
-    family's coordinates (`_family_keys`)."""
+    """The fitting cells no trial trained, with their seconds (and joules, where measured)
+    per step from their family's trials (`t`, the module's docstring); a family no trial
+    timed is left out. `keys`: a family's coordinates (`_family_keys`)."""
     timed = [g for g in trained.values() if g.step_s]
     tried = {(g.family, g.micro, g.accum) for g in trained.values()}
     out = []
@@ -292,28 +362,36 @@ def _cells(
         kin = [g for g in timed if g.family == family]
         if not cell["fits"] or (family, micro, accum) in tried or not kin:
             continue
-        step = _micro_step_s(kin, micro)
+        step = _per_micro_step(kin, micro, lambda g: g.step_s)
         if step is None:
             continue
         micro_s, basis = step
+        energy = _per_micro_step(kin, micro, lambda g: g.step_j)
+        step_j = accum * energy[0] if energy is not None else None
         ranks = round(statistics.median(g.batch / (g.micro * g.accum) for g in kin))
         like = kin[0].geometry
         swapped = {BATCH_KEY: micro, ACCUM_KEY: accum}
         label = speed.label(tuple((k, swapped.get(k, v)) for k, v in like))
         batch = micro * accum * ranks
         sets = tuple((k, cell[k]) for k in cell if k not in CELL_COLUMNS)
-        out.append(Predicted(label, batch, model.steps(batch), accum * micro_s, (), basis, sets))
+        out.append(
+            Predicted(label, batch, model.steps(batch), accum * micro_s, (), basis, sets, step_j)
+        )
     return out
 
 
-def _micro_step_s(kin: Sequence[_Trained], micro: int) -> tuple[float, str] | None:
-    """Seconds per micro-step of `micro` samples, from the timed geometries of its family,
-    and what it rests on ('interpolated (32, 64)': the measured sizes around it); None
-    outside the measured sizes: how a step's time grows beyond them (a fixed cost a step
-    dominating small batches, the device filling up for large ones) the trials do not say."""
+def _per_micro_step(
+    kin: Sequence[_Trained], micro: int, per_step: Callable[[_Trained], Sequence[float]]
+) -> tuple[float, str] | None:
+    """A figure per micro-step of `micro` samples (`per_step`: a geometry's measured figures
+    per optimizer step, its seconds or its joules), from the geometries of its family, and
+    what it rests on ('interpolated (32, 64)': the measured sizes around it); None outside
+    the measured sizes: how a step's cost grows beyond them (a fixed cost a step dominating
+    small batches, the device filling up for large ones) the trials do not say."""
     per_size: dict[int, list[float]] = {}
     for g in kin:
-        per_size.setdefault(g.micro, []).extend(s / g.accum for s in g.step_s)
+        if per_step(g):
+            per_size.setdefault(g.micro, []).extend(s / g.accum for s in per_step(g))
     t = {m: statistics.median(times) for m, times in per_size.items()}
     if micro in t:
         return t[micro], f"{MEASURED} ({micro}, other accumulation)"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import yaml
 from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
@@ -18,7 +19,14 @@ from search.recommend import best_document, metric_value, recommend
 from search.record import Attr
 from search.validate import recommend_rule, search_config
 from tracking.config import ConfigError
-from tracking.metrics import PEAK_BYTES, THROUGHPUT_SAMPLES, VAL_ACC, VAL_LOSS
+from tracking.metrics import (
+    ENERGY_J,
+    ENERGY_PER_SAMPLE,
+    PEAK_BYTES,
+    THROUGHPUT_SAMPLES,
+    VAL_ACC,
+    VAL_LOSS,
+)
 from train.measure.speed import Speed
 from train.overrides import load_overrides, merge_overrides
 
@@ -397,3 +405,67 @@ def test_the_learning_rate_is_not_part_of_a_geometry() -> None:
     # One trial per geometry is timed: the fastest geometries first, by the trials' own.
     checked = speed.to_check([(t, t.user_attrs[Attr.THROUGHPUT]) for t in trials])
     assert [t.number for t in checked] == [1, 2]
+
+
+# Energy (energy/*): measured where the hardware counts it; without a time-to-target plan,
+# the rule prefers the fewest joules per sample like any minimized metric.
+def _frugal(batch: int, acc: float, speed: float, joules_per_sample: float | None) -> FrozenTrial:
+    trial = _geometry_trial(batch, 1, acc, speed, 0.1)
+    if joules_per_sample is not None:
+        trial.user_attrs[Attr.METRICS][ENERGY_PER_SAMPLE] = joules_per_sample
+    return trial
+
+
+def _energy_trials() -> list[FrozenTrial]:
+    # trial:   0: 64x1      1: 128x1 (fastest)   2: 256x1, out   3: 32x1, most accurate
+    #                                                            4: 16x1, no energy counter
+    return _numbered(
+        [
+            _frugal(64, 0.950, 300.0, 0.45),
+            _frugal(128, 0.945, 900.0, 0.52),
+            _frugal(256, 0.930, 2000.0, 0.20),
+            _frugal(32, 0.951, 100.0, 0.60),
+            _frugal(16, 0.949, 80.0, None),
+        ]
+    )
+
+
+def test_preferring_joules_per_sample_picks_the_fewest_within_tolerance() -> None:
+    # Within 1% of 0.951 (>= 0.94149): trials 0, 1, 3 and 4; 4 has no energy figure (its
+    # hardware counts none: never 0), so it cannot be preferred. The fewest joules per
+    # sample of 0 (0.45), 1 (0.52) and 3 (0.60) is trial 0; 2 (0.20) is out. By throughput,
+    # trial 1.
+    rule = RecommendRule(ACC, 0.01, ENERGY_PER_SAMPLE)
+    assert rule.known[ENERGY_PER_SAMPLE] == "minimize"
+    rec = recommend(_energy_trials(), rule)
+    assert rec.trial.number == 0 and rec.num_candidates == 3 and rec.preferred == 0.45
+    assert rec.describe() == (
+        "trial 0, the lowest energy/joules_per_sample (0.45) among the 3 trials whose val/acc "
+        "is within 1% of the best (0.951; this one 0.95)"
+    )
+    assert recommend(_energy_trials(), RecommendRule(ACC, 0.01, SPEED)).trial.number == 1
+
+
+def test_an_energy_preference_skips_the_speed_check() -> None:
+    """A speed check that finds 128x1 faster in every round than the most accurate 32x1
+    decides a throughput preference (trial 1) but not an energy one: energy is not what it
+    timed (no throughput unit)."""
+    assert speed.unit_of(ENERGY_PER_SAMPLE) is None and speed.unit_of(ENERGY_J) is None
+    speeds = {
+        "32x1 fp32": Speed((100.0, 105.0, 110.0), (100.0, 105.0, 110.0)),
+        "64x1 fp32": Speed((400.0, 410.0, 420.0), (400.0, 410.0, 420.0)),
+        "128x1 fp32": Speed((600.0, 615.0, 640.0), (600.0, 615.0, 640.0)),
+    }
+    by_speed = recommend(_energy_trials(), _rule(), speeds)
+    assert by_speed.trial.number == 1 and by_speed.verdict is not None
+    rule = RecommendRule(ACC, 0.01, ENERGY_PER_SAMPLE)
+    rec = recommend(_energy_trials(), rule, speeds)
+    assert rec.trial.number == 0 and rec.verdict is None
+    assert "speed check" not in rec.describe()
+
+
+def test_best_yaml_keeps_the_energy_figures_of_the_trial() -> None:
+    rec = recommend(_energy_trials(), RecommendRule(ACC, 0.01, ENERGY_PER_SAMPLE))
+    body = yaml.safe_load(best_document(rec, "s", ["trainer.batch_size=64"]))
+    assert body["values"][ENERGY_PER_SAMPLE] == 0.45
+    assert "predicted" not in body  # no time-to-target plan: nothing predicted

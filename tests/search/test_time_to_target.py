@@ -9,13 +9,30 @@ import yaml
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from search.config import RecommendRule
+from search.config import TARGET_METRICS, RecommendRule
 from search.plots import time_to_target_plot
 from search.recommend import best_document, recommend
 from search.record import Attr
 from search.report import lr_plan
-from search.time_to_target import Untrusted, plan, steps_to
-from tracking.metrics import GRAD_NOISE_SCALE, STEP_MS, THROUGHPUT_SAMPLES, VAL_ACC
+from search.time_to_target import (
+    Predicted,
+    Untrusted,
+    energy_front,
+    format_joules,
+    plan,
+    steps_to,
+    table,
+)
+from tracking.metrics import (
+    ENERGY_J,
+    ENERGY_PER_SAMPLE,
+    GRAD_NOISE_SCALE,
+    MEAN_WATTS,
+    STEP_MS,
+    THROUGHPUT_SAMPLES,
+    TO_TARGET_J,
+    VAL_ACC,
+)
 from train.params import LR_PARAM
 
 ACC, SPEED = VAL_ACC, THROUGHPUT_SAMPLES
@@ -40,7 +57,13 @@ def _trial(
     noise: float | None = None,
     acc: float = 0.9,
     accum: int = 1,
+    watts: float | None = None,
 ) -> FrozenTrial:
+    """A completed trial whose val/loss crosses 1.0 at `steps`, timed at `step_ms` a step;
+    with `watts`, its mean power over those steps (where the hardware counts energy)."""
+    energy = {} if watts is None else {
+        MEAN_WATTS: watts, ENERGY_PER_SAMPLE: watts * step_ms / 1000 / batch,
+    }  # fmt: skip
     attrs = {
         "trainer.batch_size": batch // accum,
         "trainer.accum_steps": accum,
@@ -54,7 +77,8 @@ def _trial(
         "step_ms": step_ms,
         "val_curve": _curve(steps, every=max(1.0, steps / 5)),
         "metrics": {ACC: acc, SPEED: batch / step_ms * 1000, STEP_MS: step_ms}
-        | ({GRAD_NOISE_SCALE: noise} if noise else {}),
+        | ({GRAD_NOISE_SCALE: noise} if noise else {})
+        | energy,
     }
     return create_trial(
         state=TrialState.COMPLETE,
@@ -305,3 +329,144 @@ def test_with_four_batch_sizes_one_outlier_is_left_out_and_said():
     with pytest.raises(Untrusted, match="misses one by|no fit"):
         plan(_study([_trial(b, s, 50.0) for b, s in steps.items()]), target=1.0)
     assert "3 of 3" not in plan(_study([_trial(b, _on_model(b), 50.0) for b in steps])).source
+
+
+# Energy to target: joules per step x predicted steps, where the hardware counts energy.
+def _frugal_study() -> list[FrozenTrial]:
+    """Four batch sizes on the model (S_min 100, B_crit 64), the 64s three times; with their
+    mean watts, joules per step = watts x seconds per step:
+      trial 0: 32,  80 ms, 100 W ->  8   J; 300 steps: 24 s, 2400 J
+      trials 1-3: 64, 70 ms, 150 W, 130 W and none -> 10.5 and 9.1 J, median 9.8 J
+                  (the one without energy counts for nothing); 200 steps: 14 s, 1960 J
+      trial 4: 128, 80 ms, 250 W -> 20   J; 150 steps: 12 s, 3000 J (the fastest)
+      trial 5: 256, 200 ms, 130 W -> 26  J; 125 steps: 25 s, 3250 J
+    The fewest joules to the target are 64's, 2 s slower than 128's."""
+    runs = [(32, 80.0, 100.0), (64, 70.0, 150.0), (64, 70.0, 130.0), (64, 70.0, None)]
+    runs += [(128, 80.0, 250.0), (256, 200.0, 130.0)]
+    return _study([_trial(b, _on_model(b), ms, watts=w) for b, ms, w in runs])
+
+
+def test_joules_to_target_are_the_median_joules_per_step_times_the_steps():
+    p = plan(_frugal_study(), target=1.0)
+    by = {x.geometry: x for x in p.predicted}
+    assert by["64x1 fp32"].step_j == pytest.approx(9.8)
+    assert {g: x.joules for g, x in by.items()} == {
+        "32x1 fp32": pytest.approx(2400, rel=0.02), "64x1 fp32": pytest.approx(1960, rel=0.02),
+        "128x1 fp32": pytest.approx(3000, rel=0.02), "256x1 fp32": pytest.approx(3250, rel=0.02),
+    }  # fmt: skip
+    assert p.best.geometry == "128x1 fp32"  # the soonest
+    assert p.least_energy.geometry == "64x1 fp32"
+    assert [x.geometry for x in p.by_energy] == ["64x1 fp32", "32x1 fp32", "128x1 fp32",
+                                                 "256x1 fp32"]  # fmt: skip
+    header, rows = table(p)
+    assert header[5:8] == ["time", "energy", "samples"]
+    assert [(r[0], r[6]) for r in rows] == [
+        ("128x1 fp32", "3 kJ"), ("64x1 fp32", "1.96 kJ"), ("32x1 fp32", "2.4 kJ"),
+        ("256x1 fp32", "3.25 kJ"),
+    ]  # fmt: skip
+
+
+def test_without_energy_figures_no_joules_and_no_energy_column():
+    """Hardware without an energy counter: no energy/* figures, so no joules (never 0)."""
+    trials = _study([_trial(b, _on_model(b), 80.0) for b in (32, 64, 128, 256)])
+    p = plan(trials, target=1.0)
+    assert all(x.joules is None and x.step_j is None for x in p.predicted)
+    assert p.least_energy is None and p.by_energy == ()
+    header, rows = table(p)
+    assert "energy" not in header and all(len(r) == len(header) for r in rows)
+    # preferring energy then has nothing to go by: the soonest, said as such
+    rec = recommend(trials, RecommendRule(ACC, 0.01, ENERGY_J), loss_target=1.0)
+    assert rec.planned == p.best
+    assert not rec.by_energy and "reach the target soonest" in rec.describe()
+
+
+def test_format_joules_keeps_three_figures_under_a_thousand():
+    assert [format_joules(j) for j in (0.52, 850, 999.7, 1234, 1960, 4.5e6)] == [
+        "0.52 J", "850 J", "1 kJ", "1.23 kJ", "1.96 kJ", "4.5 MJ",
+    ]  # fmt: skip
+
+
+def _predicted(geometry: str, seconds: float, joules: float | None) -> Predicted:
+    """100 steps of seconds / 100 and joules / 100 each."""
+    step_j = None if joules is None else joules / 100
+    return Predicted(geometry, 64, 100.0, seconds / 100, (1,), step_j=step_j)
+
+
+def test_the_energy_front_is_what_no_other_beats_in_both_time_and_energy():
+    """(seconds, joules): A (10, 3000), B (12, 2000), C (15, 2500): B is faster and lower;
+    G (12, 2200): as fast as B and higher; D (20, 1500); E unmeasured. The front, fastest
+    first: A, B, D."""
+    a, b, c = _predicted("A", 10, 3000), _predicted("B", 12, 2000), _predicted("C", 15, 2500)
+    g, d, e = _predicted("G", 12, 2200), _predicted("D", 20, 1500), _predicted("E", 5, None)
+    assert energy_front([c, e, d, g, b, a]) == [a, b, d]
+    assert energy_front([e]) == []
+    twin = _predicted("B2", 12, 2000)  # equal to B on both counts: neither beats the other
+    assert [p.geometry for p in energy_front([b, twin, c])] == ["B", "B2"]
+
+
+@pytest.mark.parametrize("prefer", [ENERGY_PER_SAMPLE, ENERGY_J, TO_TARGET_J])
+def test_preferring_energy_recommends_the_fewest_joules_to_the_target(prefer: str):
+    """The same trials: by throughput (the default) 128x1, 12 s and 3000 J; by any energy
+    metric 64x1, 2 s slower but 1960 J: its first trial (1), all as accurate."""
+    trials = _frugal_study()
+    known = {**RecommendRule().known, **TARGET_METRICS}
+    fastest = recommend(trials, RecommendRule(ACC, 0.01, SPEED, known), loss_target=1.0)
+    assert fastest.trial.number == 4 and not fastest.by_energy
+    assert "predicted to reach the target soonest: 128x1 fp32, 150 steps" in fastest.describe()
+    assert "predicted" not in yaml.safe_load(best_document(fastest, "s", []))
+    rec = recommend(trials, RecommendRule(ACC, 0.01, prefer, known), loss_target=1.0)
+    assert rec.by_energy and rec.trial.number == 1
+    assert rec.planned.geometry == "64x1 fp32"
+    assert rec.describe().startswith(
+        "trial 1, the configuration predicted to reach the target with the fewest joules: "
+        "64x1 fp32, 200 steps x 9.8 J = 1.96 kJ (14 s; the fastest, 128x1 fp32, 12 s, 3 kJ) "
+        "to val/loss <= 1 (search.target)"
+    )
+    assert rec.describe().endswith("trials 1, 2, 3 trained it")
+    body = yaml.safe_load(best_document(rec, "s", []))
+    assert body["trial"] == 1 and "values" in body  # trained: its own figures stay
+    assert body["predicted"]["joules_to_target"] == pytest.approx(1960, rel=0.02)
+    assert body["predicted"]["seconds_to_target"] == pytest.approx(14, rel=0.02)
+
+
+def _energy_cells_study(watts_256: float | None) -> list[FrozenTrial]:
+    """Trials at 32, 64 and 256 (on the model) at 50, 70 and 120 ms a step and 200, 200 W
+    and `watts_256`: 10, 14 and (200 W) 24 J a step."""
+    runs = [(32, 50.0, 200.0), (64, 70.0, 200.0), (256, 120.0, watts_256)]
+    return _study([_trial(b, _on_model(b), ms, watts=w) for b, ms, w in runs])
+
+
+def test_a_cell_no_trial_trained_takes_its_familys_interpolated_joules():
+    """128x1 fp32: 14 + (24 - 14)(128 - 64)/(256 - 64) = 17.33 J a step (as its seconds:
+    86.7 ms), 150 steps: 2600 J, fewer than 64's 200 x 14 = 2800, 256's 125 x 24 = 3000 and
+    32's 300 x 10 = 3000; 64x2 fp32 is 2 micro-steps of 64: 28 J, 150 steps, 4200 J. With
+    256's energy unmeasured, 128 lies beyond the sizes with energy: its seconds are
+    predicted, its joules are not."""
+    cells = [_cell(32), _cell(64), _cell(128), _cell(256), _cell(64, accum=2)]
+    trials = _energy_cells_study(200.0)
+    p = plan(trials, target=1.0, cells=cells)
+    by = {x.geometry: x for x in p.predicted}
+    cell = by["128x1 fp32"]
+    assert cell.trials == () and cell.step_j == pytest.approx(14 + 10 * 64 / 192)
+    assert cell.joules == pytest.approx(2600, rel=0.02)
+    assert by["64x2 fp32"].step_j == pytest.approx(28.0)
+    assert p.least_energy is cell
+    rule = RecommendRule(ACC, 0.01, ENERGY_PER_SAMPLE)
+    rec = recommend(trials, rule, loss_target=1.0, cells=cells)
+    assert rec.untrained == cell and rec.by_energy
+    assert rec.describe().startswith(
+        "128x1 fp32, the configuration predicted to reach the target with the fewest "
+        "joules: 150 steps x 17.3 J (interpolated (64, 256) from its precision's trials) = "
+        "2.6 kJ (13 s) to"
+    )
+    predicted = yaml.safe_load(best_document(rec, "s", rec.overrides([])))["predicted"]
+    assert predicted["joules_to_target"] == pytest.approx(2600, rel=0.02)
+    assert predicted["joules_per_step"] == pytest.approx(17.33, rel=1e-3)
+
+    unmeasured = plan(_energy_cells_study(None), target=1.0, cells=cells)
+    by = {x.geometry: x for x in unmeasured.predicted}
+    assert by["128x1 fp32"].step_s == pytest.approx(0.070 + 0.050 * 64 / 192)
+    assert by["128x1 fp32"].joules is None and by["256x1 fp32"].joules is None
+    assert by["64x2 fp32"].step_j == pytest.approx(28.0)
+    header, rows = table(unmeasured)
+    assert {r[0]: r[header.index("energy")] for r in rows}["128x1 fp32"] == "-"
