@@ -317,3 +317,38 @@ def test_cli_unexpected_error_while_preparing_is_redacted(tmp_path: Path) -> Non
     assert SECRET not in output and "Error executing job" not in output
     assert "RuntimeError: the model cannot be built" in done.stderr
     assert "The study did not start: InstantiationException while preparing it" in done.stderr
+
+
+def test_energy_figures_need_a_counter_and_its_absence_is_said_once(
+    hydra_conf, stores, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No counter readable (an empty powercap tree): a study asked to optimise or prefer an
+    energy figure is refused before trial 0, naming each key; one that is not says so once.
+    With a readable RAPL zone, the same study starts and says nothing of energy."""
+    monkeypatch.setenv("BATCHFIT_POWERCAP", str(tmp_path / "empty"))
+    asked = ["search.objectives=[val/acc,energy/joules_per_sample]",
+             "search.recommend.prefer=device/utilization"]  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        _prepare(hydra_conf, [*stores["overrides"], *asked])
+    assert error.value.problems == [
+        "search.objectives=energy/joules_per_sample: not measured here: no RAPL or NVML "
+        "counter readable, so no trial would report energy/joules_per_sample; choose another "
+        "metric, or run where NVML (an NVIDIA GPU, the energy extra) or RAPL "
+        "(/sys/class/powercap readable) counts energy",
+        "search.recommend.prefer=device/utilization: not measured here: no RAPL or NVML "
+        "counter readable, so no trial would report device/utilization; choose another "
+        "metric, or run where NVML (an NVIDIA GPU, the energy extra) or RAPL "
+        "(/sys/class/powercap readable) counts energy",
+    ]
+    driver = _prepare(hydra_conf, [*stores["overrides"], "search.study_name=e1"])
+    said = driver.console.export_text()
+    assert said.count("energy: not measured here: no RAPL or NVML counter readable") == 1
+    zone = tmp_path / "tree" / "intel-rapl:0"
+    zone.mkdir(parents=True)
+    (zone / "name").write_text("package-0\n")
+    (zone / "energy_uj").write_text("0\n")
+    (zone / "max_energy_range_uj").write_text("1000000\n")
+    monkeypatch.setenv("BATCHFIT_POWERCAP", str(tmp_path / "tree"))
+    driver = _prepare(hydra_conf, [*stores["overrides"], *asked, "search.study_name=e2"])
+    assert driver.checked.settings.objectives == ("val/acc", "energy/joules_per_sample")
+    assert "not measured" not in driver.console.export_text()
