@@ -14,6 +14,9 @@ HTML page (Optuna's plotly visualisations). The study's parent MLflow run carrie
   which a prediction is pruned as oom_predicted;
 - `lr_vs_effective_batch.png`: the learning rate trained with against the effective batch,
   coloured by val accuracy, with the line of the linear scaling rule through the best trial;
+- `energy_to_target.png`, where energy was measured: energy against time to the target
+  per predicted configuration, the Pareto front of the two marked (filled, joined by its
+  staircase; the configurations it dominates hollow) and the recommended one circled;
 - `importances.png`: parameter importances per objective (Optuna's default evaluator,
   PED-ANOVA in Optuna 5), once MIN_IMPORTANCE_TRIALS trials have completed; throughput/*
   and memory/* over the batch geometry only (GEOMETRY_PARAMS);
@@ -598,11 +601,15 @@ def html(study: optuna.Study, metrics: Sequence[str]) -> str:
     )
 
 
-def time_to_target_plot(plan: time_to_target.Plan) -> Figure:
+def time_to_target_plot(
+    plan: time_to_target.Plan, recommended: time_to_target.Predicted | None = None
+) -> Figure:
     """McCandlish et al. 2018's model fitted to the study, against the global batch: samples
     to the target (the curve E(B) = E_min (1 + B/B_crit), the trials that crossed it on it),
     and the time to it (each trained geometry's predicted steps x its seconds per step, the
-    trials' measured times beside them, and the fit report's cells no trial trained)."""
+    trials' measured times beside them, and the fit report's cells no trial trained).
+    `recommended`: the configuration recommended (None: the plan's soonest)."""
+    chosen = recommended or plan.best
     fig = Figure(figsize=(10, 4.8), layout="constrained")
     fig.suptitle("\n".join(textwrap.wrap(f"Time to target: {plan.describe()}", 110)), fontsize=10)
     samples, seconds = fig.subplots(1, 2)
@@ -628,7 +635,7 @@ def time_to_target_plot(plan: time_to_target.Plan) -> Figure:
             [p.batch for p in cells], [p.seconds for p in cells], color="tab:green",
             marker="+", label="fit report cells no trial trained (s/step interpolated)",
         )  # fmt: skip
-    for p in {*trained, plan.best}:
+    for p in {*trained, chosen}:
         seconds.annotate(p.geometry, (p.batch, p.seconds), fontsize=7, xytext=(4, 4),
                          textcoords="offset points")  # fmt: skip
     seconds.scatter(
@@ -636,7 +643,7 @@ def time_to_target_plot(plan: time_to_target.Plan) -> Figure:
         edgecolors="black", label="trials, measured", zorder=3,
     )  # fmt: skip
     seconds.scatter(
-        [plan.best.batch], [plan.best.seconds], s=160, facecolors="none", edgecolors="tab:red",
+        [chosen.batch], [chosen.seconds], s=160, facecolors="none", edgecolors="tab:red",
         label="recommended", zorder=4,
     )  # fmt: skip
     seconds.set_ylabel("seconds to target")
@@ -649,15 +656,59 @@ def time_to_target_plot(plan: time_to_target.Plan) -> Figure:
     return fig
 
 
+def energy_to_target_plot(
+    plan: time_to_target.Plan, recommended: time_to_target.Predicted | None = None
+) -> Figure:
+    """Each predicted configuration with its energy measured at its time (x) and energy
+    (y) to the target, labelled with its geometry: those on the Pareto front of the two
+    (`time_to_target.energy_front`) filled and joined by the front's staircase (what lies
+    above and right of it is dominated), the others hollow; `recommended` (None: the
+    plan's soonest) circled. Which configuration is worth its seconds in joules is the
+    reader's choice; search.recommend.prefer=energy/... makes the front's frugal end it."""
+    chosen = recommended or plan.best
+    fig, ax = _figure("Energy and time to the target per configuration (filled: Pareto front)")
+    measured = plan.by_energy
+    front = time_to_target.energy_front(measured)
+    others = [p for p in measured if p not in front]
+    if front:
+        xs, ys = [p.seconds for p in front], [p.joules for p in front]
+        ax.step(xs, ys, where="post", color="tab:green", alpha=0.6)  # dominated: above, right
+        ax.plot(
+            xs, ys, "o", color="tab:green",
+            label="Pareto front: no configuration both faster and lower-energy",
+        )  # fmt: skip
+    if others:
+        ax.plot(
+            [p.seconds for p in others], [p.joules for p in others], "o", color="tab:gray",
+            markerfacecolor="none", label="dominated: another is faster and lower-energy",
+        )  # fmt: skip
+    for p in measured:
+        ax.annotate(p.geometry, (p.seconds, p.joules), fontsize=7, xytext=(4, 4),
+                    textcoords="offset points")  # fmt: skip
+    if chosen.joules is not None:
+        ax.scatter(
+            [chosen.seconds], [chosen.joules], s=200, facecolors="none", edgecolors="tab:red",
+            linewidths=1.5, label=f"recommended ({chosen.geometry})", zorder=4,
+        )  # fmt: skip
+    if not measured:
+        _no_data(ax, "no configuration has its energy measured")
+    ax.set_xlabel("seconds to target (predicted)")
+    ax.set_ylabel("joules to target (predicted)")
+    _legend(ax)
+    return fig
+
+
 def render(
     study: optuna.Study,
     metrics: Sequence[str],
     recommended: int | None,
     margin: float | None = None,
     plan: time_to_target.Plan | None = None,
+    planned: time_to_target.Predicted | None = None,
 ) -> dict[str, bytes]:
     """Every plot of the study: file name -> content. `margin`: search.preflight_margin, for
-    the memory plot's line where pruning starts (None: the budget line alone)."""
+    the memory plot's line where pruning starts (None: the budget line alone); `planned`:
+    the configuration of `plan` recommended (None: its soonest)."""
     pts = points(study.get_trials(deepcopy=False))
     files = {
         "front.png": png(front(study, metrics, pts, recommended)),
@@ -669,6 +720,8 @@ def render(
     if importance is not None:
         files["importances.png"] = png(importance)
     if plan is not None:
-        files["time_to_target.png"] = png(time_to_target_plot(plan))
+        files["time_to_target.png"] = png(time_to_target_plot(plan, planned))
+        if plan.least_energy is not None:
+            files["energy_to_target.png"] = png(energy_to_target_plot(plan, planned))
     files["study.html"] = html(study, metrics).encode()
     return files

@@ -122,6 +122,7 @@ class Results:
                 rec.trial.number if rec else None,
                 self.margin,
                 rec.by_time if rec else None,
+                rec.planned if rec else None,
             ),
             PLOTS_PATH,
         )

@@ -15,6 +15,8 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from search import plots
+from search.critical_batch import StepsModel
+from search.time_to_target import Plan, Point, Predicted
 from tracking.metrics import THROUGHPUT_SAMPLES, VAL_ACC
 
 MIB = 2**20
@@ -355,3 +357,65 @@ def test_throughput_importances_are_over_the_batch_geometry_only() -> None:
     )
     # study.html's importances too (plotly writes "/" as "\u002f")
     assert "samples_per_sec (geometry only)" in plots.html(study, METRICS)
+
+
+# --- energy_to_target.png: energy against time to the target -----------------------------
+
+
+def _predicted(geometry: str, seconds: float, joules: float | None) -> Predicted:
+    """100 steps of seconds / 100 and joules / 100 each."""
+    step_j = None if joules is None else joules / 100
+    return Predicted(geometry, 64, 100.0, seconds / 100, (1,), step_j=step_j)
+
+
+def _energy_plan(*predicted: Predicted) -> Plan:
+    """A plan made by hand (its model's points for time_to_target.png only)."""
+    points = (Point(1, "64x1 fp32", 64, 200.0, 0.05), Point(2, "128x1 fp32", 128, 150.0, 0.08))
+    return Plan(1.0, "search.target", StepsModel(100.0, 64.0), "fitted", None, points, predicted)
+
+
+# (seconds, joules) to the target: A is the fastest, B slower and lower, C dominated by B,
+# D the lowest; E has no energy figure (hardware without a counter): not drawn.
+FRUGAL = (
+    _predicted("64x1 fp32", 10, 3000), _predicted("128x1 fp32", 12, 2000),
+    _predicted("32x1 fp32", 15, 2500), _predicted("256x1 fp32", 20, 1500),
+    _predicted("16x1 fp32", 30, None),
+)  # fmt: skip
+
+
+def test_energy_plot_fills_the_front_and_hollows_what_it_dominates() -> None:
+    # The front (time_to_target.energy_front): 10 s 3000 J, 12 s 2000 J, 20 s 1500 J, joined
+    # by a staircase (after each point, its energy holds until the next one's time); 32x1
+    # (15 s, 2500 J) is above and right of 128x1: hollow. The fastest is circled by default.
+    ax = plots.energy_to_target_plot(_energy_plan(*FRUGAL)).axes[0]
+    assert _lines(ax, "o", hollow=False) == [([10, 12, 20], [3000, 2000, 1500])]
+    assert _lines(ax, "o", hollow=True) == [([15], [2500])]
+    (staircase,) = [line for line in ax.get_lines() if line.get_drawstyle() == "steps-post"]
+    assert list(staircase.get_xdata()) == [10, 12, 20]
+    assert sorted(_texts(ax)) == ["128x1 fp32", "256x1 fp32", "32x1 fp32", "64x1 fp32"]
+    (circle,) = ax.collections
+    assert [tuple(xy) for xy in circle.get_offsets()] == [(10, 3000)]
+    assert "recommended (64x1 fp32)" in _legend_texts(ax)
+
+
+def test_energy_plot_circles_the_configuration_recommended_by_energy() -> None:
+    ax = plots.energy_to_target_plot(_energy_plan(*FRUGAL), FRUGAL[3]).axes[0]
+    assert [tuple(xy) for xy in ax.collections[0].get_offsets()] == [(20, 1500)]
+    assert "recommended (256x1 fp32)" in _legend_texts(ax)
+    # and time_to_target.png circles the same one (batch 64 here, 20 s), not the soonest
+    seconds = plots.time_to_target_plot(_energy_plan(*FRUGAL), FRUGAL[3]).axes[1]
+    (circle,) = [c for c in seconds.collections if c.get_label() == "recommended"]
+    assert [tuple(xy) for xy in circle.get_offsets()] == [(64, 20)]
+
+
+def test_render_draws_the_energy_plot_only_where_energy_was_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(plots, "html", lambda study, metrics: "")  # not what is tested here
+    study = _study(_complete(32, 900.0))
+    files = plots.render(study, METRICS, None, plan=_energy_plan(*FRUGAL), planned=FRUGAL[3])
+    assert files["energy_to_target.png"].startswith(b"\x89PNG")
+    assert "time_to_target.png" in files
+    unmeasured = _energy_plan(_predicted("64x1 fp32", 10, None))
+    files = plots.render(study, METRICS, None, plan=unmeasured)
+    assert "time_to_target.png" in files and "energy_to_target.png" not in files
