@@ -31,7 +31,14 @@ from search.budget import num_trained
 from search.recommend import Recommendation
 from search.record import PRUNER, TrialRecord, mib, records
 from search.space import override_value
-from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_SPREAD, TO_TARGET_S, VAL_PREFIX
+from tracking.metrics import (
+    DATA_WAIT_SHARE,
+    THROUGHPUT_SPREAD,
+    TO_TARGET_J,
+    TO_TARGET_S,
+    VAL_PREFIX,
+    joules_per,
+)
 from tracking.redact import redact
 from train.lr import scaled_lr
 from train.memory.budget import format_bytes
@@ -67,6 +74,14 @@ def spread_note(t: TrialRecord) -> str:
     return "" if spread is None else f" (±{spread / 2:.0%})"
 
 
+def energy_per_unit(t: TrialRecord) -> str:
+    """'0.52 J/sample', '0.0031 J/token': a trial's joules per unit of its task, where the
+    hardware counted them; '' elsewhere."""
+    unit = t.outcome.unit or "samples"
+    joules = t.outcome.figure(joules_per(unit))
+    return "" if joules is None else f"{joules:.3g} J/{unit.removesuffix('s')}"
+
+
 def trial_line(trial: FrozenTrial) -> str:
     t = TrialRecord.of(trial)
     o = t.outcome
@@ -74,6 +89,9 @@ def trial_line(trial: FrozenTrial) -> str:
     parts = [f"#{t.number:<3} {t.label:<18} {params}"]
     if o.throughput is not None:
         parts.append(f"{o.throughput:.0f} {o.unit or 'samples'}/s{spread_note(t)}")
+    per_unit = energy_per_unit(t)
+    if per_unit:
+        parts.append(per_unit)
     if o.peak_bytes is not None:
         parts.append(f"peak {format_bytes(o.peak_bytes)}")
     if o.predicted_bytes is not None:
@@ -84,9 +102,11 @@ def trial_line(trial: FrozenTrial) -> str:
         )
     if o.val_acc is not None:
         parts.append(f"val acc {o.val_acc:.3f}")
-    to_target = o.metrics.get(TO_TARGET_S)
+    to_target = o.figure(TO_TARGET_S)
     if to_target is not None:
-        parts.append(f"target in {to_target:.1f} s")
+        joules = o.figure(TO_TARGET_J)
+        energy = f", {time_to_target.format_joules(joules)}" if joules is not None else ""
+        parts.append(f"target in {to_target:.1f} s{energy}")
     wait = o.metrics.get(DATA_WAIT_SHARE)
     if wait is not None and wait >= STARVED_SHARE:
         parts.append(f"waiting for data {wait:.0%} of the time")
@@ -255,10 +275,14 @@ def summary(
     for metric in metrics:
         table.add_column(metric, justify="right")
     table.add_column("peak memory", justify="right")
+    energy = energy_to_target(trials)
+    if energy:
+        table.add_column(ENERGY_COLUMN, justify="right")
     for t in best:
         cells = [str(t.number), *(_fmt(v) for v in t.params.values())]
         cells += [_fmt(v) for v in t.values]
-        table.add_row(*cells, format_bytes(TrialRecord.of(t).outcome.peak_bytes))
+        cells.append(format_bytes(TrialRecord.of(t).outcome.peak_bytes))
+        table.add_row(*cells, *([_to_target_j(t)] if energy else []))
     console.print(table)
     header, cells = boundary.table(study)
     if cells:
@@ -448,14 +472,30 @@ TRIAL_COLUMNS = (
 )  # fmt: skip
 
 
+ENERGY_COLUMN = "energy to target"  # where some trial measured the joules to search.target
+
+
+def energy_to_target(trials: Sequence[FrozenTrial]) -> bool:
+    """Whether some trial measured its joules to search.target: the tables then show them."""
+    return any(t.outcome.figure(TO_TARGET_J) is not None for t in records(trials))
+
+
+def _to_target_j(trial: FrozenTrial) -> str:
+    joules = TrialRecord.of(trial).outcome.figure(TO_TARGET_J)
+    return "-" if joules is None else time_to_target.format_joules(joules)
+
+
 def trial_columns(trials: Sequence[FrozenTrial]) -> tuple[str, ...]:
-    """TRIAL_COLUMNS, the throughput in the unit the trials counted (tokens for an LM)."""
+    """TRIAL_COLUMNS, the throughput in the unit the trials counted (tokens for an LM); the
+    energy to target last where some trial measured it (`energy_to_target`)."""
     units = (t.outcome.unit for t in records(trials))
     unit = next((u for u in units if u is not None), None)
-    return tuple(f"{unit}/s" if c == "samples/s" and unit else c for c in TRIAL_COLUMNS)
+    columns = tuple(f"{unit}/s" if c == "samples/s" and unit else c for c in TRIAL_COLUMNS)
+    return (*columns, ENERGY_COLUMN) if energy_to_target(trials) else columns
 
 
-def trial_row(trial: FrozenTrial) -> list[str]:
+def trial_row(trial: FrozenTrial, energy: bool = False) -> list[str]:
+    """A trial's row under `trial_columns`; `energy`: with its joules to the target."""
     t = TrialRecord.of(trial)
     complete, o = t.state == "COMPLETE", t.outcome
     throughput = o.throughput if complete else None
@@ -463,7 +503,7 @@ def trial_row(trial: FrozenTrial) -> list[str]:
         str(t.number), _fmt(t.batch_size), _fmt(t.accum_steps), _fmt(t.effective_batch_size),
         _fmt(t.precision), _fmt(t.lr), _fmt(o.val_acc) if complete else "-",
         f"{throughput:.0f}{spread_note(t)}" if throughput else "-", mib(o.peak_bytes),
-        mib(o.predicted_bytes),
+        mib(o.predicted_bytes), *([_to_target_j(trial)] if energy else []),
     ]  # fmt: skip
 
 
@@ -476,6 +516,7 @@ def summary_markdown(
     """summary.md of the parent run (and its description): the recommendation and the
     command that trains it, the best trials, the OOM boundary per precision."""
     trials = study.get_trials(deepcopy=False)
+    energy = energy_to_target(trials)
     parts = [f"# Study {study.study_name}", counts_line(trials) + "."]
     if not best_trials(study, limit=1):
         parts.append(none_completed(trials))
@@ -496,7 +537,7 @@ def summary_markdown(
         if rec.untrained is not None:
             parts.append(f"Trial {rec.trial.number}, whose learning rate it takes:")
         parts += [
-            _md_table(trial_columns(trials), [trial_row(rec.trial)]),
+            _md_table(trial_columns(trials), [trial_row(rec.trial, energy)]),
             "Train it again (or `python -m train +best=best.yaml` with this run's `best.yaml`):",
             f"```\n{redact(rerun_command(overrides))}\n```",
         ]
@@ -505,7 +546,7 @@ def summary_markdown(
         title = "Pareto front" if len(metrics) > 1 else "Best trials"
         parts += [
             f"## {title} ({', '.join(metrics)})",
-            _md_table(trial_columns(trials), map(trial_row, best)),
+            _md_table(trial_columns(trials), [trial_row(t, energy) for t in best]),
         ]
     header, cells = boundary.table(study)
     if cells:

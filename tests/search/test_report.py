@@ -10,6 +10,9 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 from rich.console import Console
 
+from search.config import RecommendRule
+from search.critical_batch import StepsModel
+from search.recommend import Recommendation
 from search.report import (
     StudyProgress,
     counts_line,
@@ -18,7 +21,16 @@ from search.report import (
     summary_markdown,
     trial_line,
 )
-from tracking.metrics import THROUGHPUT_SAMPLES, THROUGHPUT_SPREAD, VAL_ACC
+from search.time_to_target import Plan, Predicted
+from tracking.metrics import (
+    ENERGY_PER_SAMPLE,
+    THROUGHPUT_SAMPLES,
+    THROUGHPUT_SPREAD,
+    TO_TARGET_J,
+    TO_TARGET_S,
+    VAL_ACC,
+    joules_per,
+)
 
 
 def _trial(batch: int, precision: str, state: TrialState, **attrs) -> optuna.trial.FrozenTrial:
@@ -105,3 +117,78 @@ def test_a_study_whose_only_repeat_is_of_a_pruned_oom_is_summarised() -> None:
     summary(console, study, [VAL_ACC], None)
     assert "1 REPEAT" in console.export_text()
     assert "1 REPEAT" in summary_markdown(study, [VAL_ACC], None)
+
+
+# Energy, where the hardware counted it (train/measure/energy.py): per unit and to the target.
+def _measured(**metrics: float) -> optuna.trial.FrozenTrial:
+    unit = "tokens" if joules_per("tokens") in metrics else "samples"
+    return _trial(64, "fp32", TrialState.COMPLETE, unit=unit, metrics=metrics)
+
+
+def test_trial_line_shows_joules_per_unit_and_to_the_target() -> None:
+    parts = trial_line(_measured(**{ENERGY_PER_SAMPLE: 0.52})).split(" | ")
+    assert "0.52 J/sample" in parts
+    parts = trial_line(_measured(**{joules_per("tokens"): 0.00312})).split(" | ")
+    assert "0.00312 J/token" in parts
+    parts = trial_line(_measured(**{TO_TARGET_S: 12.34, TO_TARGET_J: 1234.0})).split(" | ")
+    assert "target in 12.3 s, 1.23 kJ" in parts
+    # without an energy counter: no energy figure, nothing said of energy
+    line = trial_line(_measured(**{TO_TARGET_S: 12.34}))
+    assert "target in 12.3 s" in line.split(" | ") and " J" not in line
+
+
+def _energy_study(to_target_j: float | None) -> optuna.Study:
+    """Two completed trials, the first with its joules to the target where measured."""
+    study = optuna.create_study(directions=["maximize"])
+    first = {TO_TARGET_S: 12.0} | ({TO_TARGET_J: to_target_j} if to_target_j else {})
+    study.add_trial(_trial(64, "fp32", TrialState.COMPLETE, val_acc=0.9, metrics=first))
+    study.add_trial(_trial(16, "fp32", TrialState.COMPLETE, val_acc=0.8, metrics={}))
+    return study
+
+
+def _rec(study: optuna.Study) -> Recommendation:
+    """Trial 0 recommended by a time-to-target plan made by hand: 64x1 fp32 in 200 steps of
+    0.06 s and 9.8 J (12 s, 1960 J), 16x1 fp32 in 500 of 0.03 s without energy (15 s)."""
+    plan = Plan(
+        1.0, "search.target", StepsModel(100.0, 64.0), "fitted", None, (),
+        (Predicted("64x1 fp32", 64, 200.0, 0.06, (0,), step_j=9.8),
+         Predicted("16x1 fp32", 16, 500.0, 0.03, (1,))),
+    )  # fmt: skip
+    trial = study.get_trials()[0]
+    return Recommendation(trial, RecommendRule(), 0.9, 2, 0.9, None, by_time=plan)
+
+
+def test_summaries_show_the_energy_to_target_where_measured() -> None:
+    """The time-to-target table gains its energy column ('-' where unmeasured), the trial
+    tables an 'energy to target' column: trial 0's 1234 J, trial 1's '-'."""
+    study = _energy_study(1234.0)
+    text = summary_markdown(study, [VAL_ACC], _rec(study))
+    assert "| configuration | global batch | steps | s/step | s/step from | time | energy |" in text
+    assert "| 64x1 fp32 | 64 | 200 | 0.06 | measured | 12 s | 1.96 kJ | 12800 | 0 |" in text
+    assert "| 16x1 fp32 | 16 | 500 | 0.03 | measured | 15 s | - | 8000 | 1 |" in text
+    best = text.split("## Best trials")[1]
+    assert best.splitlines()[2].endswith("| predicted MiB | energy to target |")
+    rows = [
+        line for line in best.splitlines() if line.startswith("| 0 ") or line.startswith("| 1 ")
+    ]
+    assert [row.rsplit("|", 2)[1].strip() for row in rows] == ["1.23 kJ", "-"]
+    console = Console(record=True, width=250)
+    summary(console, study, [VAL_ACC], _rec(study))
+    shown = console.export_text()
+    assert "energy to target" in shown and "1.23 kJ" in shown and "1.96 kJ" in shown
+
+
+def test_summaries_without_energy_have_no_energy_columns() -> None:
+    study = _energy_study(None)
+    rec = _rec(study)
+    plan = rec.by_time
+    unmeasured = Plan(
+        plan.target, plan.target_source, plan.model, plan.source, None, (),
+        tuple(Predicted(p.geometry, p.batch, p.steps, p.step_s, p.trials) for p in plan.predicted),
+    )  # fmt: skip
+    rec = Recommendation(rec.trial, rec.rule, 0.9, 2, 0.9, None, by_time=unmeasured)
+    text = summary_markdown(study, [VAL_ACC], rec)
+    assert "| time | samples |" in text and "energy" not in text
+    console = Console(record=True, width=250)
+    summary(console, study, [VAL_ACC], rec)
+    assert "energy" not in console.export_text()
