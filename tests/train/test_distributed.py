@@ -184,3 +184,22 @@ def test_the_global_batch_sets_the_learning_rate_and_bad_layouts_are_refused(
         TrainerConfig(strategy="fsdp", devices=2, fsdp={"sharding": "layers", "reshard": True})
     problems = str(error.value)
     assert "trainer.fsdp.sharding" in problems and "trainer.fsdp.reshard is not" in problems
+
+
+def test_two_ranks_on_one_cpu_package_count_its_joules_once(
+    hydra_conf: Callable[..., DictConfig], tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both ranks read the host's one RAPL package (a powercap tree a test thread advances)
+    over their own timed windows: the run's joules are that counter's, once, not the sum of
+    the two ranks' readings of it."""
+    from tests.search.test_energy_study import PackageCounter
+
+    monkeypatch.setenv("BATCHFIT_POWERCAP", str(tmp_path))  # the ranks inherit it
+    with PackageCounter(tmp_path):
+        result, _, _ = _trained(
+            hydra_conf, ["trainer.strategy=ddp", "trainer.devices=2", "trainer.batch_size=16"]
+        )
+    assert result.energy is not None and result.energy_note == "RAPL"
+    assert len(result.energy.counters) == 1 and result.energy.counters[0].endswith("intel-rapl:0")
+    assert result.energy.joules > 0
+    assert result.metrics()["energy/joules"] == result.energy.joules
