@@ -429,3 +429,28 @@ def test_the_device_picks_its_counter(tmp_path: Path, monkeypatch: pytest.Monkey
     assert energy.why_unmeasured(torch.device("meta")) == (
         "energy: not measured here: no counter read on a meta device"
     )
+
+
+def test_a_card_nvml_does_not_know_by_torchs_uuid_is_found_by_index_unless_renumbered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Unknown(FakeNvml):
+        def __init__(self) -> None:
+            super().__init__()
+            self.indices: list[int] = []
+
+        def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:  # noqa: N802
+            raise self.NVMLError_NotFound("Not Found")
+
+        def nvmlDeviceGetHandleByIndex(self, index: int) -> str:  # noqa: N802
+            self.indices.append(index)
+            return "handle"
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nvml = Unknown()
+    assert isinstance(nvml_meter(torch.device("cuda", 1), nvml, uuid="GPU-x"), EnergyMeter)
+    assert nvml.indices == [1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")  # torch's 1 is NVML's 1 no more
+    assert nvml_meter(torch.device("cuda", 1), Unknown(), uuid="GPU-x") == (
+        "energy: not measured here: NVML: Not Found"
+    )

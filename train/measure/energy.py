@@ -313,15 +313,24 @@ def nvml_meter(
         nvml.nvmlInit()
         if uuid is None:
             uuid = _torch_uuid(device)
-        if uuid is not None:
-            handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
-        else:
-            handle = nvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        handle = _handle(nvml, device, uuid)
         key = uuid or f"{socket.gethostname()}:nvml:{device.index or 0}"
         reader = NvmlReader(nvml, handle, key, now_us)
         return EnergyMeter([reader], NvmlBusy(nvml, handle, now_us))
     except nvml.NVMLError as error:
         return f"energy: not measured here: NVML: {error}"
+
+
+def _handle(nvml: ModuleType, device: torch.device, uuid: str | None) -> Any:
+    """NVML's handle of the card: by its UUID; by torch's index where NVML does not know
+    the UUID as torch spells it and no CUDA_VISIBLE_DEVICES renumbers the cards."""
+    if uuid is not None:
+        try:
+            return nvml.nvmlDeviceGetHandleByUUID(uuid)
+        except nvml.NVMLError:
+            if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+                raise
+    return nvml.nvmlDeviceGetHandleByIndex(device.index or 0)
 
 
 def _torch_uuid(device: torch.device) -> str | None:
