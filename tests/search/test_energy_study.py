@@ -113,11 +113,11 @@ def test_a_study_logs_each_trials_joules_and_recommends_by_them(tmp_path: Path) 
         assert run.data.tags[ENERGY_TAG] == RAPL
         assert 0 < m[MEAN_WATTS] <= MAX_WATTS * 1.5  # one tick more per window at most
         assert m[ENERGY_PER_SAMPLE] * timed[run.info.run_id] == pytest.approx(m[ENERGY_J])
-        assert 0 < m[DEVICE_UTILIZATION] <= 1.5
+        assert 0 < m[DEVICE_UTILIZATION] <= 1
         if TO_TARGET_S in m:  # a trial that met the target: its joules to it
             assert m[TO_TARGET_J] == pytest.approx(m[MEAN_WATTS] * m[TO_TARGET_S])
     assert any(TO_TARGET_J in run.data.metrics for run in runs)
-    assert "fewest joules" in done.stdout or "best energy/joules_per_sample" in done.stdout
+    assert "predicted to reach the target with the fewest joules" in done.stdout
 
 
 @pytest.mark.slow

@@ -203,3 +203,33 @@ def test_two_ranks_on_one_cpu_package_count_its_joules_once(
     assert len(result.energy.counters) == 1 and result.energy.counters[0].endswith("intel-rapl:0")
     assert result.energy.joules > 0
     assert result.metrics()["energy/joules"] == result.energy.joules
+
+
+def test_the_runs_joules_are_each_counters_once_and_a_rank_without_says_why() -> None:
+    """_global over two ranks' figures: two readings of one RAPL package count once (the
+    larger), two cards add; a rank that measured nothing leaves the run without joules,
+    with that rank's reason, not rank 0's source."""
+    from train.measure.energy import RAPL, UNMEASURED, Energy
+    from train.parallel.distributed import _global
+
+    def results(*energies: Energy | None) -> dict[int, dict]:
+        base = RunResult(6, 144, 0.0, 1.0, 100, None, 0.5, energy=energies[0],
+                         energy_note=energies[0].source if energies[0] else UNMEASURED)  # fmt: skip
+        figures = [
+            {"num_samples": 72, "timed_samples": 64, "timed_units": 64, "timed_seconds": 2.0,
+             "peak_bytes": 100, "reserved_bytes": None, "interval_rates": [],
+             "energy": e, "energy_note": e.source if e else UNMEASURED}
+            for e in energies
+        ]  # fmt: skip
+        return {r: {"figures": f, **({"result": base} if r == 0 else {})}
+                for r, f in enumerate(figures)}  # fmt: skip
+
+    package = ("h:intel-rapl:0",)
+    shared = _global(results(Energy(40, 2.0, RAPL, package), Energy(42, 2.0, RAPL, package)))
+    assert shared.energy.joules == 42 and shared.energy_note == RAPL
+    cards = _global(results(Energy(40, 2.0, "NVML energy counter", ("GPU-a",)),
+                            Energy(42, 2.0, "NVML energy counter", ("GPU-b",))))  # fmt: skip
+    assert cards.energy.joules == 82
+    partial = _global(results(Energy(40, 2.0, RAPL, package), None))
+    assert partial.energy is None and partial.energy_note == UNMEASURED
+    assert "energy/joules" not in partial.metrics()

@@ -54,6 +54,7 @@ class FakeNvml:
     NVML_TOTAL_POWER_SAMPLES = 0
     NVML_GPU_UTILIZATION_SAMPLES = 1
     NVML_VALUE_TYPE_UNSIGNED_INT = 1
+    NVML_ERROR_NOT_FOUND = 6
 
     class NVMLError(Exception):
         pass
@@ -62,7 +63,8 @@ class FakeNvml:
         pass
 
     class NVMLError_NotFound(NVMLError):  # noqa: N801 - pynvml's name
-        pass
+        def __str__(self) -> str:
+            return "Not Found"  # as pynvml's, whatever it was raised with
 
     def __init__(self, counter: bool = True, power_mw: int = 250_000):
         self.counter = counter
@@ -213,6 +215,7 @@ def test_a_counter_failing_mid_run_ends_the_measurement_not_the_run() -> None:
     meter._now = clock.now
     meter.start()
     clock.s += 1
+    nvml.energy_mj += 50_000
     meter.stop()
     assert meter.reading() is not None
     nvml.counter = False  # the driver went away
@@ -431,26 +434,78 @@ def test_the_device_picks_its_counter(tmp_path: Path, monkeypatch: pytest.Monkey
     )
 
 
-def test_a_card_nvml_does_not_know_by_torchs_uuid_is_found_by_index_unless_renumbered(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    class Unknown(FakeNvml):
-        def __init__(self) -> None:
+def test_a_card_is_found_by_its_uuid_in_nvmls_spelling_never_by_a_guessed_index() -> None:
+    """torch spells a UUID bare; NVML as GPU-... or, for a MIG instance, MIG-...: both are
+    tried. A UUID NVML knows under neither is not measured (CUDA's order of the cards
+    need not be NVML's); the index serves only where torch gives no UUID."""
+
+    class Cards(FakeNvml):
+        def __init__(self, known: str) -> None:
             super().__init__()
-            self.indices: list[int] = []
+            self.known, self.tried, self.indices = known, [], []
 
         def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:  # noqa: N802
-            raise self.NVMLError_NotFound("Not Found")
+            self.tried.append(uuid)
+            if uuid != self.known:
+                raise self.NVMLError_NotFound(self.NVML_ERROR_NOT_FOUND)
+            return "handle"
 
         def nvmlDeviceGetHandleByIndex(self, index: int) -> str:  # noqa: N802
             self.indices.append(index)
             return "handle"
 
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    nvml = Unknown()
-    assert isinstance(nvml_meter(torch.device("cuda", 1), nvml, uuid="GPU-x"), EnergyMeter)
-    assert nvml.indices == [1]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")  # torch's 1 is NVML's 1 no more
-    assert nvml_meter(torch.device("cuda", 1), Unknown(), uuid="GPU-x") == (
+    mig = Cards("MIG-5d6c")
+    assert isinstance(nvml_meter(torch.device("cuda", 1), mig, uuid="5d6c"), EnergyMeter)
+    assert mig.tried == ["GPU-5d6c", "MIG-5d6c"] and mig.indices == []
+    elsewhere = Cards("GPU-other")
+    assert nvml_meter(torch.device("cuda", 1), elsewhere, uuid="5d6c") == (
         "energy: not measured here: NVML: Not Found"
     )
+    assert elsewhere.indices == []
+    unnamed = Cards("GPU-other")
+    assert isinstance(nvml_meter(torch.device("cuda", 1), unnamed, uuid=None), EnergyMeter)
+    assert unnamed.indices == [1]
+
+
+def test_a_rapl_counter_polled_mid_window_is_counted_through_several_wraps(
+    tmp_path: Path,
+) -> None:
+    """A range of 1000 uJ, 2400 uJ spent in one window: read only at its ends, the counter
+    would show 400 (two wraps unseen); polled every POLL_S, each read sees one wrap."""
+    zone = _zone(tmp_path, "intel-rapl:0", "package-0", 0, range_uj=1000)
+    clock = Clock()
+    meter = EnergyMeter([RaplReader(zone)], now=clock.now)
+    meter.start()
+    for value in (800, 600, 400):  # +800, +800 (wrapped), +800 (wrapped)
+        (zone / "energy_uj").write_text(str(value))
+        clock.s += energy.POLL_S
+        meter.poll()
+    clock.s += 1
+    meter.stop()
+    assert meter.reading().joules == pytest.approx(2400e-6)
+    meter.poll()  # between windows: nothing read
+    assert meter.reading().joules == pytest.approx(2400e-6)
+
+
+def test_counters_that_never_advance_give_no_reading_not_a_zero(tmp_path: Path) -> None:
+    zone = _zone(tmp_path, "intel-rapl:0", "package-0", 500)
+    clock = Clock()
+    meter = EnergyMeter([RaplReader(zone)], now=clock.now)
+    meter.start()
+    clock.s += 0.5
+    meter.stop()
+    assert meter.reading().joules == 0  # half a second: a counter may not have ticked yet
+    meter.start()
+    clock.s += energy.STILL_S
+    meter.stop()
+    assert meter.reading() is None
+    assert meter.failed == "energy: not measured: the counters did not advance in 1.5 s"
+
+
+def test_the_cpu_busy_share_stops_at_one() -> None:
+    busy = energy.ProcessBusy(threads=lambda: 1)
+    busy.start()
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:  # 50 ms of CPU
+        pass
+    assert busy.stop(0.001) == 1.0  # 50x the window's wall seconds: a share, at most 1

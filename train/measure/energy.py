@@ -66,6 +66,8 @@ NVML_COUNTER = "NVML energy counter"
 NVML_SAMPLES = "NVML power samples"
 RAPL = "RAPL"
 UNMEASURED = "energy: not measured here: no RAPL or NVML counter readable"
+STILL_S = 1.0  # timed seconds after which counters that never advanced are not counters
+POLL_S = 10.0  # a RAPL counter is read at least this often, lest it wrap twice unseen
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,7 @@ class EnergyMeter:
         self.seconds = 0.0
         self._busy_s = 0.0  # busy share x seconds, summed over the windows
         self.failed: str | None = None
+        self._polled = 0.0
 
     def start(self) -> None:
         if self.failed is not None:
@@ -162,7 +165,25 @@ class EnergyMeter:
         except Exception as error:  # noqa: BLE001 - any counter's failure: measure no more
             self.failed = f"energy: not measured: a counter failed: {error!r}"
             return
-        self._started = self._now()
+        self._started = self._polled = self._now()
+
+    def poll(self) -> None:
+        """Mid-window, every POLL_S at most (the clock calls it each step: a clock read, no
+        device sync): the counters that wrap within minutes are read and their count kept.
+        AMD's 32-bit package counter wraps after ~65 kJ, 4 minutes at 250 W; a window
+        between two logging intervals of a slow run can be longer."""
+        if self._started is None or self.failed is not None:
+            return
+        now = self._now()
+        if now - self._polled < POLL_S:
+            return
+        self._polled = now
+        try:
+            for reader in self.readers:
+                if isinstance(reader, RaplReader):
+                    reader.poll()
+        except Exception as error:  # noqa: BLE001 - as in start
+            self.failed = f"energy: not measured: a counter failed: {error!r}"
 
     def stop(self) -> None:
         if self._started is None:
@@ -180,8 +201,15 @@ class EnergyMeter:
         self._busy_s += busy * seconds
 
     def reading(self) -> Energy | None:
-        """What the windows so far counted; None before any window, or after a failure."""
+        """What the windows so far counted; None before any window, after a failure, or
+        where the counters never advanced over a second or more (a stub some virtual
+        machines expose): no zero that would read as a free configuration."""
         if self.seconds <= 0 or self.failed is not None:
+            return None
+        if self.joules <= 0 and self.seconds >= STILL_S:
+            self.failed = (
+                f"energy: not measured: the counters did not advance in {self.seconds:.1f} s"
+            )
             return None
         sources = sorted({reader.source for reader in self.readers})
         return Energy(
@@ -243,7 +271,7 @@ class NvmlReader:
         try:
             nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
             self.source = NVML_COUNTER
-        except nvml.NVMLError_NotSupported:  # before Volta; a MIG instance
+        except nvml.NVMLError_NotSupported:  # before Volta (a MIG instance: neither, below)
             nvml.nvmlDeviceGetPowerUsage(handle)  # raises where the card has no power reading
             self.source = NVML_SAMPLES
         self._at: int = 0  # the window's start: mJ on the counter, else CPU microseconds
@@ -322,24 +350,30 @@ def nvml_meter(
 
 
 def _handle(nvml: ModuleType, device: torch.device, uuid: str | None) -> Any:
-    """NVML's handle of the card: by its UUID; by torch's index where NVML does not know
-    the UUID as torch spells it and no CUDA_VISIBLE_DEVICES renumbers the cards."""
-    if uuid is not None:
+    """NVML's handle of the card, by its UUID: torch's spelling has no prefix, NVML's is
+    `GPU-...` (a MIG instance: `MIG-...`). By index only where torch gives no UUID: CUDA's
+    order (CUDA_VISIBLE_DEVICES, FASTEST_FIRST) need not be NVML's, and another card's
+    joules are worse than none."""
+    if uuid is None:
+        return nvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+    bare = uuid.removeprefix("GPU-").removeprefix("MIG-")
+    spellings = [uuid] if uuid.startswith(("GPU-", "MIG-")) else []
+    spellings += [f"GPU-{bare}", f"MIG-{bare}"]
+    for spelling in dict.fromkeys(spellings):
         try:
-            return nvml.nvmlDeviceGetHandleByUUID(uuid)
-        except nvml.NVMLError:
-            if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
-                raise
-    return nvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            return nvml.nvmlDeviceGetHandleByUUID(spelling)
+        except nvml.NVMLError_NotFound:
+            continue
+    raise nvml.NVMLError_NotFound(nvml.NVML_ERROR_NOT_FOUND)
 
 
 def _torch_uuid(device: torch.device) -> str | None:
-    """The card's NVML UUID ('GPU-...'), from torch where it says."""
-    uuid = getattr(torch.cuda.get_device_properties(device.index or 0), "uuid", None)
-    if uuid is None:
+    """The card's UUID as torch spells it, where it says."""
+    try:
+        uuid = getattr(torch.cuda.get_device_properties(device.index or 0), "uuid", None)
+    except (AssertionError, RuntimeError):  # no CUDA in this torch or process
         return None
-    text = str(uuid)
-    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+    return None if uuid is None else str(uuid)
 
 
 # ----------------------------------------------------------------------------- RAPL
@@ -355,17 +389,27 @@ class RaplReader:
         self.key = f"{socket.gethostname()}:{zone.name}"
         self.range_uj = int((zone / "max_energy_range_uj").read_text())
         self._at = self._read()
+        self._kept = 0  # microjoules read by poll() in the current window
 
     def _read(self) -> int:
         return int((self.zone / "energy_uj").read_text())
 
     def start(self) -> None:
         self._at = self._read()
+        self._kept = 0
 
-    def stop(self, seconds: float) -> float:
+    def _advance(self) -> int:
         now = self._read()
         delta = now - self._at if now >= self._at else now + self.range_uj - self._at
-        return delta / 1e6
+        self._at = now
+        return delta
+
+    def poll(self) -> None:
+        """Reads the counter mid-window: each read sees one wrap at most."""
+        self._kept += self._advance()
+
+    def stop(self, seconds: float) -> float:
+        return (self._kept + self._advance()) / 1e6
 
 
 def rapl_zones(root: Path = POWERCAP) -> list[Path]:
@@ -400,7 +444,9 @@ class ProcessBusy:
 
     def stop(self, seconds: float) -> float:
         cpu = time.process_time() - self._cpu
-        return cpu / (seconds * self._threads()) if seconds > 0 else 0.0
+        # Every thread's CPU seconds count (loader, MLflow's, OpenMP's spin-waits), so the
+        # share can pass 1; it is a share of the device, so it stops there.
+        return min(cpu / (seconds * self._threads()), 1.0) if seconds > 0 else 0.0
 
 
 def rapl_meter(root: Path = POWERCAP) -> EnergyMeter | str:
@@ -408,7 +454,10 @@ def rapl_meter(root: Path = POWERCAP) -> EnergyMeter | str:
     zones = rapl_zones(root)
     if not zones:
         return UNMEASURED
-    return EnergyMeter([RaplReader(zone) for zone in zones], ProcessBusy())
+    try:
+        return EnergyMeter([RaplReader(zone) for zone in zones], ProcessBusy())
+    except (OSError, ValueError) as error:  # readable a moment ago
+        return f"energy: not measured here: RAPL: {error}"
 
 
 # ----------------------------------------------------------------------------- either

@@ -270,6 +270,7 @@ def _global(results: dict[int, dict]) -> RunResult:
     """The run's figures over all ranks, from rank 0's result and every rank's own."""
     base: RunResult = results[0]["result"]
     ranks = [results[r]["figures"] for r in sorted(results)]
+    energy = Energy.combine([f["energy"] for f in ranks])  # each counter once
     seconds = max(f["timed_seconds"] for f in ranks)
     samples = sum(f["timed_samples"] for f in ranks)
     return replace(
@@ -287,8 +288,15 @@ def _global(results: dict[int, dict]) -> RunResult:
         interval_rates=[
             sum(rates) for rates in zip(*(f["interval_rates"] for f in ranks), strict=False)
         ],
-        energy=Energy.combine([f["energy"] for f in ranks]),  # each counter once
+        energy=energy,
+        energy_note=energy.source if energy is not None else _unmeasured(ranks),
     )
+
+
+def _unmeasured(ranks: list[dict]) -> str:
+    """Why a data-parallel run has no joules: the first rank's reason that measured none."""
+    notes = [f["energy_note"] for f in ranks if f["energy"] is None]
+    return notes[0] if notes else "energy: no timed step"
 
 
 def _model_of(cfg: DictConfig, spec: Any, workload: Any, state: dict) -> torch.nn.Module:
@@ -406,6 +414,7 @@ def _rank_figures(result: RunResult) -> dict:
         "reserved_bytes": result.reserved_bytes,
         "interval_rates": result.interval_rates,
         "energy": result.energy,
+        "energy_note": result.energy_note,
     }
 
 
