@@ -57,9 +57,9 @@ def test_without_heartbeats_a_killed_trial_is_run_again(tmp_path: Path) -> None:
         lambda: journal_study(tmp_path / "mlruns" / "optuna.journal", NAME),
         # Owned and both parameters sampled: a trial caught between its two suggestions is
         # retried with the one it had, and the test would compare half a configuration.
-        lambda t: t.state == TrialState.RUNNING
-        and OWNER_ATTR in t.system_attrs
-        and len(t.params) == 2,
+        lambda t: (
+            t.state == TrialState.RUNNING and OWNER_ATTR in t.system_attrs and len(t.params) == 2
+        ),
         alive=lambda: process.poll() is None,
     )
     process.send_signal(signal.SIGKILL)
