@@ -17,7 +17,7 @@ from tracking.config import ConfigError
 from train.build import build_data, build_model, build_optimizer, build_pipeline, build_task
 from train.checkpointing import hugging_face_checkpointed
 from train.language.hf import architectures, causal_lm
-from train.language.text import text_corpus
+from train.language.text import python_stdlib, stdlib_source, text_corpus
 from train.loop import optimizer_step
 from train.precision import Precision
 from train.run import check_builds, plan, run
@@ -298,6 +298,30 @@ def test_bad_data_settings_say_which_key(tmp_path, make, error, match):
     (tmp_path / "x.jsonl").write_text(json.dumps({"text": "abc " * 200}) + "\n")
     with pytest.raises(error, match=match):
         make(tmp_path)
+
+
+def test_a_missing_tokenizer_directory_is_named_not_a_hub_repo_id(tmp_path):
+    """Hugging Face says "Repo id must be in the form 'repo_name'..." for a path that does
+    not exist: batchfit says which key, that the directory is missing, and the fix."""
+    with pytest.raises(FileNotFoundError) as raised:
+        text_corpus(None, tokenizer=str(tmp_path / "no" / "tokenizer"))
+    message = str(raised.value)
+    assert message.startswith("data.tokenizer=") and "no such directory" in message
+    assert "Repo id" not in message and "data.tokenizer=null" in message
+
+
+def test_max_bytes_null_reads_the_whole_corpus():
+    """data.max_bytes=null is all of the text (conf/data/text.yaml says so), not a hidden
+    cap; a corpus still too short then says so instead of advising a larger cap."""
+    whole = len(stdlib_source(None))
+    assert whole > 400_000  # the old hidden cap
+    assert text_corpus(None, max_bytes=None).info["num_tokens"] == len(
+        stdlib_source(None).decode("utf-8", errors="replace").encode("utf-8")
+    )
+    assert len(python_stdlib(seq_len=128, max_bytes=None).train) == (whole - whole // 10 - 1) // 128
+    with pytest.raises(ValueError, match=r"data.max_bytes=null reads all of it") as raised:
+        text_corpus(None, max_bytes=None, seq_len=whole)
+    assert "raise data.max_bytes" not in str(raised.value)
 
 
 # ------------------------------------------------------------------ models and their errors

@@ -33,8 +33,9 @@ from train.data import Datasets
 VOCAB_SIZE = 256  # bytes
 
 
-def stdlib_source(max_bytes: int) -> bytes:
-    """The first `max_bytes` of the standard library's top-level modules' source."""
+def stdlib_source(max_bytes: int | None) -> bytes:
+    """The first `max_bytes` of the standard library's top-level modules' source (None: all
+    of it)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     parts, size = [], 0
     for path in sorted(root.glob("*.py")):
@@ -43,15 +44,38 @@ def stdlib_source(max_bytes: int) -> bytes:
         text = path.read_bytes()
         parts.append(text)
         size += len(text)
-        if size >= max_bytes:
+        if max_bytes is not None and size >= max_bytes:
             break
     corpus = b"".join(parts)[:max_bytes]
-    if len(corpus) < max_bytes:
+    if max_bytes is not None and len(corpus) < max_bytes:
         raise ValueError(
             f"data.max_bytes={max_bytes} but the standard library at {root} has only "
             f"{len(corpus)} bytes of top-level source; lower data.max_bytes"
         )
     return corpus
+
+
+def _more_text(max_bytes: int | None, otherwise: str) -> str:
+    """The fix for a corpus too short: more of it where data.max_bytes caps it."""
+    if max_bytes is None:  # all of it was read already
+        return f"data.max_bytes=null reads all of it: {otherwise}, or add text (data.paths)"
+    return f"raise data.max_bytes (or null: all of it) or {otherwise}"
+
+
+def _tokenizer_problem(tokenizer: str, error: Exception) -> str:
+    """What is wrong with data.tokenizer, in batchfit's words: Hugging Face's for a path
+    that does not exist ("Repo id must be in the form...") speaks of the hub."""
+    fix = (
+        "give a local tokenizer directory (one AutoTokenizer.save_pretrained wrote, with "
+        "tokenizer.json or tokenizer_config.json), or data.tokenizer=null for bytes"
+    )
+    if not Path(tokenizer).expanduser().exists():
+        return (
+            f"data.tokenizer={tokenizer!r}: no such directory here, nor a model of that name in "
+            f"the local Hugging Face cache (batchfit loads tokenizers offline); {fix}"
+        )
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return f"data.tokenizer={tokenizer!r} cannot be loaded as a tokenizer ({first}); {fix}"
 
 
 class ByteChunks(Dataset):
@@ -70,7 +94,7 @@ class ByteChunks(Dataset):
         return {"input_ids": window[:-1], "labels": window[1:]}
 
 
-def python_stdlib(seq_len: int = 128, max_bytes: int = 400_000, val_fraction: float = 0.1):
+def python_stdlib(seq_len: int = 128, max_bytes: int | None = 400_000, val_fraction: float = 0.1):
     """The stdlib corpus as train and validation `ByteChunks`, with `vocab_size` (256) and
     `block_size` (seq_len) for the model builder."""
     if not isinstance(seq_len, int) or seq_len < 1:
@@ -84,7 +108,7 @@ def python_stdlib(seq_len: int = 128, max_bytes: int = 400_000, val_fraction: fl
     if len(val) == 0:
         raise ValueError(
             f"data.seq_len={seq_len} is longer than the {num_val} validation bytes; "
-            "raise data.max_bytes or data.val_fraction"
+            f"{_more_text(max_bytes, 'raise data.val_fraction')}"
         )
     return Datasets(
         train,
@@ -198,7 +222,7 @@ def text_corpus(
     if not 0 < val_fraction < 1:
         raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction!r}")
     if paths is None:
-        texts = [stdlib_source(max_bytes or 400_000).decode("utf-8", errors="replace")]
+        texts = [stdlib_source(max_bytes).decode("utf-8", errors="replace")]
     else:
         texts = list(_documents([paths] if isinstance(paths, str) else paths, text_key, max_bytes))
     if tokenizer is None:
@@ -210,9 +234,7 @@ def text_corpus(
         try:
             tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
         except (OSError, ValueError) as error:  # not there, or not a tokenizer
-            raise FileNotFoundError(
-                f"data.tokenizer={tokenizer!r} cannot be loaded from local files: {error}"
-            ) from None
+            raise FileNotFoundError(_tokenizer_problem(tokenizer, error)) from None
         eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
         ids = [tok(text, add_special_tokens=False)["input_ids"] + eos for text in texts]
         vocab_size, name = len(tok), str(tokenizer)
@@ -223,8 +245,8 @@ def text_corpus(
     if len(val) == 0 or len(train) == 0:
         raise ValueError(
             f"data.seq_len={seq_len}: the corpus has {len(tokens)} tokens, {num_val} of them "
-            "held out, too few for one sequence of each; raise data.max_bytes or lower "
-            "data.seq_len"
+            "held out, too few for one sequence of each; "
+            + _more_text(max_bytes, "lower data.seq_len")
         )
     return Datasets(
         train,
