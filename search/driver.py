@@ -413,7 +413,9 @@ class StudyDriver:
         settings = self.checked.settings
         storage_lap, tracking_lap = Lap(self.storage_clock), Lap(self.tracker.outbox.clock)
         done = num_trained(study_records(self.study))
-        progress = report.StudyProgress(self.console, settings.n_trials, done, settings.metrics[0])
+        progress = report.StudyProgress(
+            self.console, settings.n_trials, done, settings.metrics[0], settings.metrics
+        )
         objective = Objective(
             self.configure,
             settings,

@@ -28,29 +28,28 @@ from rich.table import Table
 
 from search import boundary, speed, time_to_target
 from search.budget import num_trained
+from search.rates import LR_KEY, lr_caption, lr_plan, trained_lr
 from search.recommend import Recommendation
 from search.record import PRUNER, TrialRecord, mib, records
 from search.space import override_value
 from tracking.metrics import (
     DATA_WAIT_SHARE,
+    PEAK_BYTES,
+    THROUGHPUT_PREFIX,
     THROUGHPUT_SPREAD,
     TO_TARGET_J,
     TO_TARGET_S,
+    VAL_ACC,
     VAL_PREFIX,
     joules_per,
 )
 from tracking.redact import redact
-from train.lr import scaled_lr
 from train.memory.budget import format_bytes
 from train.overrides import BEST_KEY, override_key
 from train.parallel.threads import usable_cores
 from train.params import (
     ACCUM_KEY,
     BATCH_KEY,
-    GLOBAL_PARAM,
-    LR_PARAM,
-    LR_REF_PARAM,
-    LR_RULE_PARAM,
 )
 
 
@@ -82,10 +81,24 @@ def energy_per_unit(t: TrialRecord) -> str:
     return "" if joules is None else f"{joules:.3g} J/{unit.removesuffix('s')}"
 
 
-def trial_line(trial: FrozenTrial) -> str:
+def _param_words(t: TrialRecord, key: str, value: object) -> str:
+    lr = trained_lr(t) if key == LR_KEY else None
+    return f"{_short(key)}={lr if lr is not None else _fmt(value)}"
+
+
+def objective_words(metric: str, value: float) -> str:
+    """'val loss 2.310', 'val acc 0.951': an objective as a trial line says it."""
+    return (
+        f"{metric.replace('/', ' ')} {value:.3f}" if abs(value) < 100 else f"{metric} {value:.4g}"
+    )
+
+
+def trial_line(trial: FrozenTrial, objectives: Sequence[str] = (VAL_ACC,)) -> str:
+    """A finished trial in one line: its configuration (the rate it trained with), its
+    throughput, memory, the study's `objectives` (those not shown already) and how it ended."""
     t = TrialRecord.of(trial)
     o = t.outcome
-    params = " ".join(f"{_short(k)}={_fmt(v)}" for k, v in t.params.items())
+    params = " ".join(_param_words(t, k, v) for k, v in t.params.items())
     parts = [f"#{t.number:<3} {t.label:<18} {params}"]
     if o.throughput is not None:
         parts.append(f"{o.throughput:.0f} {o.unit or 'samples'}/s{spread_note(t)}")
@@ -100,8 +113,10 @@ def trial_line(trial: FrozenTrial) -> str:
             f"predicted {format_bytes(o.predicted_bytes)}"
             + (f" ({error:+.1%})" if error is not None else "")
         )
-    if o.val_acc is not None:
-        parts.append(f"val acc {o.val_acc:.3f}")
+    for metric in objectives:
+        value = o.figure(metric)
+        if value is not None and not metric.startswith(THROUGHPUT_PREFIX) and metric != PEAK_BYTES:
+            parts.append(objective_words(metric, value))
     to_target = o.figure(TO_TARGET_S)
     if to_target is not None:
         joules = o.figure(TO_TARGET_J)
@@ -128,11 +143,19 @@ class StudyProgress:
     live display in a terminal; plain lines when the output is not one (CI and SLURM logs,
     where a live display would print nothing or garbage)."""
 
-    def __init__(self, console: Console, n_trials: int, done: int, metric: str):
+    def __init__(
+        self,
+        console: Console,
+        n_trials: int,
+        done: int,
+        metric: str,
+        objectives: Sequence[str] = (),
+    ):
         self.console = console
         self.live = console.is_terminal
         self.n_trials = n_trials
         self.metric = metric
+        self.objectives = tuple(objectives) or (metric,)  # what a trial line shows
         self.started = time.monotonic()
         self.done_at_start = done
         self.best = ""
@@ -166,7 +189,7 @@ class StudyProgress:
         self._progress.console.print(text, soft_wrap=not self.live)
 
     def trial_finished(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        self.print(trial_line(trial))
+        self.print(trial_line(trial, self.objectives))
         if self._epochs is not None:
             self._progress.remove_task(self._epochs)
             self._epochs = None
@@ -279,10 +302,15 @@ def summary(
     if energy:
         table.add_column(ENERGY_COLUMN, justify="right")
     for t in best:
-        cells = [str(t.number), *(_fmt(v) for v in t.params.values())]
+        record = TrialRecord.of(t)
+        cells = [str(t.number)]
+        for key, value in t.params.items():
+            lr = trained_lr(record, rule=False) if key == LR_KEY else None
+            cells.append(lr if lr is not None else _fmt(value))
         cells += [_fmt(v) for v in t.values]
         cells.append(format_bytes(TrialRecord.of(t).outcome.peak_bytes))
         table.add_row(*cells, *([_to_target_j(t)] if energy else []))
+    table.caption = lr_caption(best)
     console.print(table)
     header, cells = boundary.table(study)
     if cells:
@@ -307,35 +335,6 @@ def summary(
     console.print("Train it again: " + redact(rerun_command(overrides)), **plain)
     if best_path:
         console.print(f"or: python -m train +{BEST_KEY}={shlex.quote(best_path)}", **plain)
-
-
-def lr_plan(trial: FrozenTrial, batch: int | None = None) -> str | None:
-    """The learning rate to use at the global batch one will train with: the study's rule
-    (train/lr.py) applied to the recommended trial's rate, at its global batch or `batch`
-    (a fit report cell no trial trained, which takes the trial's rate)."""
-    run = TrialRecord.of(trial).run
-    rule, base, scaled = run.get(LR_RULE_PARAM), run.get("optimizer.lr"), run.get(LR_PARAM)
-    batch, ref = batch or run.get(GLOBAL_PARAM), run.get(LR_REF_PARAM)
-    if rule is None or base is None or scaled is None or not batch:
-        return None
-    if ref and rule != "none":
-        scaled = scaled_lr(base, batch, rule, ref)
-    if rule == "none" or not ref:
-        return (
-            f"Learning rate: {scaled:.3g} at any global batch (trainer.lr_scaling={rule}: the "
-            "rate as given; a rule such as linear or sqrt scales it with the batch)"
-        )
-    examples = ", ".join(
-        f"{b} -> {scaled_lr(base, b, rule, ref):.3g}"
-        for b in sorted({max(1, batch // 2), batch * 2})
-    )
-    return (
-        f"Learning rate: {scaled:.3g} at this global batch of {batch} (optimizer.lr={base:.3g} "
-        f"at {ref}, scaled {rule}); at another global batch, optimizer.lr scaled {rule} from "
-        f"{ref}: {examples}. The commands above keep the rule and "
-        f"trainer.lr_ref_batch_size={ref}: a batch or accumulation given after them trains "
-        "at its scaled rate."
-    )
 
 
 SPEED_TITLE = "Speed check (the candidates timed side by side)"

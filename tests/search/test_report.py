@@ -6,7 +6,7 @@ import io
 import re
 
 import optuna
-from optuna.distributions import CategoricalDistribution
+from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState, create_trial
 from rich.console import Console
 
@@ -26,9 +26,11 @@ from tracking.metrics import (
     ENERGY_PER_SAMPLE,
     THROUGHPUT_SAMPLES,
     THROUGHPUT_SPREAD,
+    THROUGHPUT_TOKENS,
     TO_TARGET_J,
     TO_TARGET_S,
     VAL_ACC,
+    VAL_LOSS,
     joules_per,
 )
 
@@ -192,3 +194,49 @@ def test_summaries_without_energy_have_no_energy_columns() -> None:
     console = Console(record=True, width=250)
     summary(console, study, [VAL_ACC], rec)
     assert "energy" not in console.export_text()
+
+
+# What a trial trained with: the rate at its effective batch, not optimizer.lr at the
+# reference batch (issue 41, 11).
+def _scaled(batch: int, base_lr: float, scaled_lr: float, **attrs) -> optuna.trial.FrozenTrial:
+    lr = FloatDistribution(0.01, 0.2, log=True)
+    return create_trial(
+        state=TrialState.COMPLETE,
+        values=[0.9, 400.0],
+        params={"trainer.batch_size": batch, "optimizer.lr": base_lr},
+        distributions={
+            "trainer.batch_size": CategoricalDistribution([64, 128]), "optimizer.lr": lr,
+        },
+        user_attrs={
+            "trainer.batch_size": batch, "trainer.accum_steps": 1, "trainer.precision": "fp32",
+            "effective_batch_size": batch, "global_batch_size": batch, "optimizer.lr": base_lr,
+            "lr_scaled": scaled_lr, "lr_rule": "linear", "lr_reference": 128, **attrs,
+        },
+    )  # fmt: skip
+
+
+def test_a_trial_line_shows_the_rate_it_trained_with_and_the_rule() -> None:
+    line = trial_line(_scaled(64, 0.0518, 0.0259))
+    assert "lr=0.0259 (0.0518 at 128, linear)" in line and "lr=0.0518 " not in line
+    # at the reference batch the rate is optimizer.lr itself: said once
+    assert "lr=0.05 |" in trial_line(_scaled(128, 0.05, 0.05)) + " |"
+
+
+def test_the_pareto_table_shows_the_rate_trained_with() -> None:
+    study = optuna.create_study(directions=["maximize", "maximize"])
+    study.add_trial(_scaled(64, 0.0518, 0.0259))
+    console = Console(record=True, width=200)
+    summary(console, study, [VAL_ACC, THROUGHPUT_SAMPLES], None)
+    shown = console.export_text()
+    assert "0.0259" in shown and "0.0518 at 128" in shown
+    assert "trainer.lr_scaling=linear" in shown  # the rule, said once under the table
+
+
+def test_a_language_model_trial_line_shows_the_study_objectives() -> None:
+    trial = _trial(
+        64, "fp32", TrialState.COMPLETE, unit="tokens",
+        metrics={VAL_LOSS: 2.3104, THROUGHPUT_TOKENS: 9120.0},
+    )  # fmt: skip
+    line = trial_line(trial, (VAL_LOSS, THROUGHPUT_TOKENS))
+    assert "val loss 2.310" in line.split(" | ") and "val acc" not in line
+    assert "9120 tokens/s" in line
