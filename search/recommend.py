@@ -138,6 +138,7 @@ class Recommendation:
                 f"{self._how(cell, basis)} to {self.by_time.describe()}; no trial trained "
                 f"it: the fit report predicts it fits, and its learning rate is trial {n}'s "
                 "(the nearest batch that reached the target), scaled by the study's rule"
+                + ("" if self.by_energy else _against_measured(self.by_time, cell))
             )
         chosen = self.planned
         if chosen is not None:
@@ -147,6 +148,7 @@ class Recommendation:
                 f"{self._how(chosen, name=f'{chosen.geometry}, ')} to {self.by_time.describe()}; "
                 f"{'trials' if len(chosen.trials) > 1 else 'trial'} "
                 f"{', '.join(map(str, chosen.trials))} trained it"
+                + ("" if self.by_energy else _against_measured(self.by_time, chosen))
             )
         if rule.metric == rule.prefer or not rule.tolerance or self.preferred is None:
             return f"trial {n}, the best {rule.metric} ({self.value:.4g})"
@@ -196,9 +198,43 @@ def prefers_energy(rule: RecommendRule) -> bool:
 def planned(plan: time_to_target.Plan, rule: RecommendRule) -> time_to_target.Predicted:
     """The plan's configuration the rule recommends: the one predicted to reach the target
     with the fewest joules when the rule prefers energy and some configuration has its
-    energy measured, else the one predicted to reach it soonest."""
+    energy measured, else the one predicted to reach it soonest, unless no trial trained
+    that one and a configuration trials trained is predicted within the prediction's own
+    error of it (`measured_instead`): what was measured, then."""
     least = plan.least_energy if prefers_energy(rule) else None
-    return least if least is not None else plan.best
+    if least is not None:
+        return least
+    return measured_instead(plan) or plan.best
+
+
+def measured_instead(plan: time_to_target.Plan) -> time_to_target.Predicted | None:
+    """The soonest configuration trials trained, where the soonest predicted is a fit
+    report cell no trial trained and the trained one is within the prediction's error of
+    it: the two cannot be told apart, and one of them was measured."""
+    best, trained = plan.best, plan.soonest_trained
+    if best.trials or trained is None:
+        return None
+    return trained if trained.seconds <= best.seconds * (1 + plan.error) else None
+
+
+def _against_measured(plan: time_to_target.Plan, chosen: time_to_target.Predicted) -> str:
+    """Why the soonest predicted configuration was or was not recommended over what trials
+    measured, where one is a fit report cell and the other was trained; '' otherwise."""
+    best, trained, error = plan.best, plan.soonest_trained, f"{plan.error:.0%}"
+    if trained is None or best.trials:
+        return ""
+    sooner = 1 - best.seconds / trained.seconds
+    if chosen is trained:
+        return (
+            f"; {best.geometry}, which no trial trained, is predicted at {best.seconds:.3g} s, "
+            f"{sooner:.0%} sooner: within the prediction's own error ({error}), so the "
+            "configuration trials measured is preferred"
+        )
+    return (
+        f"; {best.seconds:.3g} s is {sooner:.0%} sooner than {trained.geometry} "
+        f"({trained.seconds:.3g} s), the soonest configuration trials trained: beyond the "
+        f"prediction's own error ({error})"
+    )
 
 
 Scored = tuple[FrozenTrial, float, float | None]  # a trial, its `metric`, its `prefer`

@@ -121,6 +121,18 @@ class Plan:
         return self.predicted[0]
 
     @property
+    def error(self) -> float:
+        """The prediction's own error: its model's worst relative error in steps over the
+        batch sizes it was fitted to (0 where it passes through them)."""
+        worst = self.model.worst_error()
+        return 0.0 if math.isnan(worst) else worst
+
+    @property
+    def soonest_trained(self) -> Predicted | None:
+        """The soonest configuration that trials trained (not a fit report cell)."""
+        return next((p for p in self.predicted if p.trials), None)
+
+    @property
     def by_energy(self) -> tuple[Predicted, ...]:
         """The configurations with an energy to target, the fewest joules first (ties: the
         faster first)."""
