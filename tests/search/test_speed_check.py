@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import optuna
 import pytest
 from mlflow.tracking import MlflowClient
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import create_trial
 
 from search import speed
+from search.speed import SPEED_ATTR
 from tests.conftest import FAST
 
 pytestmark = pytest.mark.study
@@ -51,3 +55,33 @@ def test_a_study_times_its_candidates_and_recommends_by_that(prepare_study, stor
         parent.info.run_id, "summary.md"
     )).read_text()  # fmt: skip
     assert "speed check: 512x1 fp32" in summary
+
+
+def test_a_check_with_one_candidate_says_it_is_skipped() -> None:
+    """One candidate configuration (a study of a few trials, as the quick start's on a busy
+    machine): nothing to time it against, and the check says so instead of nothing."""
+    study = optuna.create_study(directions=["maximize"])
+    study.add_trial(
+        create_trial(
+            value=0.9,
+            params={"trainer.batch_size": 64},
+            distributions={"trainer.batch_size": CategoricalDistribution([64, 128])},
+            user_attrs={
+                "trainer.batch_size": 64,
+                "trainer.accum_steps": 1,
+                "trainer.precision": "fp32",
+            },
+        )  # fmt: skip
+    )
+    said: list[str] = []
+
+    def configure(trial: object) -> None:
+        raise AssertionError("nothing is timed")
+
+    assert speed.check(study, study.trials, configure, said.append) == {}
+    assert said == [
+        "Speed check skipped: one candidate configuration, 64x1 fp32 (the completed trials "
+        "within search.recommend's tolerance of the best, one per configuration): nothing "
+        "to time it against, so the recommendation goes by the trials' own throughput"
+    ]
+    assert SPEED_ATTR not in study.user_attrs
