@@ -40,13 +40,36 @@ class Decision:
     trial: int | None  # the recommended trial; None: no trial has the metric yet
     best_yaml: str | None  # best.yaml as every worker writes it (None with no trial)
     made_by: str  # 'host HOST, pid PID': the worker that made it
+    made_at: float | None = None  # when (time.time()); None: stored before it was kept
 
     @classmethod
     def stored(cls, study: optuna.Study) -> Decision | None:
         found = study.user_attrs.get(DECISION_ATTR)
         if not found:
             return None
-        return cls(tuple(found["finished"]), found["trial"], found["best_yaml"], found["made_by"])
+        return cls(
+            tuple(found["finished"]),
+            found["trial"],
+            found["best_yaml"],
+            found["made_by"],
+            found.get("made_at"),
+        )
+
+    def reused(self, started_at: float, num_finished: int) -> str:
+        """What a process that reuses this decision says of it: made by an earlier run of
+        the study (before `started_at`, this process's start: the same command run again)
+        or by another worker running with this one."""
+        if self.made_at is not None and self.made_at < started_at:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.made_at))
+            who, mine = f"an earlier run of this study ({when}, {self.made_by})", "run"
+        elif self.made_at is not None:
+            who, mine = f"another worker of this study ({self.made_by})", "worker"
+        else:
+            who, mine = f"another worker or an earlier run of this study ({self.made_by})", "run"
+        return (
+            f"The recommendation was made by {who} from the same {num_finished} finished "
+            f"trials: its speed check and best.yaml are this {mine}'s too"
+        )
 
     def store(self, study: optuna.Study) -> None:
         study.set_user_attr(DECISION_ATTR, {**asdict(self), "finished": list(self.finished)})
@@ -98,6 +121,7 @@ def decide(
             return found, False
         trial, best_yaml = make()
         owner = this_owner()
-        made = Decision(finished, trial, best_yaml, f"host {owner['host']}, pid {owner['pid']}")
+        made_by = f"host {owner['host']}, pid {owner['pid']}"
+        made = Decision(finished, trial, best_yaml, made_by, time.time())
         made.store(study)
         return made, True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import shlex
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -311,6 +312,8 @@ class StudyDriver:
         self.parent = parent
         self.console = console
         self.storage_clock = storage_clock or CallClock()  # times the study's storage calls
+        # A decision made before this (the same study run again) is an earlier run's.
+        self.started_at = time.time()
         self.results = Results(
             parent.log,
             checked.settings.metrics,
@@ -469,11 +472,7 @@ class StudyDriver:
 
         decided, made_here = decision.decide(self.study, storage, make)
         if not made_here:
-            self._say(
-                f"The recommendation was made by another worker of this study "
-                f"({decided.made_by}) from the same {len(decided.finished)} finished trials: "
-                "its speed check and best.yaml are this worker's too"
-            )
+            self._say(decided.reused(self.started_at, len(decided.finished)))
         return decided
 
     def _speed_check(self) -> None:

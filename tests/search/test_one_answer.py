@@ -173,3 +173,28 @@ def test_the_end_waits_until_the_other_workers_trial_finishes(tmp_path: Path) ->
     ]
     assert finished_trials(study) == (0,)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE]
+
+
+def test_a_decision_reused_says_whether_an_earlier_run_or_another_worker_made_it(
+    tmp_path: Path,
+) -> None:
+    """The same finished study run again: its decision was made by this user's earlier run
+    (before this process started), not by another worker of this launch."""
+    study, storage = _study(f"journal:{tmp_path}/optuna.journal")
+    _add_finished(study, 0.5)
+    before = time.time() - 1  # a worker started before the decision was made
+    made, _ = decide(study, storage, lambda: (0, "trial: 0\n"))
+    after = time.time() + 1  # a run started after it was made
+    me = this_owner()
+    assert made.made_by == f"host {me['host']}, pid {me['pid']}"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(made.made_at))
+    assert made.reused(after, 1) == (
+        f"The recommendation was made by an earlier run of this study ({when}, "
+        f"{made.made_by}) from the same 1 finished trials: its speed check and best.yaml are "
+        "this run's too"
+    )
+    assert made.reused(before, 1) == (
+        f"The recommendation was made by another worker of this study ({made.made_by}) from "
+        "the same 1 finished trials: its speed check and best.yaml are this worker's too"
+    )
+    assert Decision.stored(study) == made  # the time is kept in the study
