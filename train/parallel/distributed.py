@@ -16,17 +16,16 @@ How a run ends:
 - what a hook raised (Prune, KeyboardInterrupt): the ranks stop at their next step;
 - a rank that died (SIGKILL, a crash): the launcher sees it within its monitor interval,
   stops the others and this raises RankFailed with the rank, its exit code or error.
-Every rank dies with the launching process: it asks the kernel for SIGKILL when its parent
-dies (PR_SET_PDEATHSIG), then checks that its parent is still the process that launched it,
-so that a launcher killed while the rank was still starting (importing torch, unpickling
-its job: seconds) is seen too, and the rank exits. None is left behind, nor is
-multiprocessing's resource tracker, which ends when the last process holding its pipe does.
+Every rank dies with the launching process, within milliseconds, whatever it is doing: it
+asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG) before it imports
+anything slow, and exits at once if its parent died before that (train/parallel/lifeline.py).
+None is left behind, nor is multiprocessing's resource tracker, which ends when the last
+process holding its pipe does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import math
 import os
@@ -49,6 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 from train.loop import Diverged, Hooks, Run, RunResult, fit
 from train.measure.energy import Energy
 from train.memory.budget import MemoryStats, OutOfMemory
+from train.parallel.lifeline import die_with_parent, tied
 
 STOP_GRACE_S = 30.0  # after a stop is asked, how long the ranks have before they are killed
 
@@ -58,7 +58,7 @@ class _LauncherNoise(logging.Filter):
     - the warning that the launcher, on a child thread, cannot register signal handlers and
       "could lead to orphaned worker processes": it runs on one on purpose (this process
       keeps its own handlers), and the ranks die with this process on their own
-      (`_die_with_parent`);
+      (train/parallel/lifeline.py);
     - a failed rank's traceback of the launcher's own wait ("failed (exitcode: -9) ...
       process 0 terminated with signal SIGKILL"): the run raises RankFailed naming the rank
       and how it ended, or, where this process stopped the ranks (a pruned trial), what
@@ -131,7 +131,8 @@ def launch(
 
     def launched() -> None:
         try:
-            done["results"] = elastic_launch(config, _rank_main)(job)
+            with tied():  # the ranks die with this process; spawned by this thread
+                done["results"] = elastic_launch(config, _rank_main)(job)
         except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
             done["error"] = error
 
@@ -314,19 +315,6 @@ def _model_of(cfg: DictConfig, spec: Any, workload: Any, state: dict) -> torch.n
 # ----------------------------------------------------------------------------- each rank
 
 
-def _die_with_parent(launcher: int) -> None:
-    """This rank gets SIGKILL when the process that launched it dies (Linux); if that
-    process died already, while this one was starting, it exits now (the kernel's signal
-    is only for a death after the request)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != launcher:  # reparented: the launcher is gone
-        os._exit(1)
-
-
 def _rank_main(job: _Job) -> dict:
     """A rank's process: its exception is written for the launcher (`record`), which puts
     it in the ChildFailedError the caller turns into RankFailed."""
@@ -336,7 +324,7 @@ def _rank_main(job: _Job) -> dict:
 
 
 def _rank(job: _Job) -> dict:
-    _die_with_parent(job.launcher)
+    die_with_parent(job.launcher)  # done already as the rank started (lifeline.py): a net
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     job.requests.put(("pid", rank, os.getpid()))
     cuda = job.spec.device.type == "cuda"

@@ -1,0 +1,120 @@
+"""Ranks die with their worker: SIGKILL of a real `python -m train` running a 2-rank gloo DDP
+run on CPU (a child of tests/faults/forkserver.py), while its ranks still start (importing
+torch: no code of ours has run in them yet but train/parallel/lifeline.py's) and while
+they train. Every rank and multiprocessing's resource tracker must be gone within seconds,
+none left running with parent 1."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.faults import forkserver
+from tests.sweeps import REPO, clean_env
+
+pytestmark = pytest.mark.slow
+
+# Calibration, on the 2-core CI machine at load 7: after the fix every rank and the tracker
+# were gone 0.24-0.29 s after the SIGKILL; before it, ranks killed while importing lived on
+# 49-60 s (until their imports ended and they looked for their parent). The issue asks for a
+# second or two.
+GONE_WITHIN_S = 2.0
+START_TIMEOUT_S = 600  # the fork server's imports, under load, come first
+# 1000 samples x 40 epochs: minutes of training, far longer than the test waits
+ARGS = [
+    "data=synthetic",
+    "data.num_samples=1000",
+    "data.channels=1",
+    "data.image_size=8",
+    "model=mlp",
+    "model.hidden=64",
+    "trainer.max_epochs=40",
+    "trainer.strategy=ddp",
+    "trainer.devices=2",
+    "trainer.batch_size=16",
+]
+
+
+def _children(worker: int) -> dict[str, list[psutil.Process]]:
+    """The worker's ranks (`multiprocessing.spawn`) and its resource tracker."""
+    found: dict[str, list[psutil.Process]] = {"ranks": [], "tracker": []}
+    try:
+        children = psutil.Process(worker).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return found
+    for child in children:
+        try:
+            line = " ".join(child.cmdline())
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if "resource_tracker" in line:
+            found["tracker"].append(child)
+        elif "spawn_main" in line:
+            found["ranks"].append(child)
+    return found
+
+
+def _connected(rank: psutil.Process) -> bool:
+    """Whether the rank reached its process group (TCP to the worker's store): past its
+    start-up."""
+    try:
+        return any(c.status == psutil.CONN_ESTABLISHED for c in rank.net_connections("tcp"))
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_for(condition, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("when", ["importing 0.3 s", "importing 1.5 s", "training"])
+def test_every_rank_and_the_resource_tracker_die_with_a_killed_worker(
+    tmp_path: Path, when: str
+) -> None:
+    worker = forkserver.start("train", ARGS, tmp_path, clean_env(PYTHONPATH=str(REPO)))
+    started: list[psutil.Process] = []
+    try:
+        _wait_for(lambda: len(_children(worker.pid)["ranks"]) == 2, "2 ranks", START_TIMEOUT_S)
+        if when == "training":
+            ranks = _children(worker.pid)["ranks"]
+            _wait_for(lambda: all(map(_connected, ranks)), "ranks connected", START_TIMEOUT_S)
+            time.sleep(1.0)  # into the steps
+        else:
+            time.sleep(float(when.split()[1]))
+        found = _children(worker.pid)
+        started = found["ranks"] + found["tracker"]
+        starting = [not _connected(rank) for rank in found["ranks"]]
+        assert worker.poll() is None, "the run ended before the test killed it"
+        assert len(found["tracker"]) == 1, found
+        assert all(starting) if when != "training" else not any(starting), (when, starting)
+
+        worker.kill()
+        killed_at = time.monotonic()
+        while any(map(_alive, started)) and time.monotonic() - killed_at < 60:
+            time.sleep(0.02)
+        gone_s = time.monotonic() - killed_at
+        left = [p.pid for p in started if _alive(p)]
+    finally:
+        worker.kill()
+        for process in started:  # only what this test started, by pid
+            if _alive(process):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+        worker.communicate(timeout=60)  # its pipes close with the last rank
+    print(f"{when}: every rank and the tracker gone {gone_s:.2f} s after the SIGKILL")
+    assert not left, f"alive 60 s after the worker's SIGKILL: {left}"
+    assert gone_s < GONE_WITHIN_S, f"ranks and tracker lived {gone_s:.2f} s after the worker"
