@@ -153,8 +153,17 @@ def test_train_entry_point_with_the_issue_command(tmp_path: Path) -> None:
         tmp_path,
     )  # fmt: skip
     assert "batch 64 x 2 = 128, bf16" in done.stdout
+    # Its threads line names the key python -m train takes, not a study's workers.
+    threads = done.stdout.splitlines()[0]
+    assert threads.startswith("torch: ") and "per worker" not in threads
+    assert "search.threads=N, which python -m train reads" in threads
     client = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("train").experiment_id])
+    # The model's path on disk, which a user can open (the store is local).
+    saved = next(line for line in done.stdout.splitlines() if line.startswith("Model saved: "))
+    path = saved.removeprefix("Model saved: ").split(" (")[0]
+    assert (tmp_path / path).is_file() and path.endswith("model/model.pt")
+    assert run.info.run_id in path
     assert run.data.params["trainer.precision"] == "bf16"
     assert run.data.params["effective_batch_size"] == "128"
     # lr_scaling=linear with reference 128 in the resnet experiment: 0.05 x 128/128

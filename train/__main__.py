@@ -16,12 +16,15 @@ train/model_file.py reads it back).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import hydra
 import torch
@@ -58,7 +61,8 @@ from train.overrides import (
     run_checked,
     unknown_top_level,
 )
-from train.parallel.threads import plan_threads
+from train.parallel.threads import KEY as THREADS_KEY
+from train.parallel.threads import Threads, plan_threads
 from train.run import (
     RunSpec,
     check_builds,
@@ -131,6 +135,8 @@ def main(cfg: DictConfig) -> None:
         crashed(errors, "The run failed", f"{type(error).__name__} after training (above)")
     log.tags({STATE_TAG: "COMPLETE"})
     log.finish()
+    ready.tracker.outbox.drain()  # the artifact written: its path is one to open
+    where = _artifact_location(log) + where
     console.print(f"Model saved: {where} (train/model_file.py loads it)", soft_wrap=True)
     console.print(figures, soft_wrap=True)  # last: the run's figures
 
@@ -150,7 +156,7 @@ def _prepare(cfg: DictConfig, console: Console) -> Prepared:
     overrides = with_gpu_budget(cfg, overrides)  # search.gpu=CARD: the card's budget
     threads = plan_threads(cfg.search.threads, 1)  # first, before any torch work
     threads.apply()
-    console.print(threads.describe(), soft_wrap=True)
+    console.print(_threads_line(threads), soft_wrap=True)
     problems: list[str] = []  # of every section at once
     spec = _collected(problems, lambda: plan(cfg, cfg.search.memory_budget))
     mlflow = OmegaConf.to_container(cfg.mlflow, resolve=True)
@@ -169,6 +175,22 @@ def _prepare(cfg: DictConfig, console: Console) -> Prepared:
     tracker = Tracker.from_config(cfg.mlflow, experiment)
     workload = workloads.of(cfg)
     return Prepared(cfg, overrides, spec, workload, prediction, retrain, save_path, tracker)
+
+
+def _threads_line(threads: Threads) -> str:
+    """The threads this run uses, and the key that sets them: `python -m train` reads the
+    study's search.threads, and has no workers to share the cores with."""
+    cores = f"{threads.num_cores} core{'s' * (threads.num_cores != 1)}"
+    count = f"{threads.num_threads} intra-op thread{'s' * (threads.num_threads != 1)}"
+    if threads.setting is not None:
+        return f"torch: {count} ({THREADS_KEY}={threads.setting}; {cores} usable)"
+    busy = ""
+    if threads.num_threads < threads.num_cores:
+        busy = f", {threads.busy:.1f} busy with other processes"
+    return (
+        f"torch: {count} ({cores} usable by this process{busy}); override with "
+        f"{THREADS_KEY}=N, which python -m train reads too"
+    )
 
 
 def _collected(problems: list[str], check: Callable[[], T]) -> T:
@@ -386,12 +408,29 @@ def _save(ready: Prepared, log: RunLog, model: torch.nn.Module) -> str:
         model, redact(OmegaConf.to_yaml(ready.cfg, resolve=True)), redact_tree(ready.overrides)
     )
     log.artifacts({model_file.FILE_NAME: saved}, model_file.ARTIFACT_PATH)
-    where = f"MLflow artifact {model_file.ARTIFACT_PATH}/{model_file.FILE_NAME}"
+    where = ""
     if ready.save_path is not None:
         ready.save_path.parent.mkdir(parents=True, exist_ok=True)
         ready.save_path.write_bytes(saved)
         where += f" and {ready.save_path}"
     return where
+
+
+def _artifact_location(log: RunLog) -> str:
+    """Where the run's model artifact is: a path to open where the artifact store is a local
+    directory (relative to the working directory when under it), its URI otherwise."""
+    name = f"{model_file.ARTIFACT_PATH}/{model_file.FILE_NAME}"
+    try:
+        root = log.client.get_run(log.run_id).info.artifact_uri
+    except Exception:  # noqa: BLE001 - the store is away: the run and the name still say it
+        return f"MLflow artifact {name} of run {log.run_id}"
+    parsed = urlparse(root)
+    if parsed.scheme not in ("", "file"):
+        return f"{root.rstrip('/')}/{name} (MLflow artifact {name})"
+    path = Path(url2pathname(parsed.path)) / name
+    with contextlib.suppress(ValueError):
+        path = path.relative_to(Path.cwd())
+    return f"{path} (MLflow artifact {name} of run {log.run_id})"
 
 
 if __name__ == "__main__":
