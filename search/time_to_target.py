@@ -15,6 +15,8 @@ S_min (1 + B_crit / B) for the global batch B. Its constants come from the study
   trials' median gradient noise scale B_simple (train/measure/noise.py; the paper's estimate of
   B_crit) is within NOISE_SPREAD of its B_crit; with 1, B_crit is B_simple itself, trusted
   when the trials' estimates agree within NOISE_SPREAD, and S_min follows from the steps.
+  Only trials that logged a B_simple count (its |G|² resolved above zero over enough
+  steps); the summary says how many, over how many measured steps, and how many did not.
 Where neither holds, `plan` raises Untrusted saying why, and the study recommends by its
 other rule.
 
@@ -54,7 +56,7 @@ from optuna.trial import FrozenTrial, TrialState
 from search import speed
 from search.critical_batch import NoFit, StepsModel, fit_samples, fit_steps
 from search.record import TrialRecord
-from tracking.metrics import GRAD_NOISE_SCALE, MEAN_WATTS, VAL_LOSS
+from tracking.metrics import GRAD_NOISE_SCALE, GRAD_NOISE_STEPS, MEAN_WATTS, VAL_LOSS
 from train.params import ACCUM_KEY, BATCH_KEY, CHECKPOINTING_KEY, GLOBAL_PARAM
 
 FIT_TOLERANCE = 0.25  # the fit's worst relative error in steps over its points
@@ -115,6 +117,12 @@ class Plan:
     noise_scale: float | None  # the trials' median B_simple
     points: tuple[Point, ...]
     predicted: tuple[Predicted, ...]  # fastest first
+    # What that median rests on: the trials with an estimate, their measured steps all
+    # together, and the completed trials without one (too few steps, or |G|² not resolved
+    # above zero: each one's batchfit.noise_scale tag says which)
+    noise_trials: int = 0
+    noise_steps: int = 0
+    noise_without: int = 0
 
     @property
     def best(self) -> Predicted:
@@ -147,13 +155,22 @@ class Plan:
 
     def describe(self) -> str:
         m = self.model
-        noise = f", B_simple {self.noise_scale:.3g}" if self.noise_scale is not None else ""
+        noise = f", {self.noise_basis()}" if self.noise_scale is not None else ""
         if m.unbounded:
             constants = f"E_min {m.e_min:.4g} samples, B_crit unbounded"
         else:
             constants = f"S_min {m.s_min:.3g} steps, B_crit {m.b_crit:.3g} samples"
         target = f"{VAL_LOSS} <= {self.target:.4g} ({self.target_source})"
         return f"{target}: {constants} ({self.source}{noise})"
+
+    def noise_basis(self) -> str:
+        """'B_simple 46.6 (median of 3 trials' estimates, over 27 measured steps; 2 completed
+        trials without one)': the figure and what it rests on."""
+        k, n = self.noise_trials, self.noise_without
+        trials = f"{k} trials' estimates" if k != 1 else "1 trial's estimate"
+        steps = f", over {self.noise_steps} measured steps" if self.noise_steps else ""
+        without = f"; {n} completed trial{'s' if n != 1 else ''} without one" if n else ""
+        return f"B_simple {self.noise_scale:.3g} (median of {trials}{steps}{without})"
 
 
 def steps_to(curve: Sequence[Sequence[float]], target: float) -> float | None:
@@ -282,8 +299,10 @@ def plan(
     for p in points:
         best_steps[p.batch] = min(best_steps.get(p.batch, math.inf), p.steps)
     # (a negative reading, its variance estimate below zero, says nothing of B_crit)
-    noises = [v for _, r in done if (v := r.outcome.figure(GRAD_NOISE_SCALE)) is not None and v > 0]
+    measured = [r.outcome for _, r in done if (r.outcome.figure(GRAD_NOISE_SCALE) or 0) > 0]
+    noises = [o.figure(GRAD_NOISE_SCALE) for o in measured]
     noise = statistics.median(noises) if noises else None
+    noise_steps = sum(int(o.figure(GRAD_NOISE_STEPS) or 0) for o in measured)
     model, source = _model(best_steps, noises, noise)
     keys = _family_keys(cells)
     trained = _trained(trials, keys)
@@ -303,7 +322,10 @@ def plan(
     if model.unbounded:  # how far above the batches B_crit lies, they cannot say
         predicted = [p for p in predicted if p.batch <= max(best_steps)]
     predicted.sort(key=lambda p: p.seconds)
-    return Plan(loss, target_source, model, source, noise, tuple(points), tuple(predicted))
+    return Plan(
+        loss, target_source, model, source, noise, tuple(points), tuple(predicted),
+        len(noises), noise_steps, len(done) - len(noises),
+    )  # fmt: skip
 
 
 @dataclass

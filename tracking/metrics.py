@@ -66,8 +66,12 @@ TO_TARGET_J = "energy/to_target_j"  # mean watts x time/to_target_s: the joules 
 DEVICE_PREFIX = "device/"
 DEVICE_UTILIZATION = "device/utilization"
 
-# The gradient noise scale (train/measure/noise.py): B_simple and its two parts
+# The gradient noise scale (train/measure/noise.py): B_simple and its two parts, means over
+# the run's measured steps; B_simple's 95% interval (Fieller's) and the steps it rests on
 GRAD_NOISE_SCALE = "stats/grad_noise_scale"
+GRAD_NOISE_SCALE_LOW = "stats/grad_noise_scale_low"
+GRAD_NOISE_SCALE_HIGH = "stats/grad_noise_scale_high"
+GRAD_NOISE_STEPS = "stats/grad_noise_scale_steps"
 GRAD_SQ_NORM = "stats/grad_sq_norm"
 GRAD_VARIANCE = "stats/grad_variance"
 

@@ -592,7 +592,7 @@ def _result(
         data_wait_s=clock.data_wait_s,
         interval_rates=clock.interval_rates,
         noise=noise,
-        noise_estimator=plan.noise_note,
+        noise_estimator=plan.noise.note(noise) if plan.noise else plan.noise_note,
         energy=clock.energy(),
         energy_note=clock.energy_note,
         chance_loss=plan.chance[0] if plan.chance else None,
