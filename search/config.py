@@ -265,6 +265,13 @@ class SearchConfig:
             )
         if not self.objectives:
             problems.append("search.objectives is empty; e.g. search.objectives=[val/acc]")
+        twice = sorted({m for m in self.objectives if self.objectives.count(m) > 1})
+        if twice:  # two identical Pareto columns, and a study name taken by a mistake
+            unique = ",".join(dict.fromkeys(self.objectives))
+            problems.append(
+                f"search.objectives lists {', '.join(twice)} more than once; each objective is "
+                f"one column of the Pareto front: search.objectives=[{unique}]"
+            )
         for metric in self.objectives:
             if metric == TO_TARGET and self.target is None:
                 problems.append(

@@ -317,6 +317,17 @@ def check_builds(cfg: DictConfig, spec: RunSpec, workloads: Workloads | None = N
     cannot be predicted, which is returned as a note). Errors in the user's builder arguments
     become ConfigErrors naming the group. What it builds (data, predictor) stays in
     `workloads` for the runs that follow."""
+    workload = workloads or Workloads()
+    model = check_model_builds(cfg, spec, workload)
+    return _budget_note(cfg, spec, workload.of(cfg), model)
+
+
+def check_model_builds(
+    cfg: DictConfig, spec: RunSpec, workloads: Workloads | None = None
+) -> torch.nn.Module:
+    """The data, the model (on fake tensors), optimizer and schedule build as a run builds
+    them; the user's builder-argument errors (the model's own line, e.g. a data.seq_len
+    beyond its max_position_embeddings) as ConfigErrors naming the group."""
     problems = [p for group in COMPONENTS for p in unknown_settings(group, cfg.get(group))]
     if problems:
         raise ConfigError(problems)
@@ -325,11 +336,10 @@ def check_builds(cfg: DictConfig, spec: RunSpec, workloads: Workloads | None = N
     pipeline = workload.pipeline(spec.device)
     mode = spec.trainer.activation_checkpointing
     # Built on fake tensors, as the predictor builds it: a model of any size costs nothing.
-    model = fake_first(
+    return fake_first(
         lambda: _build_all(cfg, spec, pipeline, workload.task, mode),
         FakeTensorMode(allow_non_fake_inputs=True),
     )
-    return _budget_note(cfg, spec, workload, model)
 
 
 def _build_all(

@@ -177,6 +177,11 @@ CASES = {
         r"with trainer.strategy=fsdp, trainer.precision=fp16 from search.params: "
         r"trainer.precision=fp16 with trainer.strategy=fsdp needs a sharded gradient scaler",
     ),
+    "an objective twice": (
+        ["search.objectives=[val/acc,val/acc]"],
+        r"search.objectives lists val/acc more than once; each objective is one column of the "
+        r"Pareto front: search.objectives=\[val/acc\]",
+    ),
     "absurd budget": (
         ["search.memory_budget=1e30"],
         r"search.memory_budget=1e\+30 \(\d+\.\d PiB\) is more than the \d+\.\d [GT]iB that "
@@ -211,6 +216,70 @@ def test_a_fixed_key_is_checked_with_the_searched_ones(hydra_conf, stores) -> No
             [*stores["overrides"], "trainer.devices=2",
              "+search.params={trainer.strategy:'choice(none,ddp)'}", "search.study_name=v2"],
         )  # fmt: skip
+
+
+# A user's merge into the default space (++), the issue's command: batch size and lr are
+# searched beside the strategy, and were blamed for the fixed trainer.devices=2.
+MERGED = (
+    "++search.params={trainer.strategy:'choice(ddp,fsdp)',trainer.batch_size:'choice(16,32)',"
+    "optimizer.lr:'tag(log, interval(0.01, 0.3))'}"
+)
+
+
+def test_a_fixed_device_count_with_a_searched_strategy_merged_into_the_space(
+    hydra_conf, stores
+) -> None:
+    driver = _prepare(hydra_conf, [*stores["overrides"], "trainer.devices=2", MERGED])
+    assert driver.checked.spec.trainer.strategy == "ddp"
+    assert set(driver.checked.space.distributions) >= {
+        "trainer.strategy", "trainer.batch_size", "optimizer.lr"
+    }  # fmt: skip
+
+
+def test_a_fixed_keys_own_problem_is_said_once_under_its_name(hydra_conf, stores) -> None:
+    """trainer.precision=fp8 given while the space searches the precision: one problem, the
+    precision's, never each searched value blamed for it."""
+    space = (
+        "+search.params={trainer.precision:'choice(fp32,bf16)',"
+        "trainer.batch_size:'choice(16,32,64)',optimizer.lr:'interval(0.01,0.2)'}"
+    )
+    with pytest.raises(ConfigError) as raised:
+        _prepare(hydra_conf, [*stores["overrides"], "trainer.precision=fp8", space])
+    (problem,) = raised.value.problems
+    assert problem.startswith("trainer.precision must be one of fp32, tf32, bf16, fp16, got 'fp8'")
+    assert "search.params.trainer.precision searches it, choice(fp32, bf16)" in problem
+    # A valid given value is unused, and said: the trials take the searched ones.
+    driver = _prepare(hydra_conf, [*stores["overrides"], "trainer.precision=bf16", space])
+    assert any(
+        n.startswith("trainer.precision=bf16 is not used: search.params.trainer.precision")
+        for n in driver.checked.notes
+    )
+    # A fixed key's problem no searched value causes is said once, as it is.
+    with pytest.raises(ConfigError) as raised:
+        _prepare(hydra_conf, [*stores["overrides"], "trainer.accum_steps=0", space])
+    problems = raised.value.problems
+    assert problems[0] == (
+        "trainer.accum_steps must be an integer >= 1, got 0; override with trainer.accum_steps=1"
+    )
+    assert not [p for p in problems if p.startswith("search.params")], problems
+
+
+def test_a_searched_value_the_model_cannot_take_is_refused_with_the_models_line(
+    hydra_conf, stores
+) -> None:
+    """data.seq_len=4096 on a model of 2048 positions: refused before any trial, the value
+    named, and the model's own line (it ran every trial to FAIL)."""
+    overrides = [
+        *stores["overrides"], "+experiment=llm_lora", "data.max_bytes=200000",
+        "search.study_name=lm", "++search.params={data.seq_len:'choice(128,4096)'}",
+    ]  # fmt: skip
+    with pytest.raises(ConfigError) as raised:
+        StudyDriver.prepare(hydra_conf(overrides), overrides, {}, Console(record=True))
+    assert raised.value.problems == [
+        "search.params.data.seq_len: value 4096 is invalid: model "
+        "(train.language.hf.causal_lm) cannot be built: data.seq_len=4096 is longer than the "
+        "model's max_position_embeddings=2048; lower data.seq_len"
+    ]
 
 
 def test_every_problem_is_reported_at_once(hydra_conf, stores) -> None:
