@@ -7,6 +7,8 @@ none left running with parent 1."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import threading
 import time
 from pathlib import Path
 
@@ -15,8 +17,7 @@ import pytest
 
 from tests.faults import forkserver
 from tests.sweeps import REPO, clean_env
-
-pytestmark = pytest.mark.slow
+from train.parallel.lifeline import tied
 
 # Calibration, on the 2-core CI machine at load 7: after the fix every rank and the tracker
 # were gone 0.24-0.29 s after the SIGKILL; before it, ranks killed while importing lived on
@@ -81,6 +82,7 @@ def _wait_for(condition, what: str, timeout_s: float) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["importing 0.3 s", "importing 1.5 s", "training"])
 def test_every_rank_and_the_resource_tracker_die_with_a_killed_worker(
     tmp_path: Path, when: str
@@ -118,3 +120,41 @@ def test_every_rank_and_the_resource_tracker_die_with_a_killed_worker(
     print(f"{when}: every rank and the tracker gone {gone_s:.2f} s after the SIGKILL")
     assert not left, f"alive 60 s after the worker's SIGKILL: {left}"
     assert gone_s < GONE_WITHIN_S, f"ranks and tracker lived {gone_s:.2f} s after the worker"
+
+
+def _lifeline_loaded(pid: int) -> bool:
+    """Whether the child imported train/parallel/lifeline.py (ctypes' library mapped: nothing
+    else a spawned `time.sleep` child loads imports ctypes)."""
+    try:
+        return "_ctypes" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="Linux: PR_SET_PDEATHSIG")
+def test_a_child_spawned_by_the_tied_thread_dies_with_that_thread() -> None:
+    """The kernel's death signal follows the thread that spawned the child (the launcher's
+    thread, which outlives its ranks): a `time.sleep(60)` child, which runs nothing of
+    batchfit's but the lifeline it unpickles, is killed as the tied thread ends, while this
+    process lives on."""
+    children: list[multiprocessing.Process] = []
+
+    def spawning() -> None:
+        with tied():
+            child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+            child.start()
+            children.append(child)
+            _wait_for(lambda: _lifeline_loaded(child.pid), "the lifeline unpickled", 120)
+            time.sleep(0.5)  # from the import to the prctl call: microseconds
+
+    thread = threading.Thread(target=spawning)
+    thread.start()
+    thread.join()
+    child = children[0]
+    try:
+        child.join(GONE_WITHIN_S)
+        assert child.exitcode == -9, f"alive {GONE_WITHIN_S} s after its thread ended"
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()

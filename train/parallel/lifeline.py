@@ -73,7 +73,9 @@ class _Lifeline:
 def tied() -> Iterator[None]:
     """Every process the calling thread spawns meanwhile (multiprocessing's spawn) dies with
     this process; the thread must outlive them (see `_Lifeline`)."""
-    config = multiprocessing.current_process()._config  # copied into each Process made
+    # Private to the stdlib's multiprocessing (the same from 3.4 to 3.13): the dict each new
+    # Process copies. tests/faults/test_rank_death.py fails if that ever changes.
+    config = multiprocessing.current_process()._config
     key = f"batchfit.lifeline.{threading.get_ident()}"
     config[key] = _Lifeline(threading.current_thread(), os.getpid())
     try:
