@@ -136,8 +136,12 @@ def main(cfg: DictConfig) -> None:
     log.tags({STATE_TAG: "COMPLETE"})
     log.finish()
     ready.tracker.outbox.drain()  # the artifact written: its path is one to open
-    where = _artifact_location(log) + where
-    console.print(f"Model saved: {where} (train/model_file.py loads it)", soft_wrap=True)
+    name = f"{model_file.ARTIFACT_PATH}/{model_file.FILE_NAME}"
+    console.print(
+        f"Model saved: {_artifact_location(log)}{where} (the run's MLflow artifact {name}; "
+        "train/model_file.py loads it)",
+        soft_wrap=True,
+    )
     console.print(figures, soft_wrap=True)  # last: the run's figures
 
 
@@ -423,14 +427,14 @@ def _artifact_location(log: RunLog) -> str:
     try:
         root = log.client.get_run(log.run_id).info.artifact_uri
     except Exception:  # noqa: BLE001 - the store is away: the run and the name still say it
-        return f"MLflow artifact {name} of run {log.run_id}"
+        return f"MLflow run {log.run_id}"
     parsed = urlparse(root)
     if parsed.scheme not in ("", "file"):
-        return f"{root.rstrip('/')}/{name} (MLflow artifact {name})"
+        return f"{root.rstrip('/')}/{name}"
     path = Path(url2pathname(parsed.path)) / name
     with contextlib.suppress(ValueError):
         path = path.relative_to(Path.cwd())
-    return f"{path} (MLflow artifact {name} of run {log.run_id})"
+    return str(path)
 
 
 if __name__ == "__main__":
