@@ -107,3 +107,34 @@ def test_quick_keeps_the_ends_and_the_middle() -> None:
     # the centre first, then outwards; linear in B, around 0.04 at 16
     assert bench.DIGITS.lrs(8) == [0.02, 0.04, 0.01, 0.08]
     assert bench.GPT.lrs(64) == [0.004, 0.008, 0.002]  # the square root: 2e-3 x 2 at 64
+
+
+def _readings(*values: float) -> list[bench.Reading]:
+    return [
+        bench.Reading(seed, v, v / 2, v * 2, 9, "accumulation: ...")
+        for seed, v in enumerate(values)
+    ]
+
+
+def test_the_stability_verdict_passes_within_2x_across_seeds_and_fails_beyond() -> None:
+    """Broken on purpose (max/min replaced by max/median), the 2.1x case passes: it fails."""
+    spread, reasons = bench.stability_verdict(_readings(40.0, 60.0, 80.0))
+    assert spread == pytest.approx(2.0) and reasons == []
+    spread, reasons = bench.stability_verdict(_readings(40.0, 60.0, 84.0))
+    assert spread == pytest.approx(2.1)
+    assert reasons == ["max/min 2.10 across seeds, over 2"]
+    _, reasons = bench.stability_verdict(_readings(40.0, math.nan, 50.0))
+    assert reasons == ["seed(s) [1] logged no B_simple"]
+    assert "seed 1: no B_simple" in bench.Reading(1, math.nan, math.nan, math.nan, 3, "x").line()
+    assert _readings(46.6)[0].line() == "    seed 0: B_simple 46.6 [23.3, 93.2] over 9 steps"
+
+
+def test_stability_reads_the_figures_a_trial_logs(hydra_conf) -> None:
+    """A tiny run (the MLP on digits, 2 epochs of 16x4: 44 measured steps) per seed: its
+    B_simple, interval and steps as RunResult.metrics() gives them."""
+    overrides = ("model=mlp", "trainer.batch_size=16", "trainer.accum_steps=4")
+    compose = lambda extra: hydra_conf([*extra, "trainer.max_epochs=2"])  # noqa: E731
+    (reading,) = bench.stability(compose, overrides, seeds=1)
+    assert reading.steps > 30 and reading.note.startswith("accumulation: ")
+    assert reading.note.endswith(f"over {reading.steps} steps")
+    assert 0 < reading.low < reading.noise_scale < reading.high

@@ -120,9 +120,9 @@ def _synthetic(steps: int, generator: torch.Generator, nan_at: int = -1) -> Nois
 
 def test_on_synthetic_gradients_the_ratio_converges_and_the_steps_are_counted():
     """The ratio of the parts' means over 2000 steps comes within 5% of the known 100 (its
-    error over seeds 0-9 had sd 0.8%, worst 1.3%); a step
-    that overflowed is not counted. Broken on purpose (the mean of the per-step ratios
-    instead, read() counting the overflowed step), it fails."""
+    error over seeds 0-9 had sd 0.8%, worst 1.3%); a step that overflowed is not counted.
+    Broken on purpose, it fails: the means as the old moving average (decay 0.9: its last
+    ~10 steps), or read() keeping the overflowed step."""
     noise = _synthetic(2000, torch.Generator().manual_seed(0), nan_at=7)
     reading = noise.read()
     assert reading.steps == 1999
@@ -138,9 +138,7 @@ def test_on_synthetic_gradients_the_ratio_converges_and_the_steps_are_counted():
 def test_the_interval_covers_the_truth_95_times_in_100():
     """Fieller's 95% interval over 30 steps covers the true B_simple in 95% of 400 runs
     (binomial sd 1.1%: 91-99% allows 3.5 sd either way; seeds 0, 1, 2 gave 96%, 95%,
-    97%). Broken
-    on purpose (the t quantile replaced by 1, or the means' variance not divided by the
-    steps), it covers in 60% or less."""
+    97%). Broken on purpose (the t quantile replaced by 1: a 68% interval), it fails."""
     generator = torch.Generator().manual_seed(0)
     covered = 0
     for _ in range(400):
