@@ -101,22 +101,41 @@ def _log_fit_report(
     parent: RunLog,
     console: Console,
     given: list[str],
+    output_dir: Path | None = None,
 ) -> list[fit.FitReport]:
-    """Predict the space's (precision, batch size) grid, show it (each table as it is done)
-    and log it to the parent run, with what would fit when nothing does; the trials' own
+    """Predict the space's (precision, batch size) grid and log its tables to the parent run
+    (and the Hydra output directory); say in a few lines what is searched and the boundary,
+    with where the tables are, and what would fit when nothing does. The trials' own
     predictions then come from the same cache."""
     recorder = Console(record=True, width=120, file=io.StringIO())
     try:
-        reports = _shown_fit_reports(cfg, checked, workloads, console, given, recorder)
+        reports = _shown_fit_reports(cfg, checked, workloads, console, given, recorder, False)
     except PredictionUnsupported:
         return []  # said by the first trial, which measures instead
     rows: dict[str, list] = {}
     for each in reports:
         for column, values in each.rows().items():
             rows.setdefault(column, []).extend(values)
-    parent.text(recorder.export_text(), "fit_report.txt")
+    text = recorder.export_text()
+    parent.text(text, FIT_REPORT_FILE)
     parent.table(rows, "fit_report.json")
+    where = f"{FIT_REPORT_FILE} on the study's MLflow parent run"
+    if output_dir is not None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / FIT_REPORT_FILE).write_text(text)
+        where = f"{_shown(output_dir / FIT_REPORT_FILE)} (and {where})"
+    say = {"soft_wrap": True, "markup": False, "highlight": False}
+    if reports:
+        searched = ", ".join(f"{k}={v}" for k, v in (cfg.search.params or {}).items() if v)
+        console.print(f"Searching {searched or 'nothing'}", **say)
+        for line in fit.summary_lines(reports):
+            console.print(line, **say)
+        command = redact(shlex.join([*fit.COMMAND.split(), *given]))
+        console.print(f"The full tables: {where}, or {command}", **say)
     return reports
+
+
+FIT_REPORT_FILE = "fit_report.txt"
 
 
 def _shown_fit_reports(
@@ -126,11 +145,15 @@ def _shown_fit_reports(
     console: Console,
     given: list[str],
     record: Console | None = None,
+    tables: bool = True,
 ) -> list[fit.FitReport]:
-    """The fit reports, each shown as it is done, then, when no cell fits, what would
-    (search/advice.py) with `python -m search` commands."""
+    """The fit reports, each shown as it is done (its tables in `record` only, not
+    `tables`), then, when no cell fits, what would (search/advice.py) with `python -m
+    search` commands."""
     space, spec, settings = checked.space, checked.spec, checked.settings
-    reports = fit.show_fit_reports(console, cfg, space, spec, settings, workloads, record)
+    reports = fit.show_fit_reports(
+        console, cfg, space, spec, settings, workloads, record, tables=tables
+    )
     if fit.nothing_fits(reports):
         console.print(fit.NOTHING_FITS, soft_wrap=True, highlight=False)
         for line in what_would_fit(cfg, given, STUDY_COMMAND, workloads):
@@ -200,6 +223,7 @@ def _set_up(
     fixed: str,
     console: Console,
     given: list[str],
+    output_dir: Path | None = None,
 ) -> None:
     """The parent run's params, search space, fixed config and fit report; the fit report's
     cells (the summary's memory boundary) and first trials into the study."""
@@ -207,7 +231,7 @@ def _set_up(
     parent.params(flatten(OmegaConf.to_container(OmegaConf.create(fixed))))
     parent.text(OmegaConf.to_yaml(searched), "search_space.yaml")
     parent.text(fixed, "fixed_config.yaml")
-    reports = _log_fit_report(cfg, checked, workloads, parent, console, given)
+    reports = _log_fit_report(cfg, checked, workloads, parent, console, given, output_dir)
     if reports and FIT_ATTR not in study.user_attrs:
         # The first trials are enqueued before the cells are stored: a worker killed in
         # between leaves the next one to enqueue them (once: skip_if_exists). A grid tries
@@ -397,7 +421,9 @@ class StudyDriver:
             study.set_user_attr(PARENT_ATTR, parent.run_id)
         if created or not setup_done(tracker, parent):
             # A worker killed before the end of this is completed by the next one.
-            _set_up(cfg, checked, workloads, study, parent, searched, fixed, console, given)
+            _set_up(
+                cfg, checked, workloads, study, parent, searched, fixed, console, given, output_dir
+            )
         parent_run = StudyRun(parent, settings.metrics)
         return cls(
             checked,

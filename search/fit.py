@@ -528,14 +528,16 @@ def show_fit_reports(
     workloads: Workloads | None = None,
     record: Console | None = None,
     beside: bool = False,
+    tables: bool = True,
 ) -> list[FitReport]:
-    """fit_reports, each table printed as soon as it is predicted (to `console`, and to
-    `record` too when given: the study's fit_report.txt): under a progress bar over the
-    tables on a terminal, with a line per table otherwise (a log, a pipe)."""
+    """fit_reports, each table printed as soon as it is predicted (to `console`, unless not
+    `tables`: a study says `summary_lines` instead, and to `record` too when given: the
+    study's fit_report.txt): under a progress bar over the tables on a terminal, with a line
+    per table otherwise (a log, a pipe)."""
 
     def show(report: FitReport, number: int, total: int) -> None:
         table = render(report)
-        for each in (console, record) if record is not None else (console,):
+        for each in [c for c in (console if tables else None, record) if c is not None]:
             each.print(table)
             for line in notes(report):
                 each.print(line, soft_wrap=True, markup=False, highlight=False)
@@ -567,6 +569,36 @@ def show_fit_reports(
             progress.update(task, completed=number, total=total)
 
         return fit_reports(*args, on_report=advance, beside=beside)
+
+
+def summary_lines(reports: list[FitReport]) -> list[str]:
+    """A study's few lines in place of the tables: per layout, the largest batch that fits
+    per precision (the boundary), at each accumulation where they differ."""
+    first = reports[0]
+    accums = first.accum_steps
+    at = (
+        "" if first.derived or len(accums) == 1 else f" at accum_steps {'/'.join(map(str, accums))}"
+    )
+    budget = f"{format_bytes(first.limit_bytes)} ({first.budget_source})"
+    if first.strategy != "none":
+        budget += " per rank"
+    rows = "effective batch" if first.derived else "batch size"
+    seconds = sum(r.seconds for r in reports)
+    margin = Margin(first.margin, first.margin_why).words()
+    lines = [
+        f"Fit report for {first.device}: the largest {rows} predicted to fit {budget}, margin "
+        f"{margin}, per precision{at} (predicted in {seconds:.1f} s, nothing trained):"
+    ]
+    for report in reports:
+        largest = []
+        for precision in report.precisions:
+            if precision not in report.unsupported:
+                found = [str(report.largest(precision, a) or "-") for a in report.accum_steps]
+                each = found[0] if len(set(found)) == 1 else "/".join(found)
+                largest.append(f"{precision} {each}")
+        lines.append(f"  {report.layout_words()}: {', '.join(largest)}")
+    lines += [f"  {p}: n/a ({reason}; trials skip it)" for p, reason in first.unsupported.items()]
+    return lines
 
 
 def _geometry(trainer: TrainerConfig, batch: int, accum: int, precision: str) -> TrainerConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import shlex
 from pathlib import Path
 
 import optuna
@@ -371,3 +372,40 @@ def test_a_relative_store_is_said_with_its_absolute_path(tmp_path, monkeypatch) 
     assert located("sqlite:///mlruns/mlflow.db").endswith(f"({tmp_path / 'mlruns' / 'mlflow.db'})")
     assert located("sqlite:////abs/optuna.db") == "sqlite:////abs/optuna.db"  # as given
     assert located("postgresql://u@h/db") == "postgresql://u@h/db"
+
+
+@pytest.mark.study
+def test_a_study_says_its_space_and_boundary_in_a_few_lines_and_where_the_tables_are(
+    hydra_conf, stores, tmp_path: Path
+) -> None:
+    """Before its first trial a study prints what it searches and the largest batch that
+    fits per precision, not the fit report's tables (six of them, 150 lines, for
+    llm_lora): those are in fit_report.txt, beside best.yaml and on the parent run, and
+    `python -m search.fit` with the same overrides prints them."""
+    space = (
+        "+search.params={trainer.batch_size:'choice(16,64,256)',"
+        "trainer.accum_steps:'choice(1,2)',optimizer.lr:'interval(0.01,0.1)'}"
+    )
+    overrides = [*FAST, "search.study_name=few", *stores["overrides"], space]
+    console = Console(record=True, width=200)
+    StudyDriver.prepare(
+        hydra_conf(overrides), overrides, {"model": "small_cnn", "data": "digits"}, console,
+        output_dir=tmp_path / "out",
+    )  # fmt: skip
+    said = console.export_text()
+    assert "┃" not in said and "largest that fits" not in said  # no table
+    lines = said.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Searching "))
+    assert lines[start].startswith("Searching trainer.batch_size=choice(16,64,256), ")
+    assert lines[start + 1].startswith("Fit report for cpu: the largest batch size predicted")
+    assert "per precision at accum_steps 1/2 (predicted in" in lines[start + 1]
+    assert lines[start + 2].startswith("  as configured: fp32 ")
+    full = (tmp_path / "out" / "fit_report.txt").read_text()
+    assert "largest that fits" in full and "┃" in full  # the tables, whole
+    where, command = lines[start + 3].split(", or ")
+    assert where == (
+        f"The full tables: {tmp_path / 'out' / 'fit_report.txt'} (and fit_report.txt on the "
+        "study's MLflow parent run)"
+    )
+    assert shlex.split(command) == ["python", "-m", "search.fit", *overrides], command
+    assert len(said.split("Searching ")[1].splitlines()) < 10
