@@ -164,13 +164,13 @@ class Plan:
         return f"{target}: {constants} ({self.source}{noise})"
 
     def noise_basis(self) -> str:
-        """'B_simple 46.6 (median of 3 trials' estimates, over 27 measured steps; 2 completed
-        trials without one)': the figure and what it rests on."""
+        """'B_simple 46.6, the median of 3 trials' estimates over 27 measured steps; 2
+        completed trials without one': the figure and what it rests on."""
         k, n = self.noise_trials, self.noise_without
         trials = f"{k} trials' estimates" if k != 1 else "1 trial's estimate"
-        steps = f", over {self.noise_steps} measured steps" if self.noise_steps else ""
+        steps = f" over {self.noise_steps} measured steps" if self.noise_steps else ""
         without = f"; {n} completed trial{'s' if n != 1 else ''} without one" if n else ""
-        return f"B_simple {self.noise_scale:.3g} (median of {trials}{steps}{without})"
+        return f"B_simple {self.noise_scale:.3g}, the median of {trials}{steps}{without}"
 
 
 def steps_to(curve: Sequence[Sequence[float]], target: float) -> float | None:

@@ -256,6 +256,6 @@ def test_the_study_summary_says_what_its_noise_scale_rests_on():
     p = plan(_study(trials), target=1.0)
     assert (p.noise_scale, p.noise_trials, p.noise_steps, p.noise_without) == (65.0, 2, 20, 1)
     assert p.describe().endswith(
-        ", B_simple 65 (median of 2 trials' estimates, over 20 measured steps; "
-        "1 completed trial without one))"
+        ", B_simple 65, the median of 2 trials' estimates over 20 measured steps; "
+        "1 completed trial without one)"
     )
