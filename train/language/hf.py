@@ -272,6 +272,12 @@ def causal_lm(
             )
     if lora is None:
         return model
+    # peft imports bitsandbytes wherever it is installed: not for a model without 4-bit layers
+    with quantize.without_bitsandbytes() if quantization == "none" else nullcontext():
+        return _with_adapters(model, lora)
+
+
+def _with_adapters(model: nn.Module, lora: Mapping[str, Any]) -> nn.Module:
     from peft import get_peft_model
 
     settings = lora_config(lora)

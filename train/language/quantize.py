@@ -31,6 +31,8 @@ here; the predictor computes the step on fake tensors with bitsandbytes' own fak
 from __future__ import annotations
 
 import functools
+import logging
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -67,11 +69,76 @@ def check(quantization: str, lora: Any, compute_dtype: str | None) -> None:
             "or null (trainer.precision's autocast dtype, else each layer's input's)"
         )
     try:
-        import bitsandbytes  # noqa: F401
+        _import_offline()
     except ImportError:
         raise ValueError(
             f'model.quantization={quantization} needs bitsandbytes: pip install -e ".[llm]"'
         ) from None
+
+
+# bitsandbytes' CPU backend (0.50), imported on a CPU with AVX512-BF16, asks the kernels
+# package for this Hub repository's 4-bit kernel, and logs this when it gets none.
+_HUB_KERNEL_LOGGER = "bitsandbytes.backends.cpu.ops"
+_HUB_KERNEL_FALLBACK = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+def _import_offline() -> None:
+    """Import bitsandbytes without a Hugging Face Hub lookup. On a CPU with AVX512-BF16 its
+    CPU backend, as it is imported, fetches `kernels-community/quantization-bitsandbytes`
+    through the kernels package (a request to the Hub; offline a failed one, and a third
+    party's warning before anything batchfit prints). That kernel speeds up one thing, the
+    4-bit matmul of a single row without gradients (`gemv_4bit`: token-by-token inference),
+    which no training step runs. Within the import the kernels package cannot be imported,
+    as if it were not installed: bitsandbytes keeps its own kernel, and its one log record
+    saying so is dropped (and only it: `_NoHubKernel`). Once imported, nothing to do."""
+    if "bitsandbytes" in sys.modules:
+        return
+    saved = sys.modules.get("kernels")
+    sys.modules["kernels"] = None  # type: ignore[assignment]  # `import kernels`: ImportError
+    quiet = _NoHubKernel()
+    logger = logging.getLogger(_HUB_KERNEL_LOGGER)
+    logger.addFilter(quiet)
+    try:
+        import bitsandbytes  # noqa: F401
+    finally:
+        logger.removeFilter(quiet)
+        if saved is None:
+            del sys.modules["kernels"]
+        else:
+            sys.modules["kernels"] = saved
+
+
+class _NoHubKernel(logging.Filter):
+    """Drops bitsandbytes' warning that it loaded no Hub kernel, which _import_offline
+    chose; any other record of its logger passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.levelno == logging.WARNING and str(record.msg).startswith(_HUB_KERNEL_FALLBACK)
+        )
+
+
+@contextmanager
+def without_bitsandbytes() -> Iterator[None]:
+    """Within: bitsandbytes cannot be imported, as if it were not installed (unless it was
+    imported already), for a build with no 4-bit weights: peft imports it wherever it is
+    installed (`import peft`: peft/helpers.py; each LoRA layer it makes: its bitsandbytes
+    dispatch), and importing it costs a second and may reach for the Hub (_import_offline).
+    peft's cached answers to whether bitsandbytes is installed are forgotten on the way out,
+    so that a later quantized build in the same process finds it."""
+    if "bitsandbytes" in sys.modules:
+        yield
+        return
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None:
+            del sys.modules["bitsandbytes"]
+        imports = sys.modules.get("peft.import_utils")
+        if imports is not None:  # functools caches of whether bitsandbytes is installed
+            imports.is_bnb_available.cache_clear()
+            imports.is_bnb_4bit_available.cache_clear()
 
 
 def quantize(
@@ -89,6 +156,7 @@ def quantize(
     apply peft's prepare_model_for_kbit_training (without its checkpointing: the
     trainer's): the weights left in 16 bits go to fp32, and with them the residual stream.
     Without it they stay in model.dtype, as litgpt's bf16-true QLoRA keeps them."""
+    _import_offline()
     import bitsandbytes as bnb
     from peft import prepare_model_for_kbit_training
 
