@@ -589,6 +589,7 @@ def summary_lines(reports: list[FitReport]) -> list[str]:
         f"Fit report for {first.device}: the largest {rows} predicted to fit {budget}, margin "
         f"{margin}, per precision{at} (predicted in {seconds:.1f} s, nothing trained):"
     ]
+    boundary = {}
     for report in reports:
         largest = []
         for precision in report.precisions:
@@ -596,7 +597,11 @@ def summary_lines(reports: list[FitReport]) -> list[str]:
                 found = [str(report.largest(precision, a) or "-") for a in report.accum_steps]
                 each = found[0] if len(set(found)) == 1 else "/".join(found)
                 largest.append(f"{precision} {each}")
-        lines.append(f"  {report.layout_words()}: {', '.join(largest)}")
+        boundary[report.layout_words()] = ", ".join(largest)
+    if len(boundary) > 1 and len(set(boundary.values())) == 1:  # one line says them all
+        keys = ", ".join(dict.fromkeys(w.split("=")[0] for k in boundary for w in k.split(", ")))
+        boundary = {f"each of the {len(boundary)} layouts ({keys})": next(iter(boundary.values()))}
+    lines += [f"  {layout}: {largest}" for layout, largest in boundary.items()]
     lines += [f"  {p}: n/a ({reason}; trials skip it)" for p, reason in first.unsupported.items()]
     return lines
 

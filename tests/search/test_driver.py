@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 from rich.console import Console
 
+from search import fit
 from search.driver import PARENT_ATTR, StudyDriver, located
 from search.record import Attr
 from search.stopping import PROBE_MARGIN, Prune, TimeBudget
@@ -409,3 +410,26 @@ def test_a_study_says_its_space_and_boundary_in_a_few_lines_and_where_the_tables
     )
     assert shlex.split(command) == ["python", "-m", "search.fit", *overrides], command
     assert len(said.split("Searching ")[1].splitlines()) < 10
+
+
+def _report(seq_len: int, fits_up_to: int) -> fit.FitReport:
+    """A fit report of one layout (data.seq_len), fp32 at accum_steps 1 and 2: batch sizes
+    up to `fits_up_to` fit at accumulation 1, half of it at 2."""
+    report = fit.FitReport(
+        100 * 2**20, 0.05, False, ["fp32"], {}, [1, 2, 4], [1, 2], at={"data.seq_len": seq_len}
+    )
+    report.device, report.limit_bytes, report.budget_source = "cpu", 100 * 2**20, "budget"
+    for accum in (1, 2):
+        for batch in (1, 2, 4):
+            fits = batch <= fits_up_to // accum
+            report.cells["fp32", batch, accum] = fit.Cell(batch * accum, batch, accum, 1, fits)
+    return report
+
+
+def test_the_boundary_is_a_line_per_layout_or_one_line_when_they_agree() -> None:
+    lines = fit.summary_lines([_report(128, 4), _report(256, 2)])
+    assert lines[0].startswith("Fit report for cpu: the largest batch size predicted to fit")
+    assert "per precision at accum_steps 1/2" in lines[0]
+    assert lines[1:] == ["  data.seq_len=128: fp32 4/2", "  data.seq_len=256: fp32 2/1"]
+    same = fit.summary_lines([_report(128, 4), _report(256, 4)])
+    assert same[1:] == ["  each of the 2 layouts (data.seq_len): fp32 4/2"]
