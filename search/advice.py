@@ -46,7 +46,7 @@ from train.config import RunSpec
 from train.memory.budget import format_bytes
 from train.memory.fitting import fits_budget
 from train.memory.gpus import GPUS, Gpu
-from train.memory.predict import PredictionUnsupported
+from train.memory.predict import MemoryPredictor, PredictionUnsupported
 from train.memory.preflight import UNMEASURED_MARGIN, Margin, step_margin
 from train.overrides import merge_overrides
 from train.params import CHECKPOINTING_KEY, DEVICES_KEY, PRECISION_KEY, STRATEGY_KEY
@@ -89,6 +89,7 @@ class Tried:
     budget: str = ""  # where the budget comes from: "90% of H200"
     # kept free under the budget: search.preflight_margin, or its kind of step's
     margin: Margin = Margin(UNMEASURED_MARGIN)
+    batch_size: int = 1  # the smallest the model trains with (BatchNorm after pooling: 2)
 
     @property
     def words(self) -> str:
@@ -112,6 +113,7 @@ class Advice:
     tried: list[Tried] = field(default_factory=list)
     not_applicable: list[str] = field(default_factory=list)  # levers that do not apply, why
     seconds: float = 0.0
+    below: str | None = None  # why batch 1 cannot train, where the smallest is larger
 
     @property
     def fitting(self) -> list[Tried]:
@@ -120,11 +122,12 @@ class Advice:
     def lines(self, command: str) -> list[str]:
         """What to print: each candidate predicted, and the command of each that fits."""
         given = self.given
+        batch = f"batch {given.batch_size}"
         if given.peak_bytes is None:
-            return [f"No advice: batch 1 cannot be predicted ({given.reason})"]
+            return [f"No advice: no batch up to {SMALLEST[-1]} can be predicted ({given.reason})"]
         if given.fits:
             return [
-                f"Batch 1 fits ({self.geometry}): {format_bytes(given.peak_bytes)} "
+                f"{batch.capitalize()} fits ({self.geometry}): {format_bytes(given.peak_bytes)} "
                 f"{given.where}: search smaller batch sizes, e.g. trainer.batch_size: "
                 "choice(1, 2, 4) in search.params"
             ]
@@ -134,7 +137,7 @@ class Advice:
             needed = format_bytes(given.peak_bytes * (1 + margin.value))
             needs += f", {needed} with the margin of {margin.words()} to spare"
         lines = [
-            f"What would fit batch 1 ({self.geometry}): it needs {needs}, over "
+            f"What would fit {batch} ({self.geometry}{self._smallest()}): it needs {needs}, over "
             f"{_budget(given)}. Each lever batchfit has, predicted in {self.seconds:.0f} s, "
             f"cheapest first ({CHEAPEST}):"
         ]
@@ -150,11 +153,21 @@ class Advice:
             if tried.fits:
                 lines.append(f"      {command} {shlex.join(tried.overrides)}")
         if not self.fitting:
-            lines.append("  None of them makes batch 1 fit.")
+            lines.append(f"  None of them makes {batch} fit.")
         if self.not_applicable:
             lines.append(f"  Not applicable here: {'; '.join(self.not_applicable)}.")
         return lines
 
+    def _smallest(self) -> str:
+        """Why the advice is for a batch above 1: the reason batch 1 cannot train."""
+        if self.given.batch_size == 1 or self.below is None:
+            return ""
+        return f"; batch 1 cannot train: {self.below}"
+
+
+# Batch sizes tried, smallest first, for the smallest one the model trains with: BatchNorm
+# over a 1x1 feature map (ResNet after its pooling) needs 2 samples (train/run.py does so too).
+SMALLEST = (1, 2, 4, 8)
 
 CHEAPEST = (
     "the same card before more of it, more cards before a larger one; on one card the "
@@ -187,7 +200,7 @@ def advise(
     words = words.replace(f"{PRECISION_KEY}=", "")
     predict = _Predictor(compose, geometry, cfg.search.preflight_margin)
     given = predict(tuple(overrides), (), cfg, workloads)
-    advice = Advice(words, given)
+    advice = Advice(words, given, below=predict.below)
     if given.fits or given.peak_bytes is None:
         return advice
     state_bytes = state_bytes or given.state_bytes
@@ -246,6 +259,7 @@ class _Predictor:
         self.compose = compose
         self.geometry = geometry
         self.setting = setting
+        self.below: str | None = None  # why batch 1 cannot train (when it cannot)
 
     def __call__(
         self,
@@ -263,16 +277,9 @@ class _Predictor:
                 cfg, workloads = copy.deepcopy(cfg), None
                 OmegaConf.update(cfg, SEQ_LEN_KEY, self.geometry[SEQ_LEN_KEY], merge=False)
             spec = plan(cfg, cfg.search.memory_budget)
-            trainer = dataclasses.replace(
-                spec.trainer,
-                batch_size=1,
-                accum_steps=1,
-                effective_batch_size=None,
-                precision=str(self.geometry[PRECISION_KEY]),
-            )
             workload = (workloads or Workloads()).of(cfg)
             predictor = workload.predictor(spec, cfg.optimizer)
-            peak = predictor.predict(trainer, workload.num_train).peak_bytes
+            batch_size, peak = self._smallest(predictor, spec, workload.num_train)
         except (ConfigError, PredictionUnsupported, HydraException, ValueError) as error:
             reason = "; ".join(error.problems) if isinstance(error, ConfigError) else str(error)
             return Tried(levers, overrides, "", None, None, False, reason)
@@ -281,8 +288,31 @@ class _Predictor:
         where, state = _where(spec), predictor.state_bytes
         budget = budget_source(cfg.search.memory_budget, spec)
         return Tried(
-            levers, overrides, where, peak, spec.limit_bytes, fits, None, state, budget, margin
-        )
+            levers, overrides, where, peak, spec.limit_bytes, fits, None, state, budget, margin,
+            batch_size,
+        )  # fmt: skip
+
+    def _smallest(
+        self, predictor: MemoryPredictor, spec: RunSpec, num_train: int
+    ) -> tuple[int, int]:
+        """(batch size, predicted peak) of the smallest batch of SMALLEST that trains; the
+        first one's error where none does. Why batch 1 cannot is kept (`below`)."""
+        first = None
+        for batch_size in SMALLEST:
+            trainer = dataclasses.replace(
+                spec.trainer,
+                batch_size=batch_size,
+                accum_steps=1,
+                effective_batch_size=None,
+                precision=str(self.geometry[PRECISION_KEY]),
+            )
+            try:
+                return batch_size, predictor.predict(trainer, num_train).peak_bytes
+            except PredictionUnsupported as error:
+                first = first or error
+                self.below = self.below or str(error)
+        assert first is not None
+        raise first
 
 
 def _where(spec: RunSpec) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -175,13 +176,15 @@ class RecommendRule:
 # The study's name is also a directory (its MLflow experiment's artifacts, under
 # mlflow.artifact_root): a plain name, never a path.
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-NAME_CHARACTERS = "letters, digits, '.', '_' and '-' (first a letter or digit, 128 at most)"
+NAME_CHARACTERS = "ASCII letters, digits, '.', '_' and '-' (first a letter or digit, 128 at most)"
 
 
 def name_problems(name: object) -> list[str]:
     if isinstance(name, str) and _PLAIN_NAME.fullmatch(name):
         return []
-    plain = re.sub(r"[^A-Za-z0-9._-]+", "-", str(name)).strip("._-")[:128] or "study"
+    # é -> e (NFKD splits off the accent), then anything else outside the set -> "-"
+    ascii_name = unicodedata.normalize("NFKD", str(name)).encode("ascii", "ignore").decode()
+    plain = re.sub(r"[^A-Za-z0-9._-]+", "-", ascii_name).strip("._-")[:128] or "study"
     return [
         f"search.study_name={name!r} is not a plain name: it names the study's MLflow "
         f"artifact directory, so it may hold only {NAME_CHARACTERS}; e.g. "

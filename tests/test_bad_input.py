@@ -222,3 +222,62 @@ def test_hydra_full_error_is_given_back_as_the_user_had_it(monkeypatch, users) -
     assert seen == ["1", users]
     assert os.environ.get("HYDRA_FULL_ERROR") == users
     assert "BATCHFIT_HYDRA_FULL_ERROR" not in os.environ
+
+
+# ---- issue 41, point 10: errors that did not name the key
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_a_mistyped_group_option_is_named_with_the_closest_one(tmp_path: Path, module: str) -> None:
+    """`+experiment=resnt` got Hydra's "Could not find 'experiment/resnt'" and its search
+    path, with exit status 1."""
+    message = refused(module, ["+experiment=resnt"], tmp_path)
+    assert message.startswith("Configuration error - +experiment=resnt: the experiment group has")
+    assert "did you mean resnet? (+experiment=resnet); its options: gpt, llm_full" in message
+    assert "Config search path" not in message
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_an_override_hydra_cannot_read_is_named_with_the_quoting(tmp_path: Path, module: str):
+    """A non-ASCII value, unquoted: Hydra's LexerNoViableAltException, exit status 1. Then,
+    quoted, the study name's own rule (ASCII only), with a plain name to use."""
+    message = refused(module, [*FAST, "search.study_name=étude"], tmp_path)
+    assert "search.study_name=étude: Hydra's override grammar cannot read it" in message
+    assert "quote the value: search.study_name='étude'" in message
+    if module != "train":
+        message = refused(module, [*FAST, "search.study_name='étude'"], tmp_path)
+        assert "search.study_name='étude' is not a plain name" in message
+        assert message.endswith("e.g. search.study_name=etude")
+
+
+def test_a_missing_image_folder_is_named_by_its_key(hydra_conf, tmp_path: Path) -> None:
+    """torchvision's ImageFolder said only "[Errno 2] No such file or directory: '...'"."""
+    missing = tmp_path / "pets" / "train"
+    cfg = hydra_conf(
+        ["model=small_cnn", "data=imagefolder", f"data.train.root={missing}",
+         f"data.val.root={tmp_path}"]
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as raised:
+        check_builds(cfg, plan(cfg, None))
+    assert raised.value.problems == [
+        f"data.train.root={str(missing)!r}: no such file or directory here; give the path of "
+        "the data on this machine, e.g. data.train.root=/path/to/it"
+    ]
+
+
+def test_nothing_fitting_a_model_that_cannot_train_batch_1_is_advised_at_its_smallest(
+    hydra_conf,
+) -> None:
+    """ResNet-18 on digits (BatchNorm over its pooled 1x1 map needs 2 samples) under 1 KiB:
+    the advice was "No advice: batch 1 cannot be predicted (ValueError: Expected more than
+    1 value per channel...)"; it is now given for batch 2, saying why."""
+    from search.advice import advise
+
+    overrides = ["+experiment=resnet", "data=digits", "search.memory_budget=1KiB"]
+    cfg = hydra_conf(overrides)
+    advice = advise(cfg, overrides, lambda full: hydra_conf(full))
+    assert advice.given.batch_size == 2 and advice.given.peak_bytes is not None
+    first = advice.lines("python -m search")[0]
+    assert first.startswith("What would fit batch 2 (accum_steps 1, fp32; batch 1 cannot train:")
+    assert "Expected more than 1 value per channel" in first
+    assert not [line for line in advice.lines("x") if line.startswith("No advice")]

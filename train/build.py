@@ -53,7 +53,7 @@ def build_data(cfg: DictConfig) -> Splits | Datasets:
     except InstantiationException as error:
         cause = error.__cause__
         if isinstance(cause, FileNotFoundError):  # data absent: the user's to fix
-            raise ConfigError([str(cause)]) from None
+            raise ConfigError([_absent(cfg.data, cause)]) from None
         if isinstance(cause, TypeError | ValueError):  # bad builder arguments
             raise ConfigError(
                 [f"data ({cfg.data.get('_target_')}) cannot be built: {cause}"]
@@ -68,6 +68,27 @@ def build_data(cfg: DictConfig) -> Splits | Datasets:
             ]
         )
     return data
+
+
+def _absent(data: DictConfig, error: FileNotFoundError) -> str:
+    """A data file or folder that is not there, named by the data key that gives it (an
+    OSError says only "[Errno 2] No such file or directory: '/x'")."""
+    if error.filename is None:
+        return str(error)
+    keys = [key for key, value in _leaves(data, "data.") if str(value) == str(error.filename)]
+    if not keys:
+        return f"data: {error.strerror or error}: {error.filename!r}"
+    return (
+        f"{keys[0]}={error.filename!r}: no such file or directory here; give the path of the "
+        f"data on this machine, e.g. {keys[0]}=/path/to/it"
+    )
+
+
+def _leaves(node: Any, prefix: str) -> list[tuple[str, Any]]:
+    """(dotted key, resolved value) of every value under a config node."""
+    if not isinstance(node, DictConfig):
+        return [(prefix.rstrip("."), node)]
+    return [leaf for key, child in node.items() for leaf in _leaves(child, f"{prefix}{key}.")]
 
 
 def _missing_keys(node: Any, prefix: str = "") -> list[str]:

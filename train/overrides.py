@@ -17,7 +17,13 @@ from typing import Any
 import hydra
 import yaml
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import ConfigCompositionException, HydraException
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import (
+    ConfigCompositionException,
+    HydraException,
+    MissingConfigException,
+    OverrideParseException,
+)
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
@@ -132,7 +138,7 @@ def run_checked(main: Callable[[], object]) -> None:
     try:
         main()
     except HydraException as error:
-        problem = _missing_key(error)
+        problem = _missing_key(error) or _missing_option(error) or _unparsable(error)
         if problem is not None:
             raise ConfigError([problem]) from None
         if user_set:
@@ -224,6 +230,46 @@ def _missing_key(error: HydraException) -> str | None:
     else:
         fix = "check its spelling (`--cfg job` prints the config)"
     return f"{override}: {key} is not a key of the config; {fix}"
+
+
+def _missing_option(error: HydraException) -> str | None:
+    """batchfit's message for Hydra's "Could not find 'experiment/resnt'" (a group option
+    that does not exist, typed on the command line): the override, the closest option and
+    the others; None for any other failure."""
+    if not isinstance(error, MissingConfigException) or not error.options:
+        return None
+    group, _, name = str(error.missing_cfg_file or "").rpartition("/")
+    typed = [o for o in _command_line() if override_key(o) == group and "=" in o]
+    if not group or not typed:
+        return None
+    override = typed[-1]
+    close = difflib.get_close_matches(name, list(error.options), n=1)
+    prefix = override.split(group, 1)[0]  # `+` for a group the defaults do not list
+    fix = f"did you mean {close[0]}? ({prefix}{group}={close[0]}); " if close else ""
+    return (
+        f"{override}: the {group} group has no option {name!r}; {fix}its options: "
+        f"{', '.join(error.options)}"
+    )
+
+
+def _unparsable(error: HydraException) -> str | None:
+    """batchfit's message for an override Hydra's grammar cannot read (a value with
+    non-ASCII letters or spaces, unquoted): which one, and the quoting that reads."""
+    if not isinstance(error, OverrideParseException):
+        return None
+    parser = OverridesParser.create()
+    for override in _command_line():
+        try:
+            parser.parse_overrides([override])
+        except OverrideParseException as failed:
+            key, _, value = override.partition("=")
+            quote = '"' if "'" in value else "'"
+            reason = str(failed).strip().splitlines()[0]
+            return (
+                f"{override}: Hydra's override grammar cannot read it ({reason}); quote the "
+                f"value: {key}={quote}{value}{quote}"
+            )
+    return None
 
 
 def _all_keys(cfg: Mapping, prefix: str = "") -> list[str]:

@@ -116,8 +116,12 @@ CASES = {
     "study name as a relative path": (
         ["search.study_name=../../x"],
         r"search.study_name='../../x' is not a plain name: it names the study's MLflow artifact "
-        r"directory, so it may hold only letters, digits, '.', '_' and '-' \(first a letter or "
-        r"digit, 128 at most\); e.g. search.study_name=x$",
+        r"directory, so it may hold only ASCII letters, digits, '.', '_' and '-' \(first a "
+        r"letter or digit, 128 at most\); e.g. search.study_name=x$",
+    ),
+    "study name with accents": (
+        ["search.study_name='étude'"],
+        r"search.study_name='étude' is not a plain name: .*; e.g. search.study_name=etude$",
     ),
     "study name as an absolute path": (
         ["search.study_name=/tmp/abs"],
@@ -338,13 +342,17 @@ def test_cli_reports_problems_without_traceback(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_cli_unknown_group_option_uses_hydra_message(tmp_path: Path) -> None:
+def test_cli_unknown_group_option_names_the_group_and_its_options(tmp_path: Path) -> None:
+    """Hydra's "Could not find 'model/resnet999'" and its search path, exit status 1, were
+    printed as they came: batchfit's configuration error names the override instead."""
     done = _run_search(["model=resnet999"], tmp_path)
-    assert done.returncode != 0
-    assert "Could not find 'model/resnet999'" in done.stderr
+    assert done.returncode == 2, done.stderr
+    assert "model=resnet999: the model group has no option 'resnet999'" in done.stderr
+    assert "did you mean resnet50? (model=resnet50)" in done.stderr
     done = _run_search(["+experiment=nope"], tmp_path)
-    assert done.returncode != 0
-    assert "Could not find 'experiment/nope'" in done.stderr
+    assert done.returncode == 2, done.stderr
+    assert "+experiment=nope: the experiment group has no option 'nope'" in done.stderr
+    assert "Config search path" not in done.stderr
 
 
 SECRET = "S3cretPW"
