@@ -105,6 +105,6 @@ def test_python_m_train_says_its_threads_first(tmp_path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     first = done.stdout.splitlines()[0]
     assert first == (
-        "torch: 1 intra-op thread per worker (1 core usable by this process); override with "
-        "search.threads=N"
-    )
+        "torch: 1 intra-op thread (1 core usable by this process); override with "
+        "search.threads=N, which python -m train reads too"
+    )  # no workers: python -m train has none
