@@ -394,6 +394,9 @@ def _check_space(
         for key, value in first.items():
             if OmegaConf.select(cfg, key, default=_MISSING) is not _MISSING:
                 OmegaConf.update(baseline, key, value, merge=False)
+    if derived and EFFECTIVE_KEY in first:  # a derived trial's first, consistent geometry
+        OmegaConf.update(baseline, BATCH_KEY, first[EFFECTIVE_KEY], merge=False)
+        OmegaConf.update(baseline, ACCUM_KEY, 1, merge=False)
     problems, explained = [], set(known)
     for key in space.distributions:
         found, causes = _check_key(cfg, baseline, key, space, known, derived, workloads, compose)
