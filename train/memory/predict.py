@@ -48,7 +48,7 @@ from train.memory.cudnn import Calls, CudnnWorkspaces, conv_composites, step_wor
 from train.memory.device import DeviceSpec, device_spec
 from train.memory.reserve import CudaReserve, cublas_workspaces, live_peak_bytes, predict_reserved
 from train.memory.stack import DEPTHS, FSDP_DEPTHS, DepthLine, Step, find_stack, shallow_copy
-from train.memory.step_events import BatchSizeLine, Events, first_micro_batch
+from train.memory.step_events import BatchSizeLine, Events, FakeStepTracker, first_micro_batch
 from train.parallel.sharding import ddp_bucket_sizes, fake_world, shard
 from train.precision import Precision
 from train.tasks import Classification, Task, batch_size_of
@@ -462,7 +462,7 @@ class MemoryPredictor:
         calls: Calls = {}  # this step's cuDNN convolutions and their workspaces
         cuda = self.target.type == "cuda"
         composites = conv_composites(self.workspaces, calls) if cuda else None
-        tracker = TensorMemoryTracker(self.device, record=True, composites=composites)
+        tracker = FakeStepTracker(self.device, record=True, composites=composites)
         marks: list[int] = []
         with self.mode, precision.matmul_mode(), self._as_target():
             scaler = _FakeGradScaler(self.device.type, enabled=precision.name == "fp16")
