@@ -20,7 +20,7 @@ Also printed: seconds per prediction against seconds per real optimizer step.
     python bench/prediction.py --traces tests/fixtures/cuda-traces   # + real GPU traces
     python bench/prediction.py --decoders           # + fit-report cost: 125M, 1B, 8B decoders
     python bench/prediction.py --no-grid --traces tests/fixtures/cuda-traces --decoders
-    python bench/prediction.py --no-grid --fit-reports   # the three 8B fit reports
+    python bench/prediction.py --no-grid --fit-reports   # the four 8B fit reports
     python bench/prediction.py --no-grid --qlora    # QLoRA steps: 4-bit weights, bitsandbytes
 
 `--traces DIR` replays real GPU memory snapshots (torch.cuda.memory._dump_snapshot files)
@@ -35,14 +35,16 @@ planned for an H100 (search.gpu=H100-80GB, bf16 and fp32, micro-batches 1-8 of 1
 tokens) in fresh processes, and reads their peak host memory. Target for 1B and 8B: under
 60 s and 2 GiB each (the model is built on fake tensors: no weights exist).
 
-`--fit-reports` times the three 8B reports of docs/language-models.md (Llama 3 8B on an H100:
+`--fit-reports` times the four 8B reports of docs/language-models.md (Llama 3 8B on an H100:
 LoRA over `llm_lora`'s space, full fine-tuning in bfloat16, full fine-tuning as one rank of
-FSDP over 8 GPUs), each `python -m search.fit` in a fresh process, with its peak host memory
-and the tables it printed; then, for cells of each (the shortest data.seq_len, without and with
+FSDP over 8 GPUs; and QLoRA, the same space in NF4 on an RTX 4090), each `python -m
+search.fit` in a fresh process, with its peak host memory, the tables it printed and when
+the first one appeared; then, for cells of each (the shortest data.seq_len, without and with
 checkpointing, batch 1 and 2, accumulation 1 and 2, each precision), the fast path (the step
 built from 2-4 layer copies, train/memory/stack.py) against the full fake step of all 32
-layers: smallest limit, live tensor peak and reserve under the budget. Verdict: every report
-under 60 s and every compared cell equal to the byte.
+layers: smallest limit, live tensor peak and reserve under the budget. Verdict: the LoRA and QLoRA
+reports under 30 s each (issue 41: 49 s and 65 s on a 2-core machine), the others under 60 s,
+and every compared cell equal to the byte; exit status 1 otherwise.
 
 On CPUs without bf16/fp16 kernels a real low-precision step is ~100x slower than fp32; cells
 whose real run is estimated to take more than --max-run-s seconds are predicted but not
@@ -139,7 +141,7 @@ def decoders(console: Console) -> bool:
             f"model.n_head={heads}", "data.seq_len=1024", "search.gpu=H100-80GB",
             "search.memory_budget=null", DECODER_SPACE,
         ]  # fmt: skip
-        seconds, rss, out, returncode = _timed_fit(args)
+        seconds, rss, out, returncode, _ = _timed_fit(args)
         rows = [line for line in out.splitlines() if line.count("│") > 2]
         cells = sum(line.count(" GiB") + line.count(" MiB") for line in rows)
         ok = returncode == 0 and cells > 0
@@ -164,6 +166,10 @@ def decoders(console: Console) -> bool:
 # seq_len of llm_lora.
 FIT_REPORTS = {
     "8B LoRA": ["+experiment=llm_lora", "model.config=llama3_8b", "search.gpu=H100-80GB"],
+    "8B QLoRA": [
+        "+experiment=llm_lora", "model.config=llama3_8b", "model.quantization=nf4",
+        "search.gpu=RTX-4090",
+    ],
     "8B full": [
         "+experiment=llm_full", "model.config=llama3_8b", "model.dtype=bfloat16",
         "search.gpu=H100-80GB",
@@ -174,29 +180,34 @@ FIT_REPORTS = {
     ],
 }  # fmt: skip
 FIT_REPORT_LIMIT_S = 60.0
+# Issue 41: the LoRA and QLoRA reports, 49 s and 65 s on a 2-core machine, under 30 s each
+FIT_REPORT_TARGETS_S = {"8B LoRA": 30.0, "8B QLoRA": 30.0}
 
 
 def fit_reports(console: Console) -> bool:
     """Each 8B report's wall time and host memory in a fresh process, then its fast path
     against the full fake step on a few cells; True when all are fast and exact."""
-    table = Table(title="8B fit reports for an H100, planned on this machine")
-    for column in ("report", "seconds", "peak host memory", "tables", "cells", "within"):
+    table = Table(title="8B fit reports for an H100 (QLoRA: an RTX 4090), planned here")
+    columns = ("report", "seconds", "target s", "first table s", "peak host memory", "tables")
+    for column in (*columns, "cells", "within"):
         table.add_column(column, justify="right")
     verdict = True
     for name, overrides in FIT_REPORTS.items():
-        seconds, rss, out, code = _timed_fit(overrides)
+        seconds, rss, out, code, first_s = _timed_fit(overrides)
         tables = out.count("Fit report for")
         cells = sum(line.count(" GiB") for line in out.splitlines() if line.count("│") > 2)
-        ok = code == 0 and tables > 0 and seconds < FIT_REPORT_LIMIT_S
+        target = FIT_REPORT_TARGETS_S.get(name, FIT_REPORT_LIMIT_S)
+        ok = code == 0 and tables > 0 and seconds < target
         verdict = verdict and ok
         if code != 0:
             console.print(out[-3000:])
-        row = (name, f"{seconds:.1f}", format_bytes(rss), str(tables), str(cells))
-        table.add_row(*row, "yes" if ok else "NO")
+        first = "-" if first_s is None else f"{first_s:.1f}"
+        row = (name, f"{seconds:.1f}", f"{target:.0f}", first, format_bytes(rss), str(tables))
+        table.add_row(*row, str(cells), "yes" if ok else "NO")
     console.print(table)
     exact = all(_compare_fast_and_whole(console, name, o) for name, o in FIT_REPORTS.items())
     console.print(
-        f"every report under {FIT_REPORT_LIMIT_S:.0f} s: {verdict}; fast path equal to the "
+        f"every report within its target: {verdict}; fast path equal to the "
         f"full fake step on every compared cell: {exact}: "
         f"[bold]{'PASS' if verdict and exact else 'FAIL'}[/bold]"
     )
@@ -248,22 +259,32 @@ def qlora(console: Console, device: str) -> bool:
     return verdict
 
 
-def _timed_fit(overrides: list[str]) -> tuple[float, int, str, int]:
+def _timed_fit(overrides: list[str]) -> tuple[float, int, str, int, float | None]:
     """`python -m search.fit OVERRIDES` in a fresh process: seconds, peak host memory,
-    what it printed, its exit status."""
+    what it printed, its exit status, and the seconds until its first table was printed
+    (read as it streams: the report prints each table as soon as it is predicted)."""
     code = (
         "import resource, runpy, sys; sys.argv = ['search.fit', *sys.argv[1:]]\n"
         "try:\n    runpy.run_module('search.fit', run_name='__main__')\n"
         "finally:\n    print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
     )
     started = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-c", code, *overrides], cwd=REPO, capture_output=True, text=True,
-        timeout=900,
-    )  # fmt: skip
+    first_s = None
+    with subprocess.Popen(
+        [sys.executable, "-u", "-c", code, *overrides], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    ) as child:  # fmt: skip
+        assert child.stdout is not None
+        lines = []
+        for line in child.stdout:
+            lines.append(line)
+            if first_s is None and line.startswith("fit report: table 1/"):
+                first_s = time.perf_counter() - started
+        returncode = child.wait(timeout=900)
     seconds = time.perf_counter() - started
-    rss = int(done.stdout.rsplit("maxrss", 1)[-1].split()[0]) * 1024
-    return seconds, rss, done.stdout + done.stderr, done.returncode
+    out = "".join(lines)
+    rss = int(out.rsplit("maxrss", 1)[-1].split()[0]) * 1024 if "maxrss" in out else 0
+    return seconds, rss, out, returncode, first_s
 
 
 def _compare_fast_and_whole(console: Console, name: str, overrides: list[str]) -> bool:
