@@ -164,7 +164,8 @@ def test_tf32_is_shown_not_applicable_on_cpu_with_its_reason(searched, hydra_con
     assert f"n/a: {TF32_ON_CPU}" in " ".join(text.split())
     # Validation is unchanged: trials still never sample tf32 on this device.
     cfg = hydra_conf(["+experiment=resnet", *SMALL])
-    checked = validate(cfg, "fit", lambda overrides: None, open_store=False)
+    compose = lambda extra: hydra_conf(["+experiment=resnet", *SMALL, *extra])  # noqa: E731
+    checked = validate(cfg, "fit", compose, open_store=False)
     dist = checked.space.distributions["trainer.precision"]
     assert isinstance(dist, CategoricalDistribution) and "tf32" not in dist.choices
 
