@@ -879,7 +879,9 @@ def main(cfg: DictConfig) -> None:
 
 
 COMMAND = "python -m search.fit"
-NOTHING_FITS = "Nothing fits: batch 1 is predicted with each lever batchfit has, cheapest first"
+NOTHING_FITS = (
+    "Nothing fits: the smallest batch is predicted with each lever batchfit has, cheapest first"
+)
 
 
 if __name__ == "__main__":

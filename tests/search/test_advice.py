@@ -161,7 +161,9 @@ def test_the_fit_report_command_prints_the_advice(tmp_path) -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     out = run.stdout
-    assert out.index("fit report: table 3/3") < out.index("Nothing fits: batch 1 is predicted")
+    assert out.index("fit report: table 3/3") < out.index(
+        "Nothing fits: the smallest batch is predicted"
+    )
     assert "python -m search.fit +experiment=gpt data.max_bytes=40000 search.gpu=T4" in out
     assert "search.gpu_budget=0.19% trainer.strategy=fsdp trainer.devices=" in out
     over = subprocess.run(
