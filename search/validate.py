@@ -399,7 +399,7 @@ def _check_space(
         OmegaConf.update(baseline, ACCUM_KEY, 1, merge=False)
     problems, explained = [], set(known)
     for key in space.distributions:
-        found, causes = _check_key(cfg, baseline, key, space, known, derived, workloads, compose)
+        found, causes = _check_key(cfg, baseline, key, space, known, derived, workloads)
         problems += found
         explained |= causes
     given_problems, notes = _given_values(cfg, compose, baseline, space)
@@ -476,7 +476,6 @@ def _check_key(
     known: list[str],
     derived: bool,
     workloads: Workloads | None,
-    compose: Callable[[list[str]], DictConfig],
 ) -> tuple[list[str], set[str]]:
     """Problems with searching `key` (unknown key, a value the run would reject), and the
     problems its values cause (which the fixed keys are then not blamed for)."""

@@ -216,3 +216,12 @@ def wait_for_trial(
                     return trial
         time.sleep(0.05)
     raise TimeoutError("no such trial appeared")
+
+
+# Two DDP ranks on a small MLP for minutes (1000 samples x 40 epochs): far longer than a
+# fault test waits, so the ranks are there to kill.
+LONG_DDP = [
+    "data=synthetic", "data.num_samples=1000", "data.channels=1", "data.image_size=8",
+    "model=mlp", "model.hidden=64", "trainer.max_epochs=40", "trainer.strategy=ddp",
+    "trainer.devices=2", "trainer.batch_size=16",
+]  # fmt: skip

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from tests.faults import forkserver
-from tests.sweeps import REPO, clean_env
+from tests.sweeps import LONG_DDP, REPO, clean_env
 from train.parallel.lifeline import tied
 
 # Calibration, on the 2-core CI machine at load 7: after the fix every rank and the tracker
@@ -25,19 +25,7 @@ from train.parallel.lifeline import tied
 # second or two.
 GONE_WITHIN_S = 2.0
 START_TIMEOUT_S = 600  # the fork server's imports, under load, come first
-# 1000 samples x 40 epochs: minutes of training, far longer than the test waits
-ARGS = [
-    "data=synthetic",
-    "data.num_samples=1000",
-    "data.channels=1",
-    "data.image_size=8",
-    "model=mlp",
-    "model.hidden=64",
-    "trainer.max_epochs=40",
-    "trainer.strategy=ddp",
-    "trainer.devices=2",
-    "trainer.batch_size=16",
-]
+ARGS = LONG_DDP
 
 
 def _children(worker: int) -> dict[str, list[psutil.Process]]:

@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
 from search.record import Attr
-from tests.sweeps import REPO, clean_env
+from tests.sweeps import LONG_DDP, REPO, clean_env
 from tracking.metrics import (
     PEAK_BYTES,
     PREDICTION_ERROR,
@@ -190,16 +190,7 @@ def test_a_rank_killed_mid_trial_fails_the_trial_in_bounded_time_and_the_study_g
     tmp_path: Path,
 ) -> None:
     args = [
-        "data=synthetic",
-        "data.num_samples=1000",
-        "data.channels=1",
-        "data.image_size=8",
-        "model=mlp",
-        "model.hidden=64",
-        "trainer.max_epochs=40",
-        "trainer.strategy=ddp",
-        "trainer.devices=2",
-        "trainer.batch_size=16",
+        *LONG_DDP,
         "search.study_name=killed",
         "search.n_trials=2",
         "search.objectives=[val/acc]",
