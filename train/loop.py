@@ -531,7 +531,7 @@ def _log(plan: _Plan, clock: ThroughputClock, step: int, train_loss: float, lr: 
     reading = plan.noise.read(ranks) if plan.noise else None  # a collective on ranks
     if hooks.on_log:
         metrics = {TRAIN_LOSS: train_loss, TRAIN_LR: lr, TRAIN_EPOCH: plan.epoch(step)}
-        noise = reading.metrics() if reading else {}
+        noise = reading.logged() if reading else {}
         hooks.on_log(step + 1, {**metrics, **throughput, **noise})
     return train_loss
 

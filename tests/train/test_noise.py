@@ -167,6 +167,10 @@ def test_too_few_steps_or_an_unresolved_signal_give_no_figure_and_say_why():
     unresolved = NoiseReading(1.0, 100.0, 4, sq_norm_var=16.0, variance_var=1.0, covariance=0.0)
     assert unresolved.interval() is None
     assert GRAD_NOISE_SCALE not in unresolved.metrics()
+    # a logging interval writes NaN over an earlier interval's figure, not nothing
+    logged = unresolved.logged()
+    assert math.isnan(logged[GRAD_NOISE_SCALE]) and math.isnan(logged[GRAD_NOISE_SCALE_HIGH])
+    assert logged[GRAD_SQ_NORM] == 1.0
     assert unresolved.why_not().startswith("|G|² not resolved above zero over 4 steps (mean 1 ±")
     noise = NoiseScale(nn.Linear(2, 2), CPU, "split")
     assert noise.note(None).endswith("; no B_simple: no step measured")

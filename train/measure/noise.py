@@ -146,6 +146,15 @@ class NoiseReading:
             values[GRAD_NOISE_SCALE_LOW], values[GRAD_NOISE_SCALE_HIGH] = interval
         return {k: v for k, v in values.items() if math.isfinite(v)}
 
+    def logged(self) -> dict[str, float]:
+        """metrics() as a logging interval writes them: B_simple and its interval NaN where
+        this reading has none, so that a run whose figure was resolved at an earlier interval
+        and no longer is does not keep the earlier one as its latest value in MLflow."""
+        unmeasured = dict.fromkeys(
+            (GRAD_NOISE_SCALE, GRAD_NOISE_SCALE_LOW, GRAD_NOISE_SCALE_HIGH), math.nan
+        )
+        return {**unmeasured, **self.metrics()}
+
 
 @dataclass
 class _Moments:
