@@ -50,7 +50,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # The files that take longest (minutes, on 2 cores beside another worker), started first so
 # that no worker is left with one of them at the end while the other idles.
 LONGEST_FIRST = (
-    "tests/test_readme.py",  # 13: the quick starts and every README command
+    "tests/test_readme.py",  # 15-25: the quick starts and every README command but
+    "tests/test_readme_llm.py",  # 6-9: the LoRA and QLoRA studies
     "tests/cluster/test_slurm.py",  # 7
     "tests/faults/test_journal.py",  # 6.5 with all of its kill chain; split in two files:
     "tests/faults/test_journal_kills.py",  # each about 3

@@ -22,6 +22,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from search.record import Attr
 from search.storage import OWNER_ATTR
+from tests.faults import forkserver
 from tracking.metrics import STORAGE_S, TRACKING_S, TRIAL_S, VAL_ACC
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,15 +97,13 @@ def training(first: int) -> Callable[[FrozenTrial], bool]:
     )
 
 
-def search_process(args: list[str], cwd: Path) -> subprocess.Popen:
-    """`python -m search ARGS` in `cwd`, as a user starts it."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "search", *args],
-        cwd=cwd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+def search_process(args: list[str], cwd: Path) -> forkserver.Process:
+    """`python -m search ARGS` in `cwd`, as a user starts it, its output piped (text): a
+    child of tests/faults/forkserver.py (a fresh interpreter with BATCHFIT_FORKSERVER=0)."""
+    return forkserver.start("search", args, cwd, clean_env())
 
 
-def finish(process: subprocess.Popen, expect_rc: int | None = 0) -> tuple[str, str]:
+def finish(process: forkserver.Process, expect_rc: int | None = 0) -> tuple[str, str]:
     out, err = process.communicate(timeout=600)
     if expect_rc is not None:
         assert process.returncode == expect_rc, out[-3000:] + err[-3000:]
@@ -126,11 +125,10 @@ def run_module(
     module: str, args: list[str], cwd: Path, returncode: int = 0
 ) -> subprocess.CompletedProcess:
     """`python -m module args` in `cwd` as a user runs it (without MLFLOW_TRACKING_URI, the
-    stores default to cwd/mlruns), checked for its exit status."""
-    done = subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    stores default to cwd/mlruns), checked for its exit status: a child of
+    tests/faults/forkserver.py, which spares each run the 10-30 s of a study's imports (a
+    fresh interpreter with BATCHFIT_FORKSERVER=0)."""
+    done = forkserver.run(module, args, cwd, clean_env(), 600)
     assert done.returncode == returncode, done.stdout + done.stderr
     return done
 

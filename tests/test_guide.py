@@ -18,6 +18,8 @@ from mlflow.tracking import MlflowClient
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 
+from tests.faults import forkserver
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,15 +36,44 @@ def guide_blocks() -> list[tuple[str, str]]:
     return BLOCK.findall(GUIDE.read_text())
 
 
+# Outside quotes, these make bash do more than split words (expansions, globs, operators).
+SHELL_SYNTAX = set("$`\\*?[{~!&|;<>()#\n")
+
+
+def python_module(command: str) -> list[str] | None:
+    """[MODULE, *ARGS] of `python -m MODULE ARGS` where bash would only split it into words
+    (no unquoted expansion, glob or operator); None for any other command."""
+    quote = ""
+    for char in command:
+        if quote:
+            if quote == '"' and char in "$`\\":  # expanded within double quotes too
+                return None
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in SHELL_SYNTAX:
+            return None
+    words = shlex.split(command)
+    if len(words) < 3 or words[:2] != ["python", "-m"]:
+        return None
+    return words[2:]
+
+
 def shell(command: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     """A command as a user types it: bash, `python` the test's interpreter, the repository
-    not on the import path (batchfit is installed)."""
+    not on the import path (batchfit is installed). `python -m MODULE ARGS` where bash would
+    only split its words runs as a child of tests/faults/forkserver.py (the same argv, cwd
+    and environment, without 10-30 s of imports each; BATCHFIT_FORKSERVER=0: in bash)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-    done = subprocess.run(
-        ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
+    module = python_module(command)
+    if module is not None and os.environ.get("BATCHFIT_FORKSERVER") != "0":
+        done = forkserver.run(module[0], module[1:], cwd, env, timeout)
+    else:
+        done = subprocess.run(
+            ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+            timeout=timeout,
+        )  # fmt: skip
     assert done.returncode == 0, f"$ {command}\n{done.stdout}\n{done.stderr}"
     return done
 

@@ -1,16 +1,19 @@
-"""`python -m MODULE ARGS` for the fault tests without paying a study's imports each time.
+"""`python -m MODULE ARGS` for the tests without paying a study's imports each time.
 
-The fault tests start ~50 real studies (the every-kind kill chain alone ~35), and each fresh
-`python -m search` spends 8-15 s importing torch, torchvision, torchmetrics, MLflow and
-Optuna before its first journal append. Here one server process per pytest session imports
-them once, then only forks: each run is a child of it with its own pid, cwd, argv and stdio
-(pipes the test reads), running `runpy.run_module(MODULE, run_name="__main__")` as
-`python -m MODULE` does, exiting through the interpreter's own exit path (atexit, flushes,
-exit status, the SIGINT exit of an uncaught KeyboardInterrupt). `start` gives the test a
-`Forked`: Popen's pid, poll, wait, send_signal, communicate and returncode (-9 for a SIGKILL),
-so it kills the real process with real signals and reads what it wrote.
+The fault tests start ~50 real studies (the every-kind kill chain alone ~35), and the others
+run `python -m search`, `train` and `search.fit` too (tests/sweeps.py's run_module and
+search_process, tests/test_guide.py's shell for the docs' commands). Each fresh `python -m
+search` spends 8-15 s (up to 30 s beside another worker) importing torch, torchvision,
+torchmetrics, MLflow and Optuna before its first journal append. Here one server process per
+pytest session imports them once, then only forks: each run is a child of it with its own
+pid, cwd, argv and stdio (pipes the test reads), running `runpy.run_module(MODULE,
+run_name="__main__")` as `python -m MODULE` does, exiting through the interpreter's own exit
+path (atexit, flushes, exit status, the SIGINT exit of an uncaught KeyboardInterrupt).
+`start` gives the test a `Forked`: Popen's pid, poll, wait, send_signal, communicate and
+returncode (-9 for a SIGKILL), so it kills the real process with real signals and reads what
+it wrote.
 
-    python -m tests.faults.forkserver LISTENER_FD CONTROL_FD   # started by `start`, not by hand
+    python tests/faults/forkserver.py LISTENER_FD CONTROL_FD   # started by `start`, not by hand
 
 How a child differs from a fresh `python -m MODULE`, and why the fault tests cannot tell
 (tests/faults/test_forkserver.py compares the two from inside):
@@ -108,9 +111,13 @@ def import_preloaded() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     for name in FORGET:
-        parent, _, child = name.rpartition(".")
-        del sys.modules[name]
-        delattr(sys.modules[parent], child)
+        _forget(name)
+
+
+def _forget(name: str) -> None:
+    parent, _, child = name.rpartition(".")
+    del sys.modules[name]
+    delattr(sys.modules[parent], child)
 
 
 def _preload() -> tuple[bytes, bytes]:
@@ -199,6 +206,9 @@ def run_child(request: Request, imports_output: tuple[bytes, bytes]) -> None:
     for fd, data in zip((1, 2), imports_output, strict=True):
         os.write(fd, data)
     sys.argv = [request.module, *request.args]  # run_module sets argv[0] to the file
+    # A module run (not a package's __main__) that a study's imports imported (search.fit)
+    if "." in request.module and request.module in sys.modules:
+        _forget(request.module)  # as `python -m` finds it: not imported (runpy warns)
     runpy.run_module(request.module, run_name="__main__", alter_sys=True)
 
 
@@ -291,8 +301,7 @@ class ForkServer:
         listener.listen(64)
         control, self._control = os.pipe()  # closed by pytest's exit, however it exits
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.faults.forkserver", str(listener.fileno()),
-             str(control)],
+            [sys.executable, __file__, str(listener.fileno()), str(control)],
             cwd=self.folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             pass_fds=(listener.fileno(), control),
         )  # fmt: skip
@@ -378,6 +387,9 @@ def run(
 
 
 def main() -> None:
+    # Started by its path, so that the environment served need not have tests/ importable
+    # (a user's has not); the import path as `python -m` makes it, the cwd first.
+    sys.path[0] = os.getcwd()
     child = serve(int(sys.argv[1]), int(sys.argv[2]))
     if child is not None:
         run_child(*child)
