@@ -63,11 +63,11 @@ def shell(command: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedPr
     """A command as a user types it: bash, `python` the test's interpreter, the repository
     not on the import path (batchfit is installed). `python -m MODULE ARGS` where bash would
     only split its words runs as a child of tests/faults/forkserver.py (the same argv, cwd
-    and environment, without 10-30 s of imports each; BATCHFIT_FORKSERVER=0: in bash)."""
+    and environment, without 10-30 s of imports each; BATCHFIT_FORKSERVER=0: a fresh python -m)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     module = python_module(command)
-    if module is not None and os.environ.get("BATCHFIT_FORKSERVER") != "0":
+    if module is not None:  # (forkserver.run itself honours BATCHFIT_FORKSERVER=0)
         done = forkserver.run(module[0], module[1:], cwd, env, timeout)
     else:
         done = subprocess.run(
