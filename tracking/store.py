@@ -5,8 +5,10 @@ stays said as a ConfigError that names mlflow.tracking_uri and what to do (`_can
   MLflow would retry for two minutes an answer that no wait changes.
 - `schema_lock`: workers opening one new SQLite store take a lock beside it in turn, so that
   one of them creates MLflow's schema and the others find it made.
-- `open_client`: a SQLite store whose creation a full disk cut short is made anew if it holds
-  nothing, and left as it is, with advice, if it holds something.
+- `open_client`: a new SQLite store is a copy of an empty one that MLflow made once per MLflow
+  version (`_from_template`: its schema migrations take seconds, every time); a SQLite store
+  whose creation a full disk cut short is made anew if it holds nothing, and left as it is,
+  with advice, if it holds something.
 - `retry_at_start`: passing failures (a server still starting, a peer creating the schema)
   are tried again for START_RETRY_S.
 tracking/runs.py's Tracker opens its store through these.
@@ -16,14 +18,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
+import shutil
 import sqlite3
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import filelock
+import mlflow
 import sqlalchemy
 from mlflow.tracking import MlflowClient
 
@@ -101,11 +107,55 @@ def check_database(uri: str) -> None:
         engine.dispose()
 
 
+def _template_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "batchfit" / f"mlflow-{mlflow.__version__}-empty.db"
+
+
+def _template() -> Path:
+    """An empty SQLite store made by this MLflow, without its Default experiment (whose
+    artifact location is the directory it was made from: MLflow adds it to a store that
+    lacks it, as it opens it). Made once per MLflow version in the user's cache, atomically
+    (os.replace), so that workers making it together each leave a whole one."""
+    path = _template_path()
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as folder:
+            made = Path(folder) / "empty.db"
+            MlflowClient(f"sqlite:///{made}").search_experiments(max_results=1)
+            with contextlib.closing(sqlite3.connect(made, isolation_level=None)) as db:
+                db.execute("DELETE FROM experiments")
+            os.replace(made, path)
+    return path
+
+
+def _from_template(uri: str) -> None:
+    """A SQLite store that is not there yet becomes a copy of `_template`: MLflow would run
+    its 50-odd schema migrations on it, seconds every time (a study's first; every test's).
+    Under schema_lock, which the caller holds; the copy takes the store's name only when
+    whole (os.link, which fails if another made it meanwhile). Any failure leaves it to
+    MLflow to make it as it always does."""
+    path = _sqlite_path(uri)
+    if path is None or path.exists():
+        return
+    try:
+        template = _template()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as folder:
+            copy = Path(folder) / path.name
+            shutil.copyfile(template, copy)
+            os.link(copy, path)
+    except (OSError, sqlite3.Error, sqlalchemy.exc.SQLAlchemyError) as error:
+        _logger.debug("no template for MLflow's store %s (%s): MLflow makes it", path, error)
+
+
 def open_client(uri: str) -> MlflowClient:
     """A client whose store is open (MLflow creates or migrates a SQLite schema at its first
-    call). A SQLite store whose creation a full disk cut short fails every later run ("table
-    _alembic_tmp_runs already exists"): holding nothing, it is emptied and made anew; holding
-    something, it is left as it is and the error says what to do."""
+    call; a new one is copied from `_template`). A SQLite store whose creation a full disk
+    cut short fails every later run ("table _alembic_tmp_runs already exists"): holding
+    nothing, it is emptied and made anew; holding something, it is left as it is and the
+    error says what to do."""
+    _from_template(uri)
     try:
         client = MlflowClient(uri)
         client.search_experiments(max_results=1)

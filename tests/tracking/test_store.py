@@ -169,3 +169,25 @@ def test_no_lock_for_a_store_that_is_not_a_sqlite_file(
         with schema_lock(uri):
             pass
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_new_sqlite_store_is_a_copy_of_the_template_and_reads_as_one_mlflow_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first new store makes the template (MLflow's migrations, once); the next is copied
+    from it, and reads as a store MLflow made there: its Default experiment in the directory
+    it was opened from, and the first experiment created is id 1 (the README's link)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    caplog.set_level("INFO", logger="mlflow.store.db.utils")
+    first = tracking.store.open_client(f"sqlite:///{tmp_path / 'a' / 'mlflow.db'}")
+    assert "Creating initial MLflow database tables" in caplog.text
+    assert (tmp_path / "cache" / "batchfit").is_dir()
+    caplog.clear()
+    monkeypatch.chdir(tmp_path / "a")
+    second = tracking.store.open_client(f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}")
+    assert "Creating initial MLflow database tables" not in caplog.text  # copied, not migrated
+    default = second.get_experiment("0")
+    assert default.name == "Default"
+    assert default.artifact_location == str(tmp_path / "a" / "mlruns" / "0")
+    assert second.create_experiment("study") == first.create_experiment("study") == "1"
+    assert not list((tmp_path / "b").glob("tmp*")), "the copy's folder is left behind"
