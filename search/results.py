@@ -2,9 +2,11 @@
 summary (`summary.md`, also the parent run's description) and the plots (`plots/`), on the
 study's parent MLflow run, and `best.yaml` in the Hydra output directory.
 
-Redrawn after a finished trial, at most every PUBLISH_EVERY_S (drawing takes about a second
-on 2 CPU cores, which short trials would otherwise pay again and again), and always at the
-end. Everything is read back from the study, so any worker's publication shows all trials.
+Written again after a finished trial, at most every PUBLISH_EVERY_S; the plots at most every
+PLOTS_EVERY_S from the study's start (drawing them takes 1.5-2 s on 2 CPU cores, which short
+trials would otherwise pay again and again: a one-minute study drew them five times); both
+always at the end. Everything is read back from the study, so any worker's publication shows
+all trials.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from tracking.tags import RECOMMENDED_TAG
 from train.overrides import BEST_FILE
 
 PUBLISH_EVERY_S = 15.0
+PLOTS_EVERY_S = 60.0
 PLOTS_PATH = "plots"
 DESCRIPTION_CHARS = 8000  # MLflow's limit on a tag value (3.17)
 CUT_NOTE = "\n\n... (the rest is in this run's summary.md)\n"
@@ -64,6 +67,7 @@ class Results:
         self.overrides_of = overrides_of  # FrozenTrial -> the overrides that train it again
         self.output_dir = output_dir  # the Hydra output directory (best.yaml), if any
         self._published_at: float | None = None
+        self._plotted_at = time.monotonic()  # the first plots: PLOTS_EVERY_S after the start
         parent.save_view(self.metrics)  # the experiment's view: these objectives first
 
     @property
@@ -80,10 +84,11 @@ class Results:
         return rec.overrides(self.overrides_of(rec.trial)) if rec is not None else []
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        """Optuna callback: publish, unless that was done less than PUBLISH_EVERY_S ago."""
+        """Optuna callback: publish, unless that was done less than PUBLISH_EVERY_S ago;
+        with the plots if they were drawn PLOTS_EVERY_S ago or more."""
         now = time.monotonic()
         if self._published_at is None or now - self._published_at >= PUBLISH_EVERY_S:
-            self.publish(study)
+            self.publish(study, plotted=now - self._plotted_at >= PLOTS_EVERY_S)
 
     def best_yaml(self, study: optuna.Study, rec: Recommendation | None) -> str | None:
         """best.yaml for `rec`. Masked in both copies, like everything batchfit writes: a
@@ -94,10 +99,11 @@ class Results:
         return redact(best_document(rec, study.study_name, self.overrides(rec)))
 
     def publish(
-        self, study: optuna.Study, decided: Decision | None = None
+        self, study: optuna.Study, decided: Decision | None = None, plotted: bool = True
     ) -> Recommendation | None:
         """Publish what the study recommends now; at its end, the study's `decided` answer
-        (search/decision.py), the same best.yaml whichever worker publishes it."""
+        (search/decision.py), the same best.yaml whichever worker publishes it. `plotted`:
+        the plots drawn again too."""
         rec = self.recommendation(study)
         if decided is not None:
             # The recommendation is a function of the finished trials and the stored speed
@@ -115,6 +121,12 @@ class Results:
             self.parent.mark_recommended(rec.trial.number)  # its run: first in the view
         self.parent.description(description(files["summary.md"]))
         self.parent.artifacts({name: text.encode() for name, text in files.items()})
+        if plotted:
+            self._plot(study, rec)
+        self._published_at = time.monotonic()
+        return rec
+
+    def _plot(self, study: optuna.Study, rec: Recommendation | None) -> None:
         self.parent.artifacts(
             plots.render(
                 study,
@@ -126,8 +138,7 @@ class Results:
             ),
             PLOTS_PATH,
         )
-        self._published_at = time.monotonic()
-        return rec
+        self._plotted_at = time.monotonic()
 
 
 class StudyRun:

@@ -23,7 +23,7 @@ from search.plots import MIN_IMPORTANCE_TRIALS
 from search.recommend import recommend
 from search.record import TrialRecord
 from search.report import EPOCH_LINES_AFTER_S, StudyProgress, summary_markdown
-from search.results import PUBLISH_EVERY_S, RECOMMENDED_TAG, Results
+from search.results import PLOTS_EVERY_S, PUBLISH_EVERY_S, RECOMMENDED_TAG, Results
 from tracking.metrics import PEAK_BYTES, THROUGHPUT_SAMPLES, TRAIN_LOSS, VAL_ACC, VAL_LOSS
 from tracking.runs import Tracker
 from tracking.tags import NOTE_TAG
@@ -434,11 +434,20 @@ def test_publish_to_mlflow_and_output_dir(
     writes: list[object] = []
     put = tracker.outbox.put
     monkeypatch.setattr(tracker.outbox, "put", lambda write: (writes.append(write), put(write)))
+    drawn: list[object] = []
+    render = plots.render
+    monkeypatch.setattr(plots, "render", lambda *a, **k: (drawn.append(a), render(*a, **k))[1])
     results(study, study.trials[-1])
     assert writes == []
     results._published_at -= PUBLISH_EVERY_S  # as if that long ago
     results(study, study.trials[-1])
     assert writes  # the control: a due call does write
+    # ... the summary, not the plots: those were drawn less than PLOTS_EVERY_S ago
+    assert drawn == []
+    results._published_at -= PUBLISH_EVERY_S
+    results._plotted_at -= PLOTS_EVERY_S
+    results(study, study.trials[-1])
+    assert len(drawn) == 1
     assert tracker.close(30)
 
 
