@@ -152,10 +152,10 @@ class Objective:
         begun = TrialRecord(trial.number, "RUNNING", params=params, run=configured.spec.params())
         write(trial, begun)  # what it trains with, first: a trial that dies still shows it
         run_log = self._start_run(begun)
-        if run_log.run_id is not None:  # None while MLflow is unreachable: known later
-            begun = begun.replace(run_id=run_log.run_id)
-            write(trial, begun)
-        try:
+        try:  # from the run's start: a stop while its id is written ends it KILLED too
+            if run_log.run_id is not None:  # None while MLflow is unreachable: known later
+                begun = begun.replace(run_id=run_log.run_id)
+                write(trial, begun)
             self._log_config(run_log, begun, configured)
             if configured.fits:
                 outcome = self._train(trial, configured, run_log)

@@ -69,8 +69,8 @@ def test_a_stop_signal_ends_the_trial_queues_it_again_and_the_study_resumes(
     assert killed.state == TrialState.FAIL and Attr.ERROR not in killed.user_attrs
     assert queued.state == TrialState.WAITING and queued.params == killed.params
     runs = _runs(tmp_path)
-    assert runs[str(running.number)].info.status == "KILLED"
-    assert runs["parent"].info.status == "KILLED"
+    assert runs[str(running.number)].info.status == "KILLED", out[-3000:]
+    assert runs["parent"].info.status == "KILLED", out[-3000:]
 
     run_study(tmp_path, LONGER)
     study = journal_of(tmp_path)

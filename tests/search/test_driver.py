@@ -433,3 +433,29 @@ def test_the_boundary_is_a_line_per_layout_or_one_line_when_they_agree() -> None
     assert lines[1:] == ["  data.seq_len=128: fp32 4/2", "  data.seq_len=256: fp32 2/1"]
     same = fit.summary_lines([_report(128, 4), _report(256, 4)])
     assert same[1:] == ["  each of the 2 layouts (data.seq_len): fp32 4/2"]
+
+
+@pytest.mark.study
+def test_a_stop_as_the_trials_run_id_is_written_ends_its_run_killed(
+    hydra_conf, stores, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop (SIGTERM, SIGHUP and Ctrl-C raise KeyboardInterrupt where they land) as the
+    trial's MLflow run id is written to the study, the moment tests/faults/test_signals.py
+    waits for before it signals: the run ends KILLED, not RUNNING forever."""
+    from search import objective
+
+    write = objective.write
+
+    def stopped_at_the_run_id(trial, record) -> None:  # noqa: ANN001
+        write(trial, record)
+        if record.run_id is not None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(objective, "write", stopped_at_the_run_id)
+    overrides = [*stores["overrides"], "search.n_trials=1", "search.fit_report_first=false"]
+    driver = _driver(hydra_conf, [*overrides, "+search.params={trainer.batch_size:'choice(16)'}"])
+    with pytest.raises(KeyboardInterrupt):
+        driver.run()
+    assert driver.tracker.close(30)
+    (run,) = [r for r in _mlflow_runs(stores, "t") if r.data.tags.get("batchfit.role") == "trial"]
+    assert run.info.status == "KILLED" and run.data.tags["batchfit.state"] == "KILLED"
