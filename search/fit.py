@@ -23,12 +23,10 @@ import contextlib
 import copy
 import dataclasses
 import gc
-import importlib
 import itertools
 import math
 import multiprocessing
 import time
-import types
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -492,7 +490,7 @@ def fit_reports(
     # CUDA (`beside`), the allocator's replays in a second process, and while a table's
     # last cells wait for theirs, the next table's steps are computed here.
     pending = (
-        [pool.submit(_importable()._tabulated, t.cfg, space, t.spec, settings) for t in tabulations]
+        [pool.submit(_tabulated, t.cfg, space, t.spec, settings) for t in tabulations]
         if pool is not None and len(tabulations) > 1
         else None
     )
@@ -538,14 +536,6 @@ def table_processes() -> Iterator[ProcessPoolExecutor | None]:
 
 def _one_thread() -> None:
     torch.set_num_threads(1)
-
-
-def _importable() -> types.ModuleType:
-    """This module as `import search.fit` gives it: what a process of table_processes is
-    sent and sends back (_tabulated, a FitReport) is pickled by its module's name, which
-    __main__ (`python -m search.fit`, a program's runpy) is not. Run as __main__, that is a
-    second copy of this module, imported here and in the process."""
-    return importlib.import_module(__spec__.name if __spec__ else __name__)
 
 
 def _tabulated(
