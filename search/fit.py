@@ -25,14 +25,11 @@ import dataclasses
 import gc
 import itertools
 import math
-import multiprocessing
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
@@ -57,7 +54,6 @@ from train.memory.fitting import fits_budget, largest_fitting_batch
 from train.memory.predict import MemoryPredictor, PredictionUnsupported, replays_beside
 from train.memory.preflight import Margin
 from train.overrides import composed, run_checked, unknown_top_level
-from train.parallel.threads import usable_cores
 from train.params import (
     ACCUM_KEY,
     BATCH_KEY,
@@ -93,7 +89,6 @@ class FitReport:
     accum_steps: list[int | None]  # searched: every accumulation of the space; derived: [None]
     cells: dict[tuple[str, int, int | None], Cell] = field(default_factory=dict)
     seconds: float = 0.0
-    processes: int = 1  # tables predicted side by side (fit_reports' pool), this one among them
     # Other searched keys, held at the config's value here (e.g. data.seq_len: memory also
     # follows it; each trial is predicted with its own).
     held: dict[str, object] = field(default_factory=dict)
@@ -447,7 +442,6 @@ def fit_reports(
     workloads: Workloads | None = None,
     on_report: Callable[[FitReport, int, int], None] | None = None,
     beside: bool = False,
-    pool: ProcessPoolExecutor | None = None,
 ) -> list[FitReport]:
     """fit_report per layout (`layouts`): trainer.activation_checkpointing and the other
     discrete keys the space searches, side by side, so that the report has the cells a
@@ -457,9 +451,7 @@ def fit_reports(
     prints it then). Layouts without checkpointing come first: a checkpointing report
     marks the cells that need more than without it. `beside`: a CUDA report's allocator
     replays in a second process (replays_beside), the next table's steps computed here
-    while the last cells of one wait for theirs. `pool` (table_processes): the tables
-    predicted side by side in its processes, each as it is predicted here (the same
-    figures), their predictors left there."""
+    while the last cells of one wait for theirs."""
     workloads = workloads or Workloads()
     planned = []
     for layout in layouts(cfg, space, spec):
@@ -484,26 +476,16 @@ def fit_reports(
     ]
     reports: list[FitReport] = []
     since = time.perf_counter()
-    # From `python -m search.fit` only (a study's process holds signal handlers and threads
-    # a forked process must not inherit): with several tables and a `pool`
-    # (table_processes), the tables are predicted side by side in its processes; else, for
-    # CUDA (`beside`), the allocator's replays in a second process, and while a table's
-    # last cells wait for theirs, the next table's steps are computed here.
-    pending = (
-        [pool.submit(_tabulated, t.cfg, space, t.spec, settings) for t in tabulations]
-        if pool is not None and len(tabulations) > 1
-        else None
-    )
-    with replays_beside() if beside and not pending else contextlib.nullcontext():
+    # CUDA, from `python -m search.fit` only (a study's process holds signal handlers and
+    # threads a forked worker must not inherit): the allocator's replays in a second
+    # process; while a table's last cells wait for theirs, the next table's steps are
+    # computed here.
+    with replays_beside() if beside else contextlib.nullcontext():
         for number, tabulation in enumerate(tabulations, 1):
             layout = planned[number - 1][0]
-            if pending:  # predicted in one of `pool`'s processes, in its `seconds` there
-                report = pending[number - 1].result()
-                report.processes = min(len(tabulations), pool._max_workers)
-            else:
-                following = tabulations[number] if number < len(tabulations) else None
-                idle = following.advance if following is not None and beside else lambda: False
-                report = tabulation.finish(idle, since)
+            following = tabulations[number] if number < len(tabulations) else None
+            idle = following.advance if following is not None and beside else lambda: False
+            report = tabulation.finish(idle, since)
             report.at = {k: v for k, v in layout.items() if k not in TRAINER_LAYOUT}
             report.held = {k: v for k, v in report.held.items() if k not in layout}
             report.without_checkpointing = _without_checkpointing(report, reports)
@@ -512,37 +494,6 @@ def fit_reports(
                 on_report(report, number, len(planned))
             since = time.perf_counter()
     return reports
-
-
-@contextlib.contextmanager
-def table_processes() -> Iterator[ProcessPoolExecutor | None]:
-    """Processes to predict a fit report's tables side by side (fit_reports' `pool`), one
-    per usable core (at most MAX_LAYOUTS), each on one thread; None on one core. Forked
-    now, before this process runs a backward pass: PyTorch refuses autograd in a process
-    forked after one (its engine's threads do not survive a fork)."""
-    workers = min(usable_cores(), MAX_LAYOUTS)
-    if workers < 2:
-        yield None
-        return
-    pool = ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context("fork"), initializer=_one_thread
-    )
-    try:
-        pool.submit(int).result()  # forks every process now (a fork pool's first task does)
-        yield pool
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _one_thread() -> None:
-    torch.set_num_threads(1)
-
-
-def _tabulated(
-    cfg: DictConfig, space: SearchSpace, spec: RunSpec, settings: SearchConfig
-) -> FitReport:
-    """One table, predicted in a process of table_processes, with a predictor of its own."""
-    return _Tabulation(cfg, space, spec, settings, Workloads()).finish()
 
 
 def _without_checkpointing(
@@ -578,7 +529,6 @@ def show_fit_reports(
     record: Console | None = None,
     beside: bool = False,
     tables: bool = True,
-    pool: ProcessPoolExecutor | None = None,
 ) -> list[FitReport]:
     """fit_reports, each table printed as soon as it is predicted (to `console`, unless not
     `tables`: a study says `summary_lines` instead, and to `record` too when given: the
@@ -592,17 +542,16 @@ def show_fit_reports(
             for line in notes(report):
                 each.print(line, soft_wrap=True, markup=False, highlight=False)
         if not console.is_terminal:
-            at_a_time = f", {report.processes} tables at a time" if report.processes > 1 else ""
             console.print(
                 f"fit report: table {number}/{total} ({report.layout_words()}) in "
-                f"{report.seconds:.1f} s{at_a_time}",
+                f"{report.seconds:.1f} s",
                 soft_wrap=True,
                 highlight=False,
             )
 
     args = (cfg, space, spec, settings, workloads)
     if not console.is_terminal:
-        return fit_reports(*args, on_report=show, beside=beside, pool=pool)
+        return fit_reports(*args, on_report=show, beside=beside)
     progress = Progress(
         TextColumn("fit report"),
         BarColumn(),
@@ -619,7 +568,7 @@ def show_fit_reports(
             show(report, number, total)
             progress.update(task, completed=number, total=total)
 
-        return fit_reports(*args, on_report=advance, beside=beside, pool=pool)
+        return fit_reports(*args, on_report=advance, beside=beside)
 
 
 def summary_lines(reports: list[FitReport]) -> list[str]:
@@ -873,13 +822,6 @@ UNSUPPORTED_STATUS = 3  # the model does not run on fake tensors: nothing to rep
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    # The processes that predict the tables side by side, forked before validate's backward
-    # passes (table_processes)
-    with table_processes() as pool:
-        _report(cfg, pool)
-
-
-def _report(cfg: DictConfig, pool: ProcessPoolExecutor | None) -> None:
     from search.validate import validate  # the study's own checks, storage left alone
 
     composed()
@@ -916,14 +858,7 @@ def _report(cfg: DictConfig, pool: ProcessPoolExecutor | None) -> None:
         console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
     try:
         reports = show_fit_reports(
-            console,
-            cfg,
-            checked.space,
-            checked.spec,
-            checked.settings,
-            workloads,
-            beside=True,
-            pool=pool,
+            console, cfg, checked.space, checked.spec, checked.settings, workloads, beside=True
         )
         if nothing_fits(reports):
             console.print(NOTHING_FITS, soft_wrap=True, highlight=False)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
-import re
 import time
 
 import pytest
@@ -29,12 +28,10 @@ from search.fit import (
     show_fit_reports,
 )
 from search.validate import validate
-from tests.sweeps import run_module
 from tracking.config import ConfigError
 from train.memory.gpus import GPUS, gpu
 from train.memory.preflight import Margin
 from train.memory.reserve import predict_reserved
-from train.parallel.threads import usable_cores
 from train.precision import unsupported_reason
 from train.run import plan, with_gpu_budget
 from train.workload import Workloads
@@ -562,29 +559,6 @@ def test_each_table_is_handed_over_before_the_next_is_predicted(hydra_conf) -> N
     assert [r.at for r in reports] == [{"data.seq_len": n} for n in (64, 128, 256)]
     for (_, _, _, before), (report, _, _, after) in itertools.pairwise(calls):
         assert after - before >= report.seconds > 0
-
-
-@pytest.mark.skipif(usable_cores() < 2, reason="one core: the tables are predicted in turn")
-def test_tables_predicted_side_by_side_are_those_predicted_one_after_another(
-    hydra_conf, tmp_path
-) -> None:
-    """`python -m search.fit` predicts its tables in processes forked before its first
-    backward pass (table_processes), one per core: each table, its every figure, is the
-    one predicted here in turn (a process that has run backward passes, as this one has,
-    could not fork them: autograd refuses)."""
-    done = run_module("search.fit", GPT_TABLES, tmp_path)
-    assert done.stdout.count("tables at a time") == 3, done.stdout
-    cfg = hydra_conf(GPT_TABLES)
-    checked = validate(cfg, "fit", lambda extra: hydra_conf([*GPT_TABLES, *extra]), False)
-    console = Console(width=160, file=io.StringIO())
-    for report in fit_reports(cfg, checked.space, checked.spec, checked.settings):
-        console.print(render(report))
-
-    def rows(text: str) -> list[str]:  # the tables' rows: every figure, in order
-        return re.findall(r"^\s*[│┃].*$", text, re.M)
-
-    assert len(rows(console.file.getvalue())) == 3 * 5  # a header, 3 rows, the largest
-    assert rows(done.stdout) == rows(console.file.getvalue()), done.stdout
 
 
 def test_off_a_terminal_each_table_is_followed_by_a_line(hydra_conf) -> None:
