@@ -19,6 +19,13 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 
+def cache_folder() -> Path:
+    """batchfit's folder in the user's cache ($XDG_CACHE_HOME, else ~/.cache): what is made
+    once per machine and kept (the CPU's measured peak, the empty MLflow store)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "batchfit"
+
+
 def cannot_create(path: Path) -> str | None:
     """Why directory `path` cannot be created (or written into), None if it can."""
     existing = path.absolute()

@@ -31,12 +31,13 @@ from typing import Any
 import filelock
 import mlflow
 import sqlalchemy
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from tracking import interrupts
 from tracking.config import ConfigError
 from tracking.outbox import RETRY_MIN_S, is_transient
-from tracking.outputs import store_examples
+from tracking.outputs import cache_folder, store_examples
 from tracking.redact import redact
 
 _logger = logging.getLogger(__name__)
@@ -108,8 +109,7 @@ def check_database(uri: str) -> None:
 
 
 def _template_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "batchfit" / f"mlflow-{mlflow.__version__}-empty.db"
+    return cache_folder() / f"mlflow-{mlflow.__version__}-empty.db"
 
 
 def _template() -> Path:
@@ -145,7 +145,7 @@ def _from_template(uri: str) -> None:
             copy = Path(folder) / path.name
             shutil.copyfile(template, copy)
             os.link(copy, path)
-    except (OSError, sqlite3.Error, sqlalchemy.exc.SQLAlchemyError) as error:
+    except (OSError, sqlite3.Error, sqlalchemy.exc.SQLAlchemyError, MlflowException) as error:
         _logger.debug("no template for MLflow's store %s (%s): MLflow makes it", path, error)
 
 

@@ -181,7 +181,8 @@ def test_a_new_sqlite_store_is_a_copy_of_the_template_and_reads_as_one_mlflow_ma
     caplog.set_level("INFO", logger="mlflow.store.db.utils")
     first = tracking.store.open_client(f"sqlite:///{tmp_path / 'a' / 'mlflow.db'}")
     assert "Creating initial MLflow database tables" in caplog.text
-    assert (tmp_path / "cache" / "batchfit").is_dir()
+    assert tracking.store._template_path().is_relative_to(tmp_path / "cache")
+    assert tracking.store._template_path().is_file()
     caplog.clear()
     monkeypatch.chdir(tmp_path / "a")
     second = tracking.store.open_client(f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}")

@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ import torch
 from torch.utils import flop_counter
 
 from tracking.metrics import ACHIEVED_FLOPS, FLOPS_PER_SAMPLE, MFU, PEAK_FLOPS
+from tracking.outputs import cache_folder
 from train.memory.gpus import gpu_of_device_name
 
 CPU_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
@@ -82,8 +82,7 @@ def cuda_peak(name: str, precision: str) -> float | None:
 
 
 def _cache_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "batchfit" / "peak_flops.json"
+    return cache_folder() / "peak_flops.json"
 
 
 def _machine_key(precision: str) -> str:
