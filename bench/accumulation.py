@@ -1,7 +1,7 @@
 """Searched or derived accumulation: which finds the better configuration in a fixed number
 of trials?
 
-Real studies through `search.driver.StudyDriver` on the resnet experiment's space, ResNet-18
+Real studies through `search.study.driver.StudyDriver` on the resnet experiment's space, ResNet-18
 on synthetic 32x32 images (CIFAR's shape) under the 1 GiB budget of
 conf/budget/resnet18_synthetic.yaml, in which the larger batch sizes do not fit:
 
@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from search.driver import StudyDriver  # noqa: E402
-from search.record import OOM_REASONS, SLOW, TrialRecord, records  # noqa: E402
+from search.core.record import OOM_REASONS, SLOW, TrialRecord, records  # noqa: E402
+from search.study.driver import StudyDriver  # noqa: E402
 
 MODES = {"searched": "+experiment=resnet", "derived": "+experiment=resnet_derived"}
 

@@ -10,7 +10,7 @@ scikit-learn's digits, SGD, the learning rate linear in the batch from optimizer
 train in one real study (`python -m search`, a grid over --batch-sizes x --precisions, no
 accumulation), each for --steps optimizer steps and validated 8 times on the way, so that
 the study predicts each configuration's time and energy to the loss every batch size reached
-(search/time_to_target.py). Joules are what the counters saw over the timed steps
+(search/results/time_to_target.py). Joules are what the counters saw over the timed steps
 (train/measure/energy.py: NVML on a GPU, RAPL on a CPU). Printed: per configuration, the
 throughput, joules per sample, mean watts and utilisation; then the fastest configuration to
 the target and the one with the fewest joules to it, with both figures of each.
@@ -34,10 +34,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from search import levers, time_to_target  # noqa: E402
-from search.record import TrialRecord  # noqa: E402
-from search.storage import open_storage  # noqa: E402
-from search.time_to_target import Untrusted  # noqa: E402
+from search.core.record import TrialRecord  # noqa: E402
+from search.results import time_to_target  # noqa: E402
+from search.results.time_to_target import Untrusted  # noqa: E402
+from search.sampling import levers  # noqa: E402
+from search.storage.opening import open_storage  # noqa: E402
 from tracking.metrics import (  # noqa: E402
     DEVICE_UTILIZATION,
     ENERGY_J,
@@ -57,7 +58,7 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument(
         "--precisions", nargs="+", default=None,
-        help="default: fp32 and what else the device runs fast (search/levers.py)",
+        help="default: fp32 and what else the device runs fast (search/sampling/levers.py)",
     )  # fmt: skip
     parser.add_argument("--steps", type=int, default=160, help="optimizer steps per configuration")
     parser.add_argument("--device", default="auto")

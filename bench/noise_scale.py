@@ -38,7 +38,7 @@ batches difference two noisy norms; large batches have few steps), so the median
 robust summary. The ratio of the pooled parts (mean tr(Σ) / mean |G|² over those runs) is
 printed beside it as a cross-check.
 
-S_min and B_crit come from `search.critical_batch.fit_steps`. Verdict (exit status 0 PASS,
+S_min and B_crit come from `search.results.critical_batch.fit_steps`. Verdict (exit status 0 PASS,
 1 FAIL): for every task, the predicted steps within 25% of the measured at every batch, and
 B_simple within a factor of 3 of B_crit. The figures are printed either way.
 
@@ -69,7 +69,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from search.critical_batch import NoFit, StepsModel, fit_steps  # noqa: E402
+from search.results.critical_batch import NoFit, StepsModel, fit_steps  # noqa: E402
 from tracking.metrics import (  # noqa: E402
     GRAD_NOISE_SCALE,
     GRAD_NOISE_SCALE_HIGH,

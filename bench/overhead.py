@@ -5,7 +5,7 @@ number of optimizer steps) runs alternately, in one process:
 
 - plain:    a hand-written loop over the same host tensors: index, copy to the device,
             forward, cross-entropy, backward, optimizer step, zero_grad(set_to_none=True);
-- batchfit: one trial of a real study through `search.driver.StudyDriver` (the code behind
+- batchfit: one trial of a real study through `search.study.driver.StudyDriver` (the code behind
             `python -m search`): Optuna study in SQLite, MLflow parent and trial runs in
             SQLite, progress bar, every hook on (`train.loop.fit` with its probe, on_step,
             on_log, on_eval, CPU memory tracking).
@@ -57,8 +57,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python bench/overhead.py` from anywhere, installed or not
     sys.path.insert(0, str(REPO))
 
-from search.driver import StudyDriver  # noqa: E402
-from search.record import TrialRecord  # noqa: E402
+from search.core.record import TrialRecord  # noqa: E402
+from search.study.driver import StudyDriver  # noqa: E402
 from train.build import build_model, build_optimizer, build_scheduler  # noqa: E402
 from train.loop import split_window, steps_plan  # noqa: E402
 from train.run import plan  # noqa: E402

@@ -1,6 +1,6 @@
 """Does OOM teach the sampler? The share of OOM proposals late in a study, with and without.
 
-Real studies through `search.driver.StudyDriver` (the code behind `python -m search`) on the
+Real studies through `search.study.driver.StudyDriver` (the code behind `python -m search`) on the
 resnet experiment's space (batch size 16..1024 x accumulation 1,2,4 x precision x lr, TPE,
 two objectives) with a small CNN on synthetic 16x16 images and 3 optimizer steps a trial, so
 that a study of 40 trials takes about a minute. The memory budget is set from the fit report
@@ -35,11 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from search.driver import StudyDriver  # noqa: E402
-from search.fit import fit_report  # noqa: E402
-from search.record import OOM, OOM_REASONS, TrialRecord  # noqa: E402
-from search.sampler import FeasibilityFilter  # noqa: E402
-from search.validate import validate  # noqa: E402
+from search.core.record import OOM, OOM_REASONS, TrialRecord  # noqa: E402
+from search.fit.tabulate import fit_report  # noqa: E402
+from search.sampling.sampler import FeasibilityFilter  # noqa: E402
+from search.study.driver import StudyDriver  # noqa: E402
+from search.study.validate import validate  # noqa: E402
 
 BASE = [
     "+experiment=resnet",

@@ -8,19 +8,20 @@ real space trained once, then the samplers replayed against the table, with no t
 The space: small_cnn on scikit-learn's digits (+experiment=resnet's settings: SGD, cosine,
 linear lr scaling), batch size 16..512 x accumulation 1,2 x precision fp32,bf16 x 4 learning
 rates, 96 configurations, under a memory budget at the median predicted peak, so that about
-half do not fit. `--build` runs them all as one grid study through `search.driver.StudyDriver`,
-the code behind `python -m search`: each row is a trial, predicted, trained (stopping at
-search.target), pruned or recorded as that path does. The table (search_efficiency.csv,
-committed beside this file) holds per configuration: the outcome, val accuracy, throughput,
-time to the target accuracy, peak and predicted memory, and the trial's wall seconds. Its
-figures are this machine's: a CPU without fast bf16 kernels prunes bf16 as `slow`.
+half do not fit. `--build` runs them all as one grid study through
+`search.study.driver.StudyDriver`, the code behind `python -m search`: each row is a trial,
+predicted, trained (stopping at search.target), pruned or recorded as that path does. The table
+(search_efficiency.csv, committed beside this file) holds per configuration: the outcome, val
+accuracy, throughput, time to the target accuracy, peak and predicted memory, and the trial's
+wall seconds. Its figures are this machine's: a CPU without fast bf16 kernels prunes bf16 as
+`slow`.
 
 The replay asks each sampler for trials and answers from the table:
 - single objective, time/to_target_s (min): random, grid (Optuna's GridSampler, random
-  order), TPE as batchfit configures it, batchfit (the same TPE behind search/sampler.py's
+  order), TPE as batchfit configures it, batchfit (the same TPE behind search/sampling/sampler.py's
   FeasibilityFilter, with proposals predicted not to fit and repeats answered without taking a
-  trial slot, by search/budget.py's answer_for and search/objective.py's answer_from_record),
-  and GP;
+  trial slot, by search/core/trial_count.py's answer_for and search/trial/objective.py's
+  answer_from_record), and GP;
 - two objectives, val/acc and throughput (max, max): random, grid, TPE, batchfit, NSGA-II.
 A configuration that does not fit is a pruned trial that takes a slot (batchfit: none when it
 was predicted, but the prediction's seconds count); with one objective, a configuration that
@@ -61,12 +62,12 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.sampler import compose, median_predicted_peak  # noqa: E402
-from search import outcome  # noqa: E402
-from search.budget import MAX_UNBILLED_IN_A_ROW, answer_for, study_records  # noqa: E402
-from search.driver import StudyDriver  # noqa: E402
-from search.objective import answer_from_record  # noqa: E402
-from search.record import CONSTRAINT, OOM, OOM_REASONS, PREDICTED_OOM, TrialRecord  # noqa: E402
-from search.sampler import FeasibilityFilter  # noqa: E402
+from search.core.record import CONSTRAINT, OOM, OOM_REASONS, PREDICTED_OOM, TrialRecord  # noqa: E402
+from search.core.trial_count import MAX_UNBILLED_IN_A_ROW, answer_for, study_records  # noqa: E402
+from search.sampling.sampler import FeasibilityFilter  # noqa: E402
+from search.study.driver import StudyDriver  # noqa: E402
+from search.trial import ending  # noqa: E402
+from search.trial.objective import answer_from_record  # noqa: E402
 
 TABLE = Path(__file__).with_name("search_efficiency.csv")
 TARGET = "val/acc>=0.95"
@@ -232,9 +233,9 @@ def samplers(two: bool) -> dict[str, Callable[[int], optuna.samplers.BaseSampler
 
 
 def _ended(trial: optuna.Trial, reason: str) -> None:
-    """Record `trial` as pruned for `reason`, as search/outcome.py records a trial."""
-    ended = outcome.ended("PRUNED", reason)
-    outcome.write(trial, TrialRecord(trial.number, "PRUNED", outcome=ended))
+    """Record `trial` as pruned for `reason`, as search/trial/ending.py records a trial."""
+    ended = ending.ended("PRUNED", reason)
+    ending.write(trial, TrialRecord(trial.number, "PRUNED", outcome=ended))
 
 
 def replay(

@@ -47,9 +47,9 @@ if str(REPO) not in sys.path:
 
 from bench.sampler import compose, median_predicted_peak  # noqa: E402
 from bench.search_efficiency import BASE, SPACE, TARGET  # noqa: E402
-from search.budget import num_trained  # noqa: E402
-from search.driver import StudyDriver  # noqa: E402
-from search.record import PREDICTED_OOM, TrialRecord, records  # noqa: E402
+from search.core.record import PREDICTED_OOM, TrialRecord, records  # noqa: E402
+from search.core.trial_count import num_trained  # noqa: E402
+from search.study.driver import StudyDriver  # noqa: E402
 from train.memory.budget import OutOfMemory, release_memory  # noqa: E402
 from train.run import plan, run  # noqa: E402
 from train.workload import Workloads  # noqa: E402

@@ -24,10 +24,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
 
-from search.compose import task_overrides
-from search.driver import StudyDriver
-from search.storage import storage_failure
-from search.tracking_state import TrackingIncomplete
+from search.core.compose import task_overrides
+from search.storage.failures import storage_failure
+from search.study.driver import StudyDriver
+from search.study.tracking_state import TrackingIncomplete
 from tracking import interrupts
 from tracking.config import ConfigError
 from tracking.console import config_error, crashed, stopped

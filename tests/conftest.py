@@ -93,7 +93,7 @@ def prepare_study(hydra_conf: Callable[..., DictConfig]) -> Callable[..., object
     (`driver.console.export_text()` is what it said)."""
     from rich.console import Console
 
-    from search.driver import StudyDriver
+    from search.study.driver import StudyDriver
 
     def prepare(overrides: list[str], width: int = 200) -> StudyDriver:
         console = Console(record=True, width=width)

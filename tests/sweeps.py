@@ -20,8 +20,8 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 
-from search.record import Attr
-from search.storage import OWNER_ATTR
+from search.core.record import Attr
+from search.storage.owners import OWNER_ATTR
 from tests.faults import forkserver
 from tracking.metrics import STORAGE_S, TRACKING_S, TRIAL_S, VAL_ACC
 

@@ -1,8 +1,8 @@
 """The shape of the code, checked so that it does not drift: the layers import downwards only
-(tracking <- train <- search), no module imports itself back through others (imports inside
-functions and under TYPE_CHECKING count: a cycle hidden in a function is still a cycle a
-reader must hold in their head), and train/'s files and folders stay a size a newcomer can
-read."""
+(tracking <- train <- search), search/'s wings import downwards only (WINGS), no module
+imports itself back through others (imports inside functions and under TYPE_CHECKING count: a
+cycle hidden in a function is still a cycle a reader must hold in their head), and the files
+and folders stay a size a newcomer can read (SIZE_CAPS)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("tracking", "train", "search")  # bottom to top: each imports only those before it
-MAX_LINES = 600  # per file of train/
-MAX_MODULES = 16  # per folder of train/, besides __init__.py and __main__.py
+# Per package: (lines per file, modules per folder besides __init__.py and __main__.py)
+SIZE_CAPS = {"train": (600, 16), "search": (600, 12), "tracking": (600, 16)}
+# A package's wings (its subpackages), bottom to top: a module imports from its own wing and
+# those below it only. Entry points (__main__) sit above every wing and may import any.
+WINGS = {"search": ("core", "sampling", "storage", "fit", "results", "trial", "study")}
 
 
 def _modules() -> dict[str, Path]:
@@ -114,21 +117,75 @@ def test_layers_import_downwards_only(package: str) -> None:
     assert not upward, f"{package}/ must not import from {', '.join(above)}/: {upward}"
 
 
-def test_train_files_and_folders_stay_readable() -> None:
+def _wing(name: str) -> str | None:
+    """The wing of module `name` (None for an entry point or a package's own __init__)."""
+    package, *rest = name.split(".")
+    if package not in WINGS or not rest or rest[-1] == "__main__":
+        return None
+    return rest[0]
+
+
+def _against_the_wings(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for name, others in sorted(graph.items()):
+        wing = _wing(name)
+        for other in sorted(others):
+            theirs = _wing(other)
+            if wing is None or theirs is None or other.split(".")[0] != name.split(".")[0]:
+                continue
+            order = WINGS[name.split(".")[0]]
+            if order.index(theirs) > order.index(wing):
+                found.append(f"{name} ({wing}) imports {other} ({theirs})")
+    return found
+
+
+def test_the_wing_check_sees_an_import_against_the_order() -> None:
+    upward = {"search.fit.layouts": {"search.study.validate", "search.core.record"}}
+    assert _against_the_wings(upward) == [
+        "search.fit.layouts (fit) imports search.study.validate (study)"
+    ]
+    entry = {"search.fit.__main__": {"search.study.validate"}}  # entry points sit above all
+    assert _against_the_wings(entry) == []
+
+
+@pytest.mark.parametrize("package", sorted(WINGS))
+def test_every_module_is_in_a_wing(package: str) -> None:
+    loose = [
+        name
+        for name in MODULES
+        if name.split(".")[0] == package
+        and name.count(".") == 1
+        and not name.endswith("__main__")
+        and name.split(".")[1] not in WINGS[package]
+    ]
+    unknown = sorted({_wing(n) for n in MODULES if n.startswith(package + ".")} - {None})
+    assert not loose, f"modules of {package}/ outside its wings {WINGS[package]}: {loose}"
+    assert unknown == sorted(WINGS[package]), f"{package}/'s wings on disk: {unknown}"
+
+
+def test_wings_import_downwards_only() -> None:
+    against = _against_the_wings(GRAPH)
+    assert not against, "imports against the wing order (WINGS):\n" + "\n".join(against)
+
+
+@pytest.mark.parametrize("package", sorted(SIZE_CAPS))
+def test_files_and_folders_stay_readable(package: str) -> None:
+    max_lines, max_modules = SIZE_CAPS[package]
+    root = REPO / package
     too_long = {
         str(path.relative_to(REPO)): n
-        for path in (REPO / "train").rglob("*.py")
-        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+        for path in root.rglob("*.py")
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > max_lines
     }
-    assert not too_long, f"files of train/ over {MAX_LINES} lines: {too_long}"
+    assert not too_long, f"files of {package}/ over {max_lines} lines: {too_long}"
     crowded = {
         str(folder.relative_to(REPO)): n
-        for folder in [REPO / "train", *(p for p in (REPO / "train").rglob("*") if p.is_dir())]
+        for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]
         if folder.name != "__pycache__"
         and (n := len([p for p in folder.glob("*.py") if not p.name.startswith("__")]))
-        > MAX_MODULES
+        > max_modules
     }
-    assert not crowded, f"folders of train/ with over {MAX_MODULES} modules: {crowded}"
+    assert not crowded, f"folders of {package}/ with over {max_modules} modules: {crowded}"
 
 
 def test_every_module_opens_with_a_docstring() -> None:

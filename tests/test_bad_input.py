@@ -271,7 +271,7 @@ def test_nothing_fitting_a_model_that_cannot_train_batch_1_is_advised_at_its_sma
     """ResNet-18 on digits (BatchNorm over its pooled 1x1 map needs 2 samples) under 1 KiB:
     the advice was "No advice: batch 1 cannot be predicted (ValueError: Expected more than
     1 value per channel...)"; it is now given for batch 2, saying why."""
-    from search.advice import advise
+    from search.fit.advice import advise
 
     overrides = ["+experiment=resnet", "data=digits", "search.memory_budget=1KiB"]
     cfg = hydra_conf(overrides)

@@ -18,8 +18,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.driver import PARENT_ATTR
-from search.record import Attr
+from search.core.record import Attr
+from search.study.driver import PARENT_ATTR
 from tests.sweeps import MlflowServer, run_module
 from tracking.metrics import PEAK_MIB, THROUGHPUT_SAMPLES, VAL_ACC
 from tracking.mlflow_ui import RECOMMENDED_COLUMN

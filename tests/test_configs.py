@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from search.sampler import build_sampler
-from search.space import parse_space
-from search.validate import validate
+from search.sampling.sampler import build_sampler
+from search.sampling.space import parse_space
+from search.study.validate import validate
 from tracking.config import ConfigError
 from tracking.metrics import VAL_LOSS
 from train.build import (

@@ -11,8 +11,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.driver import PARENT_ATTR
-from search.record import Attr
+from search.core.record import Attr
+from search.study.driver import PARENT_ATTR
 from tests.sweeps import run_module
 from tracking.metrics import (
     ACHIEVED_FLOPS,

@@ -3,11 +3,12 @@ exists and behaves as our code assumes. pyproject.toml names them next to the pi
 test here fails after an upgrade, the code named in its docstring needs a change.
 
 Each of these has no public equivalent in the versions pinned (Optuna 5.0, torch 2.14):
-- optuna.storages._heartbeat.BaseHeartbeat and its `_get_stale_trial_ids` (search/storage.py)
-- optuna.storages.journal._file.BaseJournalFileLock, get_lock_file (search/storage.py)
-- JournalStorage._backend (search/driver.py, tests/faults/test_journal.py)
-- Study._storage, Trial._trial_id, FrozenTrial._trial_id (search/storage.py, search/worker.py)
-- BaseDistribution._contains (search/budget.py `_within`)
+- optuna.storages._heartbeat.BaseHeartbeat and its `_get_stale_trial_ids`
+  (search/storage/heartbeat.py)
+- optuna.storages.journal._file.BaseJournalFileLock, get_lock_file (search/storage/journal.py)
+- JournalStorage._backend (search/study/driver.py, tests/faults/test_journal.py)
+- Study._storage, Trial._trial_id, FrozenTrial._trial_id (search/storage/, search/study/worker.py)
+- BaseDistribution._contains (search/core/trial_count.py `_within`)
 - torch.amp.GradScaler._maybe_opt_step (train/memory/predict.py `_FakeGradScaler`)
 - torch.amp.GradScaler._get_scale_async (train/measure/noise.py: fp16's loss scale, no host sync)
 - torch._foreach_norm with a dtype (train/measure/noise.py: the gradients' norms, as
@@ -55,16 +56,12 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_iter, tree_leaves, tree_map
 
-from search.storage import (
-    BEAT_ATTR,
-    OWNER_ATTR,
-    HeartbeatJournalStorage,
-    HeartbeatRDBStorage,
-    SafeJournalFileBackend,
-)
+from search.storage.heartbeat import BEAT_ATTR, HeartbeatJournalStorage, HeartbeatRDBStorage
+from search.storage.journal import SafeJournalFileBackend
+from search.storage.owners import OWNER_ATTR
 from train.memory.predict import _FakeGradScaler
 
-# ---- Optuna: heartbeats (search/storage.py HeartbeatJournalStorage, HeartbeatRDBStorage)
+# ---- Optuna: heartbeats (search/storage/heartbeat.py HeartbeatJournalStorage, HeartbeatRDBStorage)
 
 
 # study.ask() on a heartbeat storage warns that heartbeats come with study.optimize: here a
@@ -153,7 +150,7 @@ def test_rdb_storage_keeps_its_grace_period_and_stale_trial_query(tmp_path: Path
     assert storage._get_stale_trial_ids(study._study_id) == []
 
 
-# ---- Optuna: the journal file's lock (search/storage.py SafeJournalFileBackend)
+# ---- Optuna: the journal file's lock (search/storage/journal.py SafeJournalFileBackend)
 
 
 class _CountingLock(BaseJournalFileLock):
@@ -185,12 +182,12 @@ def test_get_lock_file_releases_on_error() -> None:
 
 
 def test_journal_storage_keeps_its_backend(tmp_path: Path) -> None:
-    # search/driver.py prints the notes of the storage's SafeJournalFileBackend.
+    # search/study/driver.py prints the notes of the storage's SafeJournalFileBackend.
     backend = SafeJournalFileBackend(tmp_path / "optuna.journal")
     assert JournalStorage(backend)._backend is backend
 
 
-# ---- Optuna: a study's storage and its trials' ids (search/storage.py, search/worker.py)
+# ---- Optuna: a study's storage and its trials' ids (search/storage/, search/study/worker.py)
 
 
 def test_study_storage_and_trial_ids_address_the_trial() -> None:
@@ -207,7 +204,7 @@ def test_study_storage_and_trial_ids_address_the_trial() -> None:
     assert OWNER_ATTR not in study.trials[0].system_attrs
 
 
-# ---- Optuna: membership in a distribution (search/budget.py `_within`)
+# ---- Optuna: membership in a distribution (search/core/trial_count.py `_within`)
 
 
 @pytest.mark.parametrize(

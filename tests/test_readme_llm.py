@@ -34,7 +34,7 @@ def test_llm_lora_study(workdir: Path) -> None:
     _check_study(ran, "llm_lora-text")
     assert ran.study.metric_names == ["val/loss", "throughput/tokens_per_sec"]
     # Trained to their end: complete, or pruned as diverged where a few steps left one no
-    # better than a uniform guess over the 256 bytes (search/objective.py learning_failure)
+    # better than a uniform guess over the 256 bytes (search/trial/objective.py learning_failure)
     done = [
         t
         for t in ran.study.trials

@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
 from optuna.trial import FrozenTrial
 
-from search.record import Attr
+from search.core.record import Attr
 from tests.sweeps import run_module
 from tracking.metrics import VAL_ACC
 from train.build import build_pipeline, build_task

@@ -22,7 +22,7 @@ from bench.cuda_trace import (
     table,
     transient_events,
 )
-from search.config import SearchConfig
+from search.core.study_config import SearchConfig
 from train.memory.allocator import SegmentState
 from train.memory.allocator_settings import AllocatorSettings
 from train.memory.preflight import UNMEASURED_MARGIN

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from bench import noise_scale as bench
-from search.critical_batch import StepsModel
+from search.results.critical_batch import StepsModel
 
 TINY = dataclasses.replace(
     bench.DIGITS, batches=(16, 64), lr_factors=(1.0,), target_loss=1.0, max_steps=60

@@ -206,8 +206,9 @@ def run_child(request: Request, imports_output: tuple[bytes, bytes]) -> None:
     for fd, data in zip((1, 2), imports_output, strict=True):
         os.write(fd, data)
     sys.argv = [request.module, *request.args]  # run_module sets argv[0] to the file
-    # A module run (not a package's __main__) that a study's imports imported (search.fit)
-    if "." in request.module and request.module in sys.modules:
+    # A plain module (not a package, whose __main__ runs) that the preloaded imports imported
+    module = sys.modules.get(request.module)
+    if "." in request.module and module is not None and not hasattr(module, "__path__"):
         _forget(request.module)  # as `python -m` finds it: not imported (runpy warns)
     runpy.run_module(request.module, run_name="__main__", alter_sys=True)
 

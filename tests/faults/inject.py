@@ -9,7 +9,7 @@
 - `--kill-at-record OP:KEY`: the same, at the first append of a record of that kind: its
   Optuna op code and the attribute, parameter or trial state it sets (`9:batchfit:owner`,
   `6:state=1` for COMPLETE; see `record_kind`).
-- `--kill-in MODULE:ATTR` (`search.driver:_log_fit_report`, `tracking.runs:RunLog.params`):
+- `--kill-in MODULE:ATTR` (`search.study.driver:_log_fit_report`, `tracking.runs:RunLog.params`):
   the first call of that function SIGKILLs the process instead of running.
 - `--killed FILE`: the records whose append was killed are added to FILE (JSON lines).
 The signal is real and nothing is cleaned up: what a test then finds on disk is what a
@@ -27,7 +27,7 @@ import signal
 import sys
 from pathlib import Path
 
-from search.storage import SafeJournalFileBackend
+from search.storage.journal import SafeJournalFileBackend
 
 
 def die() -> None:

@@ -12,8 +12,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.storage import OWNER_ATTR, open_storage, queue_unretried
-from search.study import CONFIG_ATTR, open_study
+from search.storage.heartbeat import queue_unretried
+from search.storage.opening import open_storage
+from search.storage.owners import OWNER_ATTR
+from search.study.opening import CONFIG_ATTR, open_study
 from tests.faults.study import NAME, STUDY, inject, journal_of, run_study, start_study
 from tests.sweeps import journal_study, wait_for_trial
 from tracking.config import ConfigError
@@ -30,7 +32,7 @@ def _parent(cwd: Path):  # noqa: ANN202 - an mlflow Run
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "kill_in", ["search.driver:_log_fit_report", "tracking.runs:RunLog.params"]
+    "kill_in", ["search.study.driver:_log_fit_report", "tracking.runs:RunLog.params"]
 )
 def test_a_parent_run_cut_short_is_completed_by_the_resume(tmp_path: Path, kill_in: str) -> None:
     killed = inject(tmp_path, STUDY, ["--kill-in", kill_in], check=False)

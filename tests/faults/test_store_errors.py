@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from search.storage import open_storage
+from search.storage.opening import open_storage
 from tests.faults.disk import tmpfs
 from tests.faults.postgres import own_server
 from tracking.config import ConfigError

@@ -1,4 +1,4 @@
-"""What would fit when nothing does (search/advice.py): each lever predicted for batch 1,
+"""What would fit when nothing does (search/fit/advice.py): each lever predicted for batch 1,
 cheapest first, every figure checked against the predictor asked directly for the same
 command, and the printed command followed to see batch 1 fit."""
 
@@ -12,10 +12,10 @@ import sys
 import pytest
 from rich.console import Console
 
-from search.advice import LORA, advise
-from search.driver import StudyDriver
-from search.fit import fit_reports
-from search.validate import validate
+from search.fit.advice import LORA, advise
+from search.fit.layouts import fit_reports
+from search.study.driver import StudyDriver
+from search.study.validate import validate
 from tests.conftest import REPO
 from tracking.config import ConfigError
 from train.memory.budget import format_bytes

@@ -1,4 +1,4 @@
-"""search/compose.py: --config-dir and hydra.searchpath become one explicit
+"""search/core/compose.py: --config-dir and hydra.searchpath become one explicit
 `hydra.searchpath=[file:///abs,...]` override, which hydra.compose honours.
 
 The fake Hydra configs mimic what `HydraConfig.get()` holds for
@@ -16,7 +16,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 
-from search.compose import search_path, task_overrides
+from search.core.compose import search_path, task_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""search/critical_batch.py: McCandlish et al.'s S = S_min (1 + B_crit / B), fitted to steps
+"""search/results/critical_batch.py: McCandlish et al.'s S = S_min (1 + B_crit / B), fitted to steps
 measured at several batch sizes, and NoFit where the measurements do not determine it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from search.critical_batch import NoFit, StepsModel, fit_samples, fit_steps
+from search.results.critical_batch import NoFit, StepsModel, fit_samples, fit_steps
 
 BATCHES = [8, 16, 32, 64, 128]
 

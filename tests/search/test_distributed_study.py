@@ -19,7 +19,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.record import Attr
+from search.core.record import Attr
 from tests.sweeps import LONG_DDP, REPO, clean_env
 from tracking.metrics import (
     PEAK_BYTES,

@@ -13,10 +13,11 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 from rich.console import Console
 
-from search import fit
-from search.driver import PARENT_ATTR, StudyDriver, located
-from search.record import Attr
-from search.stopping import PROBE_MARGIN, Prune, TimeBudget
+from search.core.record import Attr
+from search.fit.render import summary_lines
+from search.fit.report import Cell, FitReport
+from search.study.driver import PARENT_ATTR, StudyDriver, located
+from search.trial.stopping import PROBE_MARGIN, Prune, TimeBudget
 from tracking.config import ConfigError
 from tracking.metrics import BUDGET_BYTES, PEAK_BYTES, THROUGHPUT_SAMPLES, VAL_ACC
 
@@ -412,26 +413,26 @@ def test_a_study_says_its_space_and_boundary_in_a_few_lines_and_where_the_tables
     assert len(said.split("Searching ")[1].splitlines()) < 10
 
 
-def _report(seq_len: int, fits_up_to: int) -> fit.FitReport:
+def _report(seq_len: int, fits_up_to: int) -> FitReport:
     """A fit report of one layout (data.seq_len), fp32 at accum_steps 1 and 2: batch sizes
     up to `fits_up_to` fit at accumulation 1, half of it at 2."""
-    report = fit.FitReport(
+    report = FitReport(
         100 * 2**20, 0.05, False, ["fp32"], {}, [1, 2, 4], [1, 2], at={"data.seq_len": seq_len}
     )
     report.device, report.limit_bytes, report.budget_source = "cpu", 100 * 2**20, "budget"
     for accum in (1, 2):
         for batch in (1, 2, 4):
             fits = batch <= fits_up_to // accum
-            report.cells["fp32", batch, accum] = fit.Cell(batch * accum, batch, accum, 1, fits)
+            report.cells["fp32", batch, accum] = Cell(batch * accum, batch, accum, 1, fits)
     return report
 
 
 def test_the_boundary_is_a_line_per_layout_or_one_line_when_they_agree() -> None:
-    lines = fit.summary_lines([_report(128, 4), _report(256, 2)])
+    lines = summary_lines([_report(128, 4), _report(256, 2)])
     assert lines[0].startswith("Fit report for cpu: the largest batch size predicted to fit")
     assert "per precision at accum_steps 1/2" in lines[0]
     assert lines[1:] == ["  data.seq_len=128: fp32 4/2", "  data.seq_len=256: fp32 2/1"]
-    same = fit.summary_lines([_report(128, 4), _report(256, 4)])
+    same = summary_lines([_report(128, 4), _report(256, 4)])
     assert same[1:] == ["  each of the 2 layouts (data.seq_len): fp32 4/2"]
 
 
@@ -442,7 +443,7 @@ def test_a_stop_as_the_trials_run_id_is_written_ends_its_run_killed(
     """A stop (SIGTERM, SIGHUP and Ctrl-C raise KeyboardInterrupt where they land) as the
     trial's MLflow run id is written to the study, the moment tests/faults/test_signals.py
     waits for before it signals: the run ends KILLED, not RUNNING forever."""
-    from search import objective
+    from search.trial import objective
 
     write = objective.write
 

@@ -17,8 +17,8 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from search.record import Attr
-from search.storage import open_storage
+from search.core.record import Attr
+from search.storage.opening import open_storage
 from tests.sweeps import clean_env
 from tracking.metrics import (
     DEVICE_UTILIZATION,

@@ -15,19 +15,12 @@ import torch
 from optuna.distributions import CategoricalDistribution
 from rich.console import Console
 
-from search.driver import StudyDriver
-from search.fit import (
-    MAX_LAYOUTS,
-    Cell,
-    FitReport,
-    fit_report,
-    fit_reports,
-    layouts,
-    notes,
-    render,
-    show_fit_reports,
-)
-from search.validate import validate
+from search.fit.layouts import MAX_LAYOUTS, fit_reports, layouts, show_fit_reports
+from search.fit.render import notes, render
+from search.fit.report import Cell, FitReport
+from search.fit.tabulate import fit_report
+from search.study.driver import StudyDriver
+from search.study.validate import validate
 from tracking.config import ConfigError
 from train.memory.gpus import GPUS, gpu
 from train.memory.preflight import Margin

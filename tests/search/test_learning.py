@@ -1,4 +1,4 @@
-"""learning_failure (search/objective.py): a run that trained to its end but did not learn
+"""learning_failure (search/trial/objective.py): a run that trained to its end but did not learn
 is named, with why: a loss that is not finite, no better than a uniform guess, or (without
 that baseline) never below its first validation."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from search.objective import learning_failure
+from search.trial.objective import learning_failure
 from tracking.metrics import VAL_ACC, VAL_LOSS
 from train.loop import RunResult
 from train.tasks import CausalLM, Classification, Regression, Task

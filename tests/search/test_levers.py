@@ -1,4 +1,4 @@
-"""search/levers.py and the study's start: an empty search.params searches the four levers
+"""search/sampling/levers.py and the study's start: an empty search.params searches the four levers
 over ranges from the model and the budget; the first trials are the fit report's largest
 fitting batches; search.timeout_s ends a study on time, with a recommendation."""
 
@@ -8,7 +8,7 @@ import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState
 
-from search.levers import default_params, with_default_space
+from search.sampling.levers import default_params, with_default_space
 from tests.conftest import FAST
 
 SMALL = ["model=small_cnn", "model.width=4", "data=digits", "trainer.device=cpu"]

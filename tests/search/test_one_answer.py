@@ -1,4 +1,4 @@
-"""search/decision.py: one answer per study. Real processes race for the decision on the
+"""search/study/decision.py: one answer per study. Real processes race for the decision on the
 study's own storage (a journal file; PostgreSQL where tests/cluster/services.sh runs one) and
 exactly one makes it; a decision is reused for the same finished trials only; the end waits
 for other workers' live trials, not for a dead worker's. The whole study with two real
@@ -17,16 +17,11 @@ import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
-from search.decision import Decision, decide, finished_trials, wait_for_others
-from search.storage import (
-    BEAT_ATTR,
-    DECISION_SUFFIX,
-    OWNER_ATTR,
-    _process_start,
-    open_storage,
-    running_elsewhere,
-    this_owner,
-)
+from search.storage.heartbeat import BEAT_ATTR
+from search.storage.locks import DECISION_SUFFIX
+from search.storage.opening import open_storage
+from search.storage.owners import OWNER_ATTR, _process_start, running_elsewhere, this_owner
+from search.study.decision import Decision, decide, finished_trials, wait_for_others
 from tests.cluster.conftest import postgres_url  # noqa: F401 - the fixture, for the PG race
 
 NAME = "one-answer"

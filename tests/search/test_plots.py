@@ -1,5 +1,5 @@
-"""The plots of search/plots.py, read back from the matplotlib figures: what each draws for
-the trials a study records (user attrs as search/outcome.py writes them, params as Optuna
+"""The plots of search/results/plots.py, read back from the matplotlib figures: what each draws for
+the trials a study records (user attrs as search/trial/ending.py writes them, params as Optuna
 keeps them). Each study is made by hand; the figures each check expects are derived in
 comments."""
 
@@ -14,9 +14,9 @@ from matplotlib.figure import Figure
 from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from search import plots
-from search.critical_batch import StepsModel
-from search.time_to_target import Plan, Point, Predicted
+from search.results import batch_plots, plots, points
+from search.results.critical_batch import StepsModel
+from search.results.time_to_target import Plan, Point, Predicted
 from tracking.metrics import THROUGHPUT_SAMPLES, VAL_ACC
 
 MIB = 2**20
@@ -42,7 +42,7 @@ def _trial(
     budget: int | None = BUDGET,
     **attrs: object,
 ) -> FrozenTrial:
-    """A trial as search/outcome.py records it: the run's params (RunSpec.params), the
+    """A trial as search/trial/ending.py records it: the run's params (RunSpec.params), the
     budget, then what its outcome adds (`attrs`)."""
     params = {
         "trainer.batch_size": batch,
@@ -101,7 +101,7 @@ def _oom_predicted(batch: int, precision: str = "fp32", accum: int = 1, mib: flo
 
 
 def _slow(batch: int, precision: str = "fp16", probe_s: float = 0.02, **kw: object):
-    """Pruned as slow by its probe (search/outcome.py records its probe)."""
+    """Pruned as slow by its probe (search/trial/ending.py records its probe)."""
     return _trial(
         TrialState.PRUNED,
         batch,
@@ -126,8 +126,8 @@ def _study(*trials: FrozenTrial, directions: tuple = ("maximize", "maximize")) -
     return study
 
 
-def _pts(study: optuna.Study) -> list[plots.Point]:
-    return plots.points(study.get_trials())
+def _pts(study: optuna.Study) -> list[points.Point]:
+    return points.points(study.get_trials())
 
 
 def _lines(ax: Axes, marker: str, hollow: bool | None = None) -> list[tuple[list, list]]:
@@ -155,7 +155,7 @@ def test_memory_draws_where_the_preflight_prunes_below_the_budget() -> None:
     # Trial 1 is predicted at 62 MiB: under the 64 MiB budget, yet pruned, since
     # 62 x 1.05 = 65.1 > 64. Pruning starts at 64 / 1.05 = 60.95 MiB.
     study = _study(_complete(32, 900.0, peak=40 * MIB), _oom_predicted(64, mib=62))
-    ax = plots.memory_vs_batch(_pts(study), margin=0.05).axes[0]
+    ax = batch_plots.memory_vs_batch(_pts(study), margin=0.05).axes[0]
     flat = sorted(ys[0] for _, ys in _lines(ax, "None") if len(set(ys)) == 1)
     assert flat == pytest.approx([64 / 1.05, 64.0])
     assert flat[0] < 62 < flat[1]  # the pruned prediction sits between the two lines
@@ -169,7 +169,7 @@ def test_memory_draws_where_the_preflight_prunes_below_the_budget() -> None:
 
 def test_render_passes_the_margin_to_the_memory_plot(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = []
-    draw = plots.memory_vs_batch
+    draw = batch_plots.memory_vs_batch
     monkeypatch.setattr(plots, "memory_vs_batch", lambda pts, m: seen.append(m) or draw(pts, m))
     monkeypatch.setattr(plots, "html", lambda study, metrics: "")  # not what is tested here
     plots.render(_study(_complete(32, 900.0)), METRICS, None, margin=0.1)
@@ -187,8 +187,8 @@ def test_oom_crosses_at_one_batch_size_are_counted_and_dodged_per_precision() ->
         *(_oom_predicted(512, "fp32", accum) for accum in (1, 2, 4)),
         _oom_predicted(512, "bf16"),
     )
-    ax = plots.throughput_vs_batch(_pts(study)).axes[0]
-    half = 2 ** (plots.DODGE_OCTAVES / 2)
+    ax = batch_plots.throughput_vs_batch(_pts(study)).axes[0]
+    half = 2 ** (points.DODGE_OCTAVES / 2)
     crosses = _lines(ax, "x")
     assert crosses == [([pytest.approx(512 / half)], [0.0]), ([pytest.approx(512 * half)], [0.0])]
     assert _texts(ax) == ["×3"]  # beside the fp32 cross; a single trial needs no count
@@ -242,7 +242,7 @@ def test_front_footnote_lies_below_the_axes_and_inside_the_figure() -> None:
 def test_slow_trials_show_at_their_probes_speed_and_are_listed() -> None:
     # Their probes took 0.02 and 0.05 s a sample: 50 and 20 samples/s.
     study = _study(_complete(32, 900.0), _slow(64), _slow(128, probe_s=0.05))
-    ax = plots.throughput_vs_batch(_pts(study)).axes[0]
+    ax = batch_plots.throughput_vs_batch(_pts(study)).axes[0]
     assert _lines(ax, "o", hollow=True) == [([64, 128], [pytest.approx(50.0), 20.0])]
     assert "fp16 pruned as slow (probe's speed)" in _legend_texts(ax)
     assert (
@@ -257,7 +257,7 @@ def test_a_slow_language_model_trial_shows_its_probe_in_tokens() -> None:
         _complete(16, 9000.0, unit="tokens", seq_len=64),
         _slow(8, "fp32", probe_s=0.01, seq_len=256),
     )
-    ax = plots.throughput_vs_batch(_pts(study)).axes[0]
+    ax = batch_plots.throughput_vs_batch(_pts(study)).axes[0]
     assert _lines(ax, "o", hollow=True) == [([8 * 256], [pytest.approx(25_600.0)])]
     assert ax.get_ylabel() == "throughput (tokens/s)"
 
@@ -301,20 +301,20 @@ def _lm_study() -> optuna.Study:
 
 
 def test_a_language_models_memory_is_drawn_against_tokens_per_micro_batch() -> None:
-    ax = plots.memory_vs_batch(_pts(_lm_study())).axes[0]
+    ax = batch_plots.memory_vs_batch(_pts(_lm_study())).axes[0]
     assert _lines(ax, "o", hollow=False) == [([16_384, 8_192], [344.0, 173.0])]
     assert ax.get_xlabel() == "tokens per micro-batch (batch size x data.seq_len)"
 
 
 def test_a_language_models_throughput_is_drawn_against_tokens_per_micro_batch() -> None:
-    ax = plots.throughput_vs_batch(_pts(_lm_study())).axes[0]
+    ax = batch_plots.throughput_vs_batch(_pts(_lm_study())).axes[0]
     assert _lines(ax, "o") == [([8_192, 16_384], [25_000.0, 30_000.0])]
     assert ax.get_xlabel() == "tokens per micro-batch (batch size x data.seq_len)"
 
 
 def test_one_sequence_length_keeps_the_batch_size_on_x() -> None:
     study = _study(_complete(64, 3.0, seq_len=256), _complete(128, 4.0, seq_len=256))
-    ax = plots.memory_vs_batch(_pts(study)).axes[0]
+    ax = batch_plots.memory_vs_batch(_pts(study)).axes[0]
     assert ax.get_xlabel() == "batch size (micro-batch)"
     assert _lines(ax, "o", hollow=False)[0][0] == [64, 128]
 

@@ -15,13 +15,13 @@ from optuna.trial import TrialState
 from rich.console import Console
 from torch import nn
 
-from search import budget as budget_module
-from search.budget import num_trained, study_records
-from search.driver import StudyDriver
-from search.fit import fit_report
-from search.record import Attr
-from search.sampler import FeasibilityFilter
-from search.validate import validate
+from search.core import trial_count as budget_module
+from search.core.record import Attr
+from search.core.trial_count import num_trained, study_records
+from search.fit.tabulate import fit_report
+from search.sampling.sampler import FeasibilityFilter
+from search.study.driver import StudyDriver
+from search.study.validate import validate
 from tracking.config import ConfigError
 from tracking.metrics import PREDICTED_BYTES, PREDICTION_ERROR, PREDICTION_S
 from train.memory.budget import format_bytes
@@ -352,7 +352,7 @@ def test_a_budget_below_the_training_state_stops_before_the_first_trial(hydra_co
         _driver(hydra_conf, overrides, name="tiny")
     problem, advice = error.value.problems
     assert problem.startswith("search.memory_budget=2.0 KiB is below the ")
-    # Then what would fit, predicted (search/advice.py): the small CNN has no weights' dtype,
+    # Then what would fit, predicted (search/fit/advice.py): the small CNN has no weights' dtype,
     # no LoRA and no blocks to checkpoint; one rank of FSDP over 2 still needs about as much
     sharded = _predicted(
         hydra_conf([*FAST, *overrides, "trainer.strategy=fsdp", "trainer.devices=2"]), 1
@@ -379,7 +379,7 @@ def test_a_budget_below_the_training_state_stops_before_the_first_trial(hydra_co
 
 def _trained(t: optuna.trial.FrozenTrial) -> bool:
     """Trained to its end: COMPLETE, or pruned as `diverged` because a few steps of the tiny
-    CNN left it at chance level (search/objective.py learning_failure): its memory figures
+    CNN left it at chance level (search/trial/objective.py learning_failure): its memory figures
     are the same either way."""
     if t.state == TrialState.COMPLETE:
         return True

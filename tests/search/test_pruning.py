@@ -8,8 +8,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.driver import StudyDriver
-from search.record import Attr
+from search.core.record import Attr
+from search.study.driver import StudyDriver
 from tracking.metrics import PEAK_BYTES, PREDICTED_BYTES, PREDICTION_ERROR
 
 pytestmark = pytest.mark.study

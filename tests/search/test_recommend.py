@@ -1,4 +1,4 @@
-"""search/recommend.py: which trial the rule picks, the rule's validation, and best.yaml.
+"""search/results/recommend.py: which trial the rule picks, the rule's validation, and best.yaml.
 
 The expected picks are worked out by hand in the comments next to each case."""
 
@@ -13,13 +13,13 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from search import speed
-from search.config import RecommendRule
-from search.critical_batch import StepsModel
-from search.recommend import Recommendation, best_document, metric_value, planned, recommend
-from search.record import Attr
-from search.time_to_target import Plan, Predicted
-from search.validate import recommend_rule, search_config
+from search.core.record import Attr
+from search.core.study_config import RecommendRule
+from search.results import speed_check
+from search.results.critical_batch import StepsModel
+from search.results.recommend import Recommendation, best_document, metric_value, planned, recommend
+from search.results.time_to_target import Plan, Predicted
+from search.study.validate import recommend_rule, search_config
 from tracking.config import ConfigError
 from tracking.metrics import (
     ENERGY_J,
@@ -43,7 +43,7 @@ def _complete(
     loss: float = 0.3,
     peak: float = 1e6,
 ) -> FrozenTrial:
-    """A completed trial of a (val/acc, throughput) study, as search/outcome.py records it."""
+    """A completed trial of a (val/acc, throughput) study, as search/trial/ending.py records it."""
     attrs: dict = {"trainer.batch_size": batch, "val_acc": acc, "throughput": speed}
     attrs["metrics"] = {ACC: acc, LOSS: loss, SPEED: speed, PEAK: peak}
     return create_trial(
@@ -342,7 +342,7 @@ def test_a_trial_without_a_prefer_value_does_not_move_the_best() -> None:
     assert rec.describe() == "trial 0, the best val/acc (0.95)"
 
 
-# The speed check (search/speed.py): geometries timed side by side, round after round.
+# The speed check (search/results/speed_check.py): geometries timed side by side, round after round.
 def _geometry_trial(batch: int, accum: int, acc: float, speed: float, lr: float) -> FrozenTrial:
     trial = _complete(batch, acc, speed)
     trial.params["optimizer.lr"] = lr  # searched, but not part of the geometry
@@ -402,10 +402,10 @@ def test_a_geometry_faster_in_every_round_wins_and_says_by_how_much() -> None:
 
 def test_the_learning_rate_is_not_part_of_a_geometry() -> None:
     trials = _geometries()
-    assert speed.geometry(trials[0]) == speed.geometry(trials[2])  # lr 0.05 and 0.2
-    assert speed.label(speed.geometry(trials[1])) == "128x1 fp32"
+    assert speed_check.geometry(trials[0]) == speed_check.geometry(trials[2])  # lr 0.05 and 0.2
+    assert speed_check.label(speed_check.geometry(trials[1])) == "128x1 fp32"
     # One trial per geometry is timed: the fastest geometries first, by the trials' own.
-    checked = speed.to_check([(t, t.user_attrs[Attr.THROUGHPUT]) for t in trials])
+    checked = speed_check.to_check([(t, t.user_attrs[Attr.THROUGHPUT]) for t in trials])
     assert [t.number for t in checked] == [1, 2]
 
 
@@ -452,7 +452,7 @@ def test_an_energy_preference_skips_the_speed_check() -> None:
     """A speed check that finds 128x1 faster in every round than the most accurate 32x1
     decides a throughput preference (trial 1) but not an energy one: energy is not what it
     timed (no throughput unit)."""
-    assert speed.unit_of(ENERGY_PER_SAMPLE) is None and speed.unit_of(ENERGY_J) is None
+    assert speed_check.unit_of(ENERGY_PER_SAMPLE) is None and speed_check.unit_of(ENERGY_J) is None
     speeds = {
         "32x1 fp32": Speed((100.0, 105.0, 110.0), (100.0, 105.0, 110.0)),
         "64x1 fp32": Speed((400.0, 410.0, 420.0), (400.0, 410.0, 420.0)),

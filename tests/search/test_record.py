@@ -1,5 +1,5 @@
-"""search/record.py: a trial's record survives a real Optuna storage whole, and the counting
-predicates say what the trial budget (search/budget.py) counts."""
+"""search/core/record.py: a trial's record survives a real Optuna storage whole, and the counting
+predicates say what the trial budget (search/core/trial_count.py) counts."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
-from search.config import SearchConfig
-from search.outcome import trial_record, write
-from search.record import Attr, Outcome, TrialRecord
+from search.core.record import Attr, Outcome, TrialRecord
+from search.core.study_config import SearchConfig
+from search.trial.ending import trial_record, write
 from tracking.metrics import STEP_MS, THROUGHPUT_TOKENS, VAL_ACC
 from train.config import TrainerConfig
 from train.memory.device import DeviceSpec

@@ -10,10 +10,10 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState, create_trial
 from rich.console import Console
 
-from search.config import RecommendRule
-from search.critical_batch import StepsModel
-from search.recommend import Recommendation
-from search.report import (
+from search.core.study_config import RecommendRule
+from search.results.critical_batch import StepsModel
+from search.results.recommend import Recommendation
+from search.results.summary import (
     StudyProgress,
     counts_line,
     rerun_overrides,
@@ -21,7 +21,7 @@ from search.report import (
     summary_markdown,
     trial_line,
 )
-from search.time_to_target import Plan, Predicted
+from search.results.time_to_target import Plan, Predicted
 from tracking.metrics import (
     ENERGY_PER_SAMPLE,
     THROUGHPUT_SAMPLES,

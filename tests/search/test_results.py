@@ -1,5 +1,5 @@
-"""What a study shows and publishes: the plots (search/plots.py), summary.md and run names
-(search/report.py), progress lines, and Results.publish onto a real MLflow store.
+"""What a study shows and publishes: the plots (search/results/plots.py), summary.md and run names
+(search/results/summary.py), progress lines, and Results.publish onto a real MLflow store.
 
 One hand-made study serves all: the figures each check expects are derived in comments."""
 
@@ -17,13 +17,13 @@ from optuna.trial import TrialState, create_trial
 from PIL import Image
 from rich.console import Console
 
-from search import plots, report
-from search.config import RecommendRule
-from search.plots import MIN_IMPORTANCE_TRIALS
-from search.recommend import recommend
-from search.record import TrialRecord
-from search.report import EPOCH_LINES_AFTER_S, StudyProgress, summary_markdown
-from search.results import PLOTS_EVERY_S, PUBLISH_EVERY_S, RECOMMENDED_TAG, Results
+from search.core.record import TrialRecord
+from search.core.study_config import RecommendRule
+from search.results import batch_plots, plots, points, summary
+from search.results.points import MIN_IMPORTANCE_TRIALS
+from search.results.recommend import recommend
+from search.results.summary import EPOCH_LINES_AFTER_S, StudyProgress, summary_markdown
+from search.study.publish import PLOTS_EVERY_S, PUBLISH_EVERY_S, RECOMMENDED_TAG, Results
 from tracking.metrics import PEAK_BYTES, THROUGHPUT_SAMPLES, TRAIN_LOSS, VAL_ACC, VAL_LOSS
 from tracking.runs import Tracker
 from tracking.tags import NOTE_TAG
@@ -162,14 +162,14 @@ def test_render_draws_every_plot_and_importances_from_enough_trials() -> None:
 
 
 def test_throughput_marks_the_oom_trial_as_a_cross_on_the_axis() -> None:
-    fig = plots.throughput_vs_batch(plots.points(_study().get_trials()))
+    fig = batch_plots.throughput_vs_batch(points.points(_study().get_trials()))
     assert _lines(fig, "x") == [([512], [0.0])]  # the OOM-pruned trial, fp32
     # Completed trials per precision (bf16 sorts first); the failed one is not drawn.
     assert _lines(fig, "o") == [([64, 256], [900.0, 2000.0]), ([32, 128], [300.0, 600.0])]
 
 
 def test_memory_draws_the_budget_line_in_mib() -> None:
-    fig = plots.memory_vs_batch(plots.points(_study().get_trials()))
+    fig = batch_plots.memory_vs_batch(points.points(_study().get_trials()))
     flat = [ys for _, ys in _lines(fig, "None") if len(set(ys)) == 1]
     assert flat == [[64.0, 64.0]]  # BUDGET / MiB
     measured = [
@@ -185,7 +185,7 @@ def test_memory_draws_the_budget_line_in_mib() -> None:
 
 
 def test_lr_reference_line_is_linear_scaling_through_the_best_accuracy() -> None:
-    fig = plots.lr_vs_effective_batch(plots.points(_study().get_trials()))
+    fig = batch_plots.lr_vs_effective_batch(points.points(_study().get_trials()))
     ((xs, ys),) = [
         (list(line.get_xdata()), list(line.get_ydata()))
         for line in fig.axes[0].get_lines()
@@ -200,7 +200,7 @@ def test_lr_reference_line_is_linear_scaling_through_the_best_accuracy() -> None
 def test_front_stars_the_recommended_trial() -> None:
     study = _study()
     trials = study.get_trials()
-    fig = plots.front(study, METRICS, plots.points(trials), recommended=1)
+    fig = plots.front(study, METRICS, points.points(trials), recommended=1)
     assert _lines(fig, "*") == [([0.945], [900.0])]  # x: accuracy (objective 0), as study.html
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert "pruned as OOM (no values): #4 512x1 fp32" in texts
@@ -284,9 +284,9 @@ def test_run_name(attrs: dict, name: str) -> None:
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """search.report's monotonic clock, set by the test."""
+    """search.results.summary's monotonic clock, set by the test."""
     now = [1000.0]
-    monkeypatch.setattr(report, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(summary, "time", SimpleNamespace(monotonic=lambda: now[0]))
     return now
 
 
@@ -466,7 +466,7 @@ def test_publish_without_a_completed_trial(tracker: Tracker, tmp_path: Path) -> 
 
 
 def test_a_long_summary_becomes_a_description_cut_at_a_whole_line() -> None:
-    from search.results import CUT_NOTE, DESCRIPTION_CHARS, description
+    from search.study.publish import CUT_NOTE, DESCRIPTION_CHARS, description
 
     rows = "\n".join(f"| {n} | 256 | 1 | 256 | fp32 | oom_predicted |" for n in range(400))
     summary = "# Study s\n\n" + rows + "\n"

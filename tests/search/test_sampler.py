@@ -1,5 +1,5 @@
-"""The feasibility filter (search/sampler.py): which proposals an OOM rules out, and that it
-keeps a TPE study off the infeasible region on a small, calibrated synthetic problem."""
+"""The feasibility filter (search/sampling/sampler.py): which proposals an OOM rules out, and
+that it keeps a TPE study off the infeasible region on a small, calibrated synthetic problem."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from optuna.samplers import TPESampler
 from optuna.trial import TrialState, create_trial
 
-from search.record import TrialRecord
-from search.sampler import FeasibilityFilter, dominated
+from search.core.record import TrialRecord
+from search.sampling.sampler import FeasibilityFilter, dominated
 
 BATCH, ACCUM, PRECISION = "trainer.batch_size", "trainer.accum_steps", "trainer.precision"
 EFFECTIVE, LR = "trainer.effective_batch_size", "optimizer.lr"
@@ -112,7 +112,7 @@ def _late_oom_count(seed: int, with_filter: bool) -> tuple[int, int]:
         accum = trial.suggest_categorical(ACCUM, [1, 2, 4])
         lr = trial.suggest_float(LR, 1e-4, 1e-1, log=True)
         excess = (100 + batch * BYTES_PER_SAMPLE[precision] - BUDGET) / BUDGET
-        trial.set_constraint("memory", excess)  # as search/outcome.py records every trial
+        trial.set_constraint("memory", excess)  # as search/trial/ending.py records every trial
         if excess > 0:
             study.tell(trial, state=TrialState.PRUNED)
         else:

@@ -12,16 +12,10 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 from rich.console import Console
 
-from search.record import Attr, Outcome, TrialRecord
-from search.report import none_completed, summary
-from search.stopping import (
-    PROBE_MARGIN,
-    SETTLE_STEPS,
-    Prune,
-    TimeBudget,
-    Yardstick,
-)
-from search.storage import RetryStaleTrial
+from search.core.record import Attr, Outcome, TrialRecord
+from search.results.summary import none_completed, summary
+from search.storage.heartbeat import RetryStaleTrial
+from search.trial.stopping import PROBE_MARGIN, SETTLE_STEPS, Prune, TimeBudget, Yardstick
 from tests.conftest import FAST
 from tracking.metrics import VAL_ACC
 

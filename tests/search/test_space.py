@@ -6,7 +6,7 @@ import optuna
 import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from search.space import parse_space
+from search.sampling.space import parse_space
 from tracking.config import ConfigError
 
 
@@ -110,7 +110,7 @@ def test_one_command_line_form_narrows_widens_adds_and_drops_searched_keys(hydra
 def test_a_dropped_key_is_not_searched_by_a_study(hydra_conf, stores) -> None:
     from rich.console import Console
 
-    from search.driver import StudyDriver
+    from search.study.driver import StudyDriver
 
     overrides = [
         *stores["overrides"],

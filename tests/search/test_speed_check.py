@@ -1,5 +1,5 @@
-"""search/speed.py in a study: at its end the candidates' geometries are timed side by side,
-kept in the study, and the recommendation, summary and best.yaml say how the recommended
+"""search/results/speed_check.py in a study: at its end the candidates' geometries are timed side
+by side, kept in the study, and the recommendation, summary and best.yaml say how the recommended
 one compares with the runner-up."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from mlflow.tracking import MlflowClient
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import create_trial
 
-from search import speed
-from search.speed import SPEED_ATTR
+from search.results import speed_check
+from search.results.speed_check import SPEED_ATTR
 from tests.conftest import FAST
 
 pytestmark = pytest.mark.study
@@ -29,7 +29,7 @@ def test_a_study_times_its_candidates_and_recommends_by_that(prepare_study, stor
         "search.study_name=speed",
         "mlflow.system_metrics=false",
         # 30 steps at a high rate: both batch sizes learn (a trial left at chance level is
-        # pruned as diverged, never a candidate: search/objective.py learning_failure)
+        # pruned as diverged, never a candidate: search/trial/objective.py learning_failure)
         "trainer.max_epochs=null",
         "trainer.max_steps=30",
         "+search.params={trainer.batch_size:'choice(16,512)',"
@@ -40,7 +40,7 @@ def test_a_study_times_its_candidates_and_recommends_by_that(prepare_study, stor
     driver.study.enqueue_trial({"trainer.batch_size": 16, "optimizer.lr": 0.3})
     driver.study.enqueue_trial({"trainer.batch_size": 512, "optimizer.lr": 0.3})
     driver.run()
-    checked = driver.study.user_attrs[speed.SPEED_ATTR]
+    checked = driver.study.user_attrs[speed_check.SPEED_ATTR]
     assert set(checked["geometries"]) == {"16x1 fp32", "512x1 fp32"}
     assert all(len(g["samples_per_sec"]) == 3 for g in checked["geometries"].values())
     said = driver.console.export_text()
@@ -78,7 +78,7 @@ def test_a_check_with_one_candidate_says_it_is_skipped() -> None:
     def configure(trial: object) -> None:
         raise AssertionError("nothing is timed")
 
-    assert speed.check(study, study.trials, configure, said.append) == {}
+    assert speed_check.check(study, study.trials, configure, said.append) == {}
     assert said == [
         "Speed check skipped: one candidate configuration, 64x1 fp32 (the completed trials "
         "within search.recommend's tolerance of the best, one per configuration): nothing "

@@ -1,4 +1,4 @@
-"""search/storage.py and the trial counting of search/budget.py, on real journal files and
+"""search/storage/ and the trial counting of search/core/trial_count.py, on real journal files and
 SQLite databases, with real processes that are really killed."""
 
 from __future__ import annotations
@@ -17,27 +17,19 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from search.budget import (
+from search.core.record import Attr
+from search.core.study_config import SearchConfig
+from search.core.trial_count import (
     claims_slot,
     interrupted_numbers,
     num_trained,
     should_start_trial,
     study_records,
 )
-from search.config import SearchConfig
-from search.record import Attr
-from search.storage import (
-    BEAT_ATTR,
-    OWNER_ATTR,
-    HeartbeatJournalStorage,
-    HeartbeatRDBStorage,
-    SafeJournalFileBackend,
-    _create_rdb,
-    _process_start,
-    open_storage,
-    owner_is_gone,
-    this_owner,
-)
+from search.storage.heartbeat import BEAT_ATTR, HeartbeatJournalStorage, HeartbeatRDBStorage
+from search.storage.journal import SafeJournalFileBackend
+from search.storage.opening import _create_rdb, open_storage
+from search.storage.owners import OWNER_ATTR, _process_start, owner_is_gone, this_owner
 from tracking.config import ConfigError
 from tracking.metrics import VAL_ACC
 
@@ -96,7 +88,7 @@ def test_open_storage_gives_heartbeat_storages(tmp_path: Path) -> None:
 _WORKER = textwrap.dedent(
     """
     import sys, time, optuna
-    from search.storage import open_storage
+    from search.storage.opening import open_storage
     storage = open_storage(sys.argv[1], 60)
     study = optuna.create_study(study_name="s", storage=storage, load_if_exists=True)
     trial = study.ask()
@@ -302,7 +294,7 @@ def test_the_journal_lock_excludes_threads_and_a_pickled_copy(tmp_path: Path) ->
 _OPEN_AT_ONCE = textwrap.dedent(
     """
     import sys, time
-    from search.storage import open_storage
+    from search.storage.opening import open_storage
     while time.time() < float(sys.argv[2]):
         time.sleep(0.001)
     open_storage(sys.argv[1], 60)
@@ -344,7 +336,7 @@ def test_creating_the_tables_is_tried_five_times_then_its_error_raised(
             calls.append(time.monotonic())
             raise RuntimeError(f'relation "studies" already exists (attempt {len(calls)})')
 
-    monkeypatch.setattr("search.storage.HeartbeatRDBStorage", LosesTheRace)
+    monkeypatch.setattr("search.storage.opening.HeartbeatRDBStorage", LosesTheRace)
     with pytest.raises(RuntimeError, match=r"already exists \(attempt 5\)"):
         _create_rdb("postgresql://nowhere/db", {})
     gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
@@ -357,7 +349,7 @@ def test_creating_the_tables_is_tried_five_times_then_its_error_raised(
             calls.append(time.monotonic())
             raise RuntimeError("connection refused")
 
-    monkeypatch.setattr("search.storage.HeartbeatRDBStorage", Refused)
+    monkeypatch.setattr("search.storage.opening.HeartbeatRDBStorage", Refused)
     with pytest.raises(RuntimeError, match="connection refused"):
         _create_rdb("postgresql://nowhere/db", {})
     assert len(calls) == 1

@@ -9,9 +9,9 @@ import torch
 from optuna.trial import TrialState
 from rich.console import Console
 
-from search.config import OBJECTIVE_METRICS, SearchConfig, Target
-from search.driver import StudyDriver
-from search.record import Attr
+from search.core.record import Attr
+from search.core.study_config import OBJECTIVE_METRICS, SearchConfig, Target
+from search.study.driver import StudyDriver
 from tracking.config import ConfigError
 from tracking.metrics import TO_TARGET_S, TRAIN_S, VAL_ACC
 from train.config import TrainerConfig

@@ -1,5 +1,5 @@
-"""Time to target (search/time_to_target.py) and the recommendation by it
-(search/recommend.py), on trials recorded as search/outcome.py records them."""
+"""Time to target (search/results/time_to_target.py) and the recommendation by it
+(search/results/recommend.py), on trials recorded as search/trial/ending.py records them."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import yaml
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from search.config import TARGET_METRICS, RecommendRule
-from search.plots import time_to_target_plot
-from search.recommend import best_document, recommend
-from search.record import Attr
-from search.report import lr_plan
-from search.time_to_target import (
+from search.core.record import Attr
+from search.core.study_config import TARGET_METRICS, RecommendRule
+from search.results.plots import time_to_target_plot
+from search.results.recommend import best_document, recommend
+from search.results.summary import lr_plan
+from search.results.time_to_target import (
     Predicted,
     Untrusted,
     energy_front,
@@ -193,7 +193,7 @@ def test_a_negative_noise_reading_is_left_out_of_the_median():
 
 
 def _cell(batch: int, accum: int = 1, precision: str = "fp32", fits: bool = True) -> dict:
-    """A fit report cell as the study keeps it (search/boundary.py fit_cells)."""
+    """A fit report cell as the study keeps it (search/results/boundary.py fit_cells)."""
     return {
         "trainer.precision": precision, "trainer.accum_steps": accum,
         "trainer.activation_checkpointing": "none", "trainer.batch_size": batch,

@@ -16,8 +16,8 @@ import pytest
 from optuna.distributions import IntDistribution
 from optuna.trial import TrialState, create_trial
 
-from search.record import TrialRecord, mib
-from search.report import _clock, spread_note, trial_line, trial_row
+from search.core.record import TrialRecord, mib
+from search.results.summary import _clock, spread_note, trial_line, trial_row
 from tracking.metrics import (
     DATA_WAIT_SHARE,
     PEAK_BYTES,

@@ -12,8 +12,8 @@ import optuna
 import pytest
 from rich.console import Console
 
-from search.driver import StudyDriver
-from search.record import Attr
+from search.core.record import Attr
+from search.study.driver import StudyDriver
 from tests.sweeps import run_module
 from tracking.config import ConfigError
 

@@ -15,7 +15,7 @@ import pytest
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from search.record import TrialRecord
+from search.core.record import TrialRecord
 from tests.sweeps import free_port
 from tracking.mlflow_setup import SYSTEM_METRICS_LOGGER, http_defaults, quiet_logging
 from tracking.mlflow_ui import VIEW_TAG
@@ -253,7 +253,7 @@ def test_the_recommended_mark_moves_to_the_new_recommendation(tmp_path: Path) ->
     assert RECOMMENDED_TAG not in MlflowClient(uri).get_run(stranger.run_id).data.tags
 
 
-# --- trial run names (search/record.py TrialRecord.run_name: the runs table's first column)
+# --- trial run names (search/core/record.py TrialRecord.run_name: the runs table's first column)
 
 CONFIG = {"trainer.batch_size": 64, "trainer.accum_steps": 2, "trainer.precision": "bf16"}
 

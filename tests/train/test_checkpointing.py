@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from search.fit import fit_reports
-from search.validate import validate
+from search.fit.layouts import fit_reports
+from search.study.validate import validate
 from tracking.config import ConfigError
 from train import checkpointing
 from train.build import build_task

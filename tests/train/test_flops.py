@@ -11,7 +11,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch import nn
 
-from search.record import Attr, TrialRecord
+from search.core.record import Attr, TrialRecord
 from tests.conftest import FAST
 from tracking.metrics import ACHIEVED_FLOPS, FLOPS_PER_SAMPLE, MFU, PEAK_FLOPS, THROUGHPUT_SAMPLES
 from train.measure import flops as flops_module

@@ -243,11 +243,11 @@ def test_too_short_a_run_says_why_it_has_no_estimate():
 
 
 def test_the_study_summary_says_what_its_noise_scale_rests_on():
-    """search/time_to_target.py's plan: the median of the trials that logged a B_simple,
+    """search/results/time_to_target.py's plan: the median of the trials that logged a B_simple,
     their measured steps together, and the completed trials without one. (Here beside the
     estimator for now; its place is tests/search/test_time_to_target.py, whose trials it
     borrows.) Broken on purpose (the steps summed over every trial), it fails."""
-    from search.time_to_target import plan
+    from search.results.time_to_target import plan
     from tests.search.test_time_to_target import _on_model, _study, _trial
 
     trials = [

@@ -1,0 +1,134 @@
+"""A trial's configuration: the config re-composed with its sampled values, its run spec, and
+its predicted peak memory, before anything trains.
+
+The trial re-composes the config from the command line's overrides plus its own, so group
+choices and interpolations behave exactly as on the command line. With
+search.accumulation=derived the effective batch is sampled and the micro-batch is the
+largest divisor of it that is predicted to fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+
+from search.core.study_config import SearchConfig
+from search.sampling.space import SearchSpace
+from tracking.config import ConfigError
+from train.config import RunSpec
+from train.memory.budget import format_bytes
+from train.memory.fitting import fits_budget, largest_fitting_batch
+from train.memory.predict import Prediction, PredictionUnsupported
+from train.params import ACCUM_KEY, BATCH_KEY
+from train.run import plan
+from train.workload import Workloads
+
+
+@dataclass(frozen=True)
+class Configured:
+    """A trial ready to train, or known not to fit before it trains."""
+
+    cfg: DictConfig
+    spec: RunSpec
+    prediction: Prediction | None  # None: not predicted (the model does not run on fakes)
+    fits: bool
+
+    def misfit_message(self, margin: float) -> str:
+        """Why a trial that does not fit is pruned before it trains."""
+        need = (
+            f"its step is predicted to need {format_bytes(self.prediction.peak_bytes)}"
+            if self.prediction is not None
+            else "no micro-batch of it can train"
+        )
+        return (
+            f"{need}, over the budget of {format_bytes(self.spec.limit_bytes)} less "
+            f"search.preflight_margin={margin:g}"
+        )
+
+
+class Configurer:
+    """Configures trials from their sampled values; says once when the model cannot be
+    predicted (its trials then measure their memory as they train)."""
+
+    def __init__(
+        self,
+        compose: Callable[[list[str]], DictConfig],
+        space: SearchSpace,
+        settings: SearchConfig,
+        workloads: Workloads,
+        notify: Callable[[str], None] = print,
+    ):
+        self.compose = compose
+        self.space = space
+        self.settings = settings
+        self.workloads = workloads  # the study's: the fit report's predictors are the trials'
+        self.notify = notify
+        self._unsupported_said = False
+
+    def __call__(self, params: dict[str, Any]) -> Configured:
+        overrides = self.space.overrides(params)
+        if self.settings.accumulation == "derived":
+            return self._derive(overrides)
+        cfg = self._compose(overrides)
+        spec = plan(cfg, self.settings.memory_budget)
+        if not self.settings.preflight:
+            return Configured(cfg, spec, None, True)
+        prediction = self._prediction(cfg, spec)
+        return Configured(cfg, spec, prediction, self._fits(prediction, spec.budget_bytes))
+
+    def _compose(self, overrides: list[str]) -> DictConfig:
+        try:
+            return self.compose(overrides)
+        except HydraException as error:
+            raise ConfigError([f"trial overrides {overrides} do not compose: {error}"]) from None
+
+    def _prediction(self, cfg: DictConfig, spec: RunSpec) -> Prediction | None:
+        try:
+            return self.workloads.of(cfg).predict(spec, cfg.optimizer)
+        except PredictionUnsupported as error:
+            self.say_unsupported(error)
+            return None
+
+    def say_unsupported(self, error: PredictionUnsupported) -> None:
+        if not self._unsupported_said:
+            self._unsupported_said = True
+            self.notify(
+                f"memory is not predicted for this model: it does not run on fake tensors "
+                f"({error}); trials measure their memory as they train"
+            )
+
+    def _fits(self, prediction: Prediction | None, budget_bytes: int | None) -> bool:
+        if prediction is None or budget_bytes is None:
+            return True
+        return fits_budget(prediction.peak_bytes, budget_bytes, self.settings.preflight_margin)
+
+    def _derive(self, overrides: list[str]) -> Configured:
+        # First as one micro-batch of the whole effective batch (a consistent config) ...
+        effective = self._compose(overrides).trainer.effective_batch_size
+        cfg = self._compose([*overrides, f"{BATCH_KEY}={effective}", f"{ACCUM_KEY}=1"])
+        spec = plan(cfg, self.settings.memory_budget)
+        try:
+            workload = self.workloads.of(cfg)
+            predictor = workload.predictor(spec, cfg.optimizer)
+            num_train = workload.num_train
+            found = largest_fitting_batch(
+                predictor, spec.trainer, num_train, spec.limit_bytes, self.settings.preflight_margin
+            )
+        except PredictionUnsupported as error:
+            self.say_unsupported(error)
+            return Configured(cfg, spec, None, True)
+        if found is None:  # not even a micro-batch of 1 fits (or trains)
+            try:
+                prediction = predictor.predict(spec.trainer, num_train)
+            except PredictionUnsupported:
+                prediction = None
+            return Configured(cfg, spec, prediction, False)
+        # ... then as the largest micro-batch that fits, accumulated to the effective batch.
+        batch_size, prediction = found
+        split = [f"{BATCH_KEY}={batch_size}", f"{ACCUM_KEY}={effective // batch_size}"]
+        cfg = self._compose(overrides + split)
+        return Configured(cfg, plan(cfg, self.settings.memory_budget), prediction, True)
