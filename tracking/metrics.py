@@ -26,7 +26,7 @@ THROUGHPUT_PREFIX = "throughput/"
 THROUGHPUT_SAMPLES = "throughput/samples_per_sec"
 THROUGHPUT_TOKENS = "throughput/tokens_per_sec"
 THROUGHPUT_SPREAD = "throughput/spread"  # (fastest - slowest) / median of the timed windows
-SCALING_EFFICIENCY = "throughput/scaling_efficiency"  # search/scaling.py
+SCALING_EFFICIENCY = "throughput/scaling_efficiency"  # search/trial/scaling.py
 
 # Memory (train/memory/): bytes; the MiB copies are for the MLflow runs table
 MEMORY_PREFIX = "memory/"

@@ -1,7 +1,7 @@
 """The `mlflow` section of the config (conf/config.yaml) as a typed, checked record.
 
 `MlflowConfig` checks what can be checked without reaching the store, before the first trial
-(search/validate.py, train/__main__.py): that the tracking URI names a store MLflow has (its
+(search/study/validate.py, train/__main__.py): that the tracking URI names a store MLflow has (its
 scheme, plugins' included) and that the other settings have the right types. Whether the
 store can be reached and used is found when it is opened (tracking/store.py).
 """
@@ -44,7 +44,7 @@ class MlflowConfig:
 
     tracking_uri: str = "sqlite:///mlruns/mlflow.db"
     artifact_root: str = "mlruns/artifacts"  # where new experiments keep their artifacts
-    outage_wait_s: float = 600.0  # checked with the study's settings (search/config.py)
+    outage_wait_s: float = 600.0  # checked with the study's settings (search/core/study_config.py)
     system_metrics: bool = True
     system_metrics_interval_s: float = 5.0
 

@@ -11,6 +11,6 @@ ROLE_TAG = "batchfit.role"  # study (the parent run), trial, or train (`python -
 STUDY_TAG = "batchfit.study"
 TRIAL_TAG = "batchfit.trial"  # the trial's number
 STATE_TAG = "batchfit.state"  # COMPLETE, PRUNED or FAIL; KILLED: its worker died
-PRUNE_REASON_TAG = "batchfit.prune_reason"  # why a trial was pruned (search/record.py)
+PRUNE_REASON_TAG = "batchfit.prune_reason"  # why a trial was pruned (search/core/record.py)
 NOTE_TAG = "mlflow.note.content"  # a run's description in the MLflow UI (markdown)
 RECOMMENDED_TAG = "batchfit.recommended"  # the parent's: the trial's number; its run's: true

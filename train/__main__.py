@@ -215,7 +215,7 @@ def _fitting_prediction(
 ) -> Prediction | None:
     """The run's predicted peak, once data and model build; a ConfigError, with what fits
     instead, when it is over the budget by a trial's rule (train/memory/preflight.py, as
-    search/configure.py applies it), unless search.preflight=false. None: the model cannot
+    search/trial/trial_config.py applies it), unless search.preflight=false. None: the model cannot
     be predicted, its memory is measured."""
     note = check_builds(cfg, spec, workloads)
     workload = workloads.of(cfg)

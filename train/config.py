@@ -64,7 +64,7 @@ class TrainerConfig:
     grad_clip_norm: float | None = None
     lr_scaling: str = "auto"
     # The global batch at which optimizer.lr is right. None: the run's own (the rate is used
-    # as given), except in a study, which fixes it at the command line's (search/driver.py).
+    # as given), except in a study, which fixes it at the command line's (search/study/driver.py).
     lr_ref_batch_size: int | None = None
     # Steps of the gradient noise scale's split estimator where a step has one micro-batch
     # (train/measure/noise.py): that many steps run as two halves, off the throughput clock. 0:

@@ -1,6 +1,6 @@
 """Hydra overrides as data: the key an override sets, an ordered merge where a later key
 wins, the overrides of a best.yaml (`python -m train +best=PATH`, written by a study's
-search/recommend.py), and the command line's keys checked against the config, so that a
+search/results/recommend.py), and the command line's keys checked against the config, so that a
 typo gets "did you mean ...?" instead of Hydra's advice or a run that ignores it.
 """
 

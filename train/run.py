@@ -364,7 +364,7 @@ def _build_all(
 class OverBudget(ConfigError):
     """The budget cannot hold what training needs whatever the batch: the parameters,
     gradients and optimizer state alone (`needed_bytes`). No batch size, accumulation or
-    precision of the space helps; search/advice.py says what would."""
+    precision of the space helps; search/fit/advice.py says what would."""
 
     def __init__(self, problems: list[str], needed_bytes: int):
         super().__init__(problems)

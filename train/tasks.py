@@ -142,7 +142,7 @@ class Task:
         than: ln C for a cross-entropy over C classes (or a vocabulary of C tokens), with or
         without label smoothing. None where the loss has no such baseline (a loss of one's
         own, regression). A trial whose validation loss is not below it did not learn
-        (search/objective.py: never recommended)."""
+        (search/trial/objective.py: never recommended)."""
         if type(self).loss not in (Task.loss, Classification.loss, LanguageModel.loss):
             return None
         classes = self.predictions(output).shape[-1]

@@ -1,7 +1,7 @@
 """Whether a predicted step fits a budget, with a margin to spare, and the largest micro-batch
 of an effective batch that does (a bisection over its divisors with a MemoryPredictor of
 train/memory/predict.py): the rule a search trial and a run's preflight apply
-(train/memory/preflight.py), and the batches a fit report tables (search/fit.py)."""
+(train/memory/preflight.py), and the batches a fit report tables (search/fit/)."""
 
 from __future__ import annotations
 

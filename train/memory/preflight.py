@@ -1,5 +1,5 @@
 """The memory check before a run trains: its predicted peak x (1 + margin) against the
-budget, the rule a search trial applies (search/configure.py; such a trial is pruned as
+budget, the rule a search trial applies (search/trial/trial_config.py; such a trial is pruned as
 oom_predicted), and for a run that fails it, the configurations that pass.
 
 `python -m train` refuses such a run before anything trains, with these numbers and
