@@ -24,8 +24,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from train.device.allocator_settings import AllocatorSettings, allocation_size
 from train.memory.allocator import AllocatorOutOfMemory, CachingAllocatorModel, SegmentState
-from train.memory.allocator_settings import AllocatorSettings, allocation_size
 from train.memory.reserve import expandable_slack_bytes, live_peak_bytes, smallest_fitting_limit
 
 GiB = 1 << 30

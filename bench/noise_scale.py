@@ -76,8 +76,8 @@ from tracking.metrics import (  # noqa: E402
     GRAD_NOISE_SCALE_LOW,
     GRAD_NOISE_STEPS,
 )
-from train.loop import Diverged, Hooks  # noqa: E402
 from train.run import plan, run  # noqa: E402
+from train.step import Diverged, Hooks  # noqa: E402
 from train.workload import Workloads  # noqa: E402
 
 Compose = Callable[[list[str]], DictConfig]

@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from train.memory.budget import OutOfMemory, format_bytes, release_memory  # noqa: E402
+from train.device.sizes import format_bytes  # noqa: E402
+from train.measure.memory import OutOfMemory, release_memory  # noqa: E402
 from train.run import plan, run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
 

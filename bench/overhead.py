@@ -59,8 +59,9 @@ if str(REPO) not in sys.path:  # `python bench/overhead.py` from anywhere, insta
 
 from search.core.record import TrialRecord  # noqa: E402
 from search.study.driver import StudyDriver  # noqa: E402
+from train.batches import steps_plan  # noqa: E402
 from train.build import build_model, build_optimizer, build_scheduler  # noqa: E402
-from train.loop import split_window, steps_plan  # noqa: E402
+from train.loop import split_window  # noqa: E402
 from train.run import plan  # noqa: E402
 from train.workload import Workload, Workloads  # noqa: E402
 

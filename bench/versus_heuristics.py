@@ -50,7 +50,7 @@ from bench.search_efficiency import BASE, SPACE, TARGET  # noqa: E402
 from search.core.record import PREDICTED_OOM, TrialRecord, records  # noqa: E402
 from search.core.trial_count import num_trained  # noqa: E402
 from search.study.driver import StudyDriver  # noqa: E402
-from train.memory.budget import OutOfMemory, release_memory  # noqa: E402
+from train.measure.memory import OutOfMemory, release_memory  # noqa: E402
 from train.run import plan, run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
 

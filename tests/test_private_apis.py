@@ -14,24 +14,24 @@ Each of these has no public equivalent in the versions pinned (Optuna 5.0, torch
 - torch._foreach_norm with a dtype (train/measure/noise.py: the gradients' norms, as
 clip_grad_norm_)
 - torch._subclasses.fake_tensor.FakeTensorMode (train/memory/predict.py)
-- torch.utils._python_dispatch.TorchDispatchMode (train/memory/budget.py)
+- torch.utils._python_dispatch.TorchDispatchMode (train/measure/memory.py)
 - torch.utils._pytree tree_map, tree_leaves, tree_iter (train/batches.py, train/loop.py,
-  train/tasks.py, train/memory/budget.py, train/memory/predict.py)
+  train/tasks.py, train/measure/memory.py, train/memory/predict.py)
 - nn.Module._parameters, nn.Module._buffers (train/memory/predict.py `_fake_module`)
 - torch._subclasses.fake_tensor.unset_fake_temporarily, DataDependentOutputException and
   torch.utils._python_dispatch._get_current_dispatch_mode_stack (train/language/hf.py)
 - transformers.utils.import_utils.is_fake_tensor (via is_tracing) and
   transformers.masking_utils.find_packed_sequence_indices (train/language/hf.py `eager_on_fakes`)
 - torch.testing._internal.distributed.fake_pg.FakeStore and the `fake` backend
-  (train/parallel/sharding.py `fake_world`); DTensor._local_tensor (train/memory/budget.py,
+  (train/parallel/sharding.py `fake_world`); DTensor._local_tensor (train/measure/memory.py,
   train/memory/predict.py);
   FSDP2 calling torch.distributed.all_gather_single / reduce_scatter_single (before torch
   2.14: all_gather_into_tensor / reduce_scatter_tensor) and resizing
   storages in alloc_storage / free_storage (train/parallel/sharding.py `settled_collectives`,
-  train/memory/budget.py `_resized`); torch._C._storage_Use_Count (train/parallel/sharding.py
+  train/measure/memory.py `_resized`); torch._C._storage_Use_Count (train/parallel/sharding.py
   `_uses`);
   DistributedDataParallel._get_ddp_logging_data's bucket sizes (train/parallel/ranks.py)
-- torch.utils._python_dispatch._push_mode, _pop_mode (train/memory/budget.py: a composite
+- torch.utils._python_dispatch._push_mode, _pop_mode (train/measure/memory.py: a composite
   op's parts tracked); bitsandbytes' backends.default.ops._gemm_4bit_default_impl,
   backends.cuda.ops._gemm_4bit_use_custom_cuda and _gpu_dispatch_props, functional.name2qmap
   and create_dynamic_map (train/language/quantize.py)
@@ -284,7 +284,7 @@ def test_the_fake_scaler_steps_where_the_real_one_skips() -> None:
         assert torch.equal(model.weight, before) is not steps, type(scaler).__name__
 
 
-# ---- torch: fake tensors and dispatch modes (train/memory/predict.py, train/memory/budget.py)
+# ---- torch: fake tensors and dispatch modes (train/memory/predict.py, train/measure/memory.py)
 
 
 class _Ops(TorchDispatchMode):
@@ -315,7 +315,7 @@ def test_a_dispatch_mode_inside_fake_tensor_mode_sees_fake_ops() -> None:
     assert all(isinstance(t, FakeTensor) for t in ops.outputs)
 
 
-# ---- torch: pytrees (train/batches.py, train/loop.py, train/tasks.py, train/memory/budget.py)
+# ---- torch: pytrees (train/batches.py, train/loop.py, train/tasks.py, train/measure/memory.py)
 
 
 def test_pytree_walks_tuples_lists_and_dicts_in_order() -> None:
@@ -397,14 +397,14 @@ def test_fake_mode_can_be_left_for_a_block() -> None:
 def test_fsdp2_on_a_fake_process_group_shards_into_local_tensors() -> None:
     """fake_world's FakeStore and `fake` backend, a CPU mesh built outside the fake mode,
     DTensor._local_tensor holding the rank's shard, and FSDP2's storage resizes seen by
-    the tracker (train/parallel/sharding.py, train/memory/budget.py)."""
+    the tracker (train/parallel/sharding.py, train/measure/memory.py)."""
     import inspect
 
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param
 
     from train.config import FSDPConfig
-    from train.memory.budget import TensorMemoryTracker
+    from train.measure.memory import TensorMemoryTracker
     from train.parallel.sharding import FSDP_COLLECTIVES, fake_world, shard
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -28,7 +28,7 @@ from search.core.record import Attr
 from tests.sweeps import run_module
 from tracking.metrics import VAL_ACC
 from train.build import build_pipeline, build_task
-from train.evaluate import evaluate
+from train.measure.evaluate import evaluate
 from train.memory.fitting import fits_budget
 from train.model_file import load, rebuild
 from train.params import EFFECTIVE_PARAM, LR_PARAM, LR_REF_PARAM, LR_RULE_PARAM

@@ -45,11 +45,11 @@ from tracking.redact import redact, redact_logging, redact_tree
 from tracking.runs import RunLog, Tracker
 from tracking.tags import PRUNE_REASON_TAG, ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG
 from train import model_file
-from train.loop import Diverged, Hooks, RunResult
+from train.device.sizes import format_bytes
 from train.measure.energy import ENERGY_TAG
 from train.measure.flops import MFU_NOTE_TAG
+from train.measure.memory import OutOfMemory
 from train.measure.noise import NOISE_TAG
-from train.memory.budget import OutOfMemory, format_bytes
 from train.memory.predict import Prediction, PredictionUnsupported
 from train.memory.preflight import PreflightConfig, misfit
 from train.overrides import (
@@ -73,6 +73,7 @@ from train.run import (
     run,
     with_gpu_budget,
 )
+from train.step import Diverged, Hooks, RunResult
 from train.workload import Workload, Workloads
 
 # The entry point is the composition root: it wires MLflow (tracking.runs) to the training

@@ -248,14 +248,3 @@ def samples_planned(num_train: int, cfg: TrainerConfig) -> int:
     steps_per_epoch, num_steps = steps_plan(num_train, cfg)
     full_epochs, rest_steps = divmod(num_steps, steps_per_epoch)
     return full_epochs * num_train + min(rest_steps * cfg.global_batch_size, num_train)
-
-
-def step_micro_batch_sizes(num_train: int, cfg: TrainerConfig, step: int) -> list[int]:
-    """Samples per micro-batch of optimizer step `step` on rank 0 (the one with the most),
-    sliced as `fit` slices them: the last step of an epoch may be short, and so may its
-    last micro-batch."""
-    steps_per_epoch, _ = steps_plan(num_train, cfg)
-    start = (step % steps_per_epoch) * cfg.global_batch_size
-    samples = min(cfg.global_batch_size, num_train - start)
-    chunk = cfg.batch_size * cfg.devices
-    return [min(cfg.batch_size, samples - i) for i in range(0, samples, chunk)]

@@ -39,12 +39,12 @@ from train.precision import PRECISIONS
 if TYPE_CHECKING:
     import torch
 
-    from train.memory.device import DeviceSpec
+    from train.device.spec import DeviceSpec
 
 LR_SCALING_RULES = ("auto", "none", "linear", "sqrt")  # auto: by the optimizer (train/lr.py)
 CHECKPOINTING_MODES = ("none", "blocks")  # train/checkpointing.py
 DEVICES = ("auto", "cpu", "cuda")
-STRATEGIES = ("none", "ddp", "fsdp")  # train/parallel/distributed.py
+STRATEGIES = ("none", "ddp", "fsdp")  # train/launch/distributed.py
 FSDP_SHARDING = ("blocks", "model")  # blocks: each block and the rest; model: one unit
 FSDP_PARAM_DTYPES = ("float32", "bfloat16")
 
@@ -82,7 +82,7 @@ class TrainerConfig:
     # about one more forward of compute; train/checkpointing.py).
     activation_checkpointing: str = "none"
     # none: one process on one device. ddp | fsdp: one process per device, `devices` of
-    # them on one node (train/parallel/distributed.py); batch_size and accum_steps are per device.
+    # them on one node (train/launch/distributed.py); batch_size and accum_steps are per device.
     strategy: str = "none"
     devices: int = 1
     fsdp: FSDPConfig | dict | None = None  # FSDP2's settings (trainer.strategy=fsdp)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from train.memory.device import DeviceSpec
+from train.device.spec import DeviceSpec
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

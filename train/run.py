@@ -25,29 +25,25 @@ from tracking.metrics import (
     PREDICTED_RESERVED_BYTES,
     PREDICTION_ERROR,
 )
-from train.batches import Pipeline
+from train.batches import Pipeline, steps_plan
 from train.build import COMPONENTS, build_model, build_optimizer, build_scheduler, unknown_settings
 from train.config import RunSpec, TrainerConfig
-from train.loop import Hooks, Run, RunResult, fit, steps_plan
+from train.device.cudnn_workspaces import CONFIG_KEY as CUDNN_CAP_KEY
+from train.device.cudnn_workspaces import DEFAULT_CAP_MIB
+from train.device.cudnn_workspaces import apply_cap as apply_cudnn_cap
+from train.device.cudnn_workspaces import cap_problems as cudnn_cap_problems
+from train.device.gpus import Gpu
+from train.device.sizes import MAX_BUDGET_BYTES, format_bytes, parse_budget
+from train.device.spec import DeviceSpec, device_spec
+from train.loop import Run, fit
 from train.lr import rule_for, scaled_lr
 from train.measure.flops import perf_metrics
-from train.memory.budget import (
-    MAX_BUDGET_BYTES,
-    MemoryMeter,
-    MemoryStats,
-    format_bytes,
-    parse_budget,
-)
-from train.memory.cudnn import CONFIG_KEY as CUDNN_CAP_KEY
-from train.memory.cudnn import DEFAULT_CAP_MIB
-from train.memory.cudnn import apply_cap as apply_cudnn_cap
-from train.memory.cudnn import cap_problems as cudnn_cap_problems
-from train.memory.device import DeviceSpec, device_spec
-from train.memory.gpus import Gpu
+from train.measure.memory import MemoryMeter, MemoryStats
 from train.memory.predict import MemoryPredictor, Prediction, PredictionUnsupported, fake_first
 from train.models import param_bytes
 from train.overrides import override_key
 from train.precision import unsupported_reason
+from train.step import Hooks, RunResult
 from train.tasks import Task
 from train.workload import Workload, Workloads, workload_key
 
@@ -115,7 +111,7 @@ GPU_BUDGET_KEY = "search.gpu_budget"
 
 
 # A budget of what the card offers a process: its memory less the CUDA context and what the
-# runtime keeps (train/memory/gpus.py Gpu.usable_bytes); search.gpu_budget's default
+# runtime keeps (train/device/gpus.py Gpu.usable_bytes); search.gpu_budget's default
 USABLE = "usable"
 
 
@@ -166,7 +162,7 @@ def with_gpu_budget(cfg: DictConfig, overrides: Sequence[str]) -> list[str]:
     """A card named on the command line is the budget: with `search.gpu=CARD` there and no
     `search.memory_budget` beside it, the run plans for search.gpu_budget of that card
     (`usable`: what the card offers a process, its memory less the CUDA context and what the
-    runtime keeps, train/memory/gpus.py; or a share, e.g. 90%), whatever budget an
+    runtime keeps, train/device/gpus.py; or a share, e.g. 90%), whatever budget an
     experiment sets for the machine at hand (gpt's 160MiB). cfg's search.memory_budget is set
     to it in place, and `overrides` are returned with it added, so that the configs composed
     from them (a study's trials, a rerun command) plan the same. A budget on the command line
@@ -450,8 +446,8 @@ def run(
     of `workload` (cfg's, from a study's Workloads: trials share its data) and train."""
     workload = workload or Workloads().of(cfg)
     assert workload.key == workload_key(cfg), "the workload of another model, data or loader"
-    if spec.trainer.distributed:  # one process per device (train/parallel/distributed.py)
-        from train.parallel.distributed import launch
+    if spec.trainer.distributed:  # one process per device (train/launch/distributed.py)
+        from train.launch.distributed import launch
 
         return launch(cfg, spec, hooks, workload)
     torch.manual_seed(spec.trainer.seed)

@@ -230,11 +230,11 @@ class SearchConfig:
     # Metric name -> direction of what the trials report (known_metrics of the task).
     known_metrics: Mapping[str, str] = field(default_factory=lambda: dict(OBJECTIVE_METRICS))
     target: Target | None = None  # search.target
-    # A GPU to plan for by name (train/memory/gpus.py), e.g. A100-40GB; None: the device trained on
+    # A GPU to plan for by name (train/device/gpus.py), e.g. A100-40GB; None: the device trained on
     gpu: str | None = None
     # The budget of the card when search.gpu is given on the command line without
     # search.memory_budget (train/run.py with_gpu_budget): usable (the card less its CUDA
-    # context, train/memory/gpus.py) or a share of it
+    # context, train/device/gpus.py) or a share of it
     gpu_budget: Any = USABLE
     # Why the margin is what it is, for the fit report's title (Margin.why): set with it
     margin_why: str = ""

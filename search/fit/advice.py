@@ -16,7 +16,7 @@ that applies to the config:
 2. the same card with two or three of them (those that did not fit alone);
 3. more cards of the same kind: FSDP over 2, 4, 8 devices (`trainer.strategy=fsdp
    trainer.devices=N`; each rank's step is predicted), alone, then with the levers of 1;
-4. one larger card of train/memory/gpus.py (`search.gpu=...`), the smallest that fits, when the
+4. one larger card of train/device/gpus.py (`search.gpu=...`), the smallest that fits, when the
    plan is for a named card and the budget follows the card (a share of it, or all of it).
 
 That order is what "cheapest" means here: what changes only the run before what changes
@@ -43,9 +43,9 @@ from omegaconf import DictConfig, OmegaConf
 from search.sampling.space import SearchSpace, parse_space
 from tracking.config import ConfigError
 from train.config import RunSpec
-from train.memory.budget import format_bytes
+from train.device.gpus import GPUS, Gpu
+from train.device.sizes import format_bytes
 from train.memory.fitting import fits_budget
-from train.memory.gpus import GPUS, Gpu
 from train.memory.predict import MemoryPredictor, PredictionUnsupported
 from train.memory.preflight import UNMEASURED_MARGIN, Margin, step_margin
 from train.overrides import merge_overrides
@@ -421,7 +421,7 @@ def _fsdp(devices: int) -> tuple[str, ...]:
 
 
 def _larger_cards(cfg: DictConfig, spec: RunSpec, state_bytes: int | None) -> list[Gpu]:
-    """The cards of train/memory/gpus.py with more memory than the planned one, smallest first
+    """The cards of train/device/gpus.py with more memory than the planned one, smallest first
     (one of each size and compute capability), whose budget can hold `state_bytes`; none
     unless the plan is for a named card whose budget follows it (all of it, a share, or
     what it offers a process)."""

@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from search.fit.report import FitReport
-from train.memory.budget import format_bytes
+from train.device.sizes import format_bytes
 from train.memory.preflight import Margin
 from train.params import (
     CHECKPOINTING_KEY,

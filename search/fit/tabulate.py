@@ -18,8 +18,8 @@ from search.core.study_config import SearchConfig
 from search.fit.report import Cell, FitReport
 from search.sampling.space import SearchSpace, parse_space
 from train.config import RunSpec, TrainerConfig
-from train.memory.budget import format_bytes
-from train.memory.device import DeviceSpec
+from train.device.sizes import format_bytes
+from train.device.spec import DeviceSpec
 from train.memory.fitting import fits_budget, largest_fitting_batch
 from train.memory.predict import MemoryPredictor, PredictionUnsupported
 from train.params import (

@@ -33,7 +33,7 @@ from search.core.study_config import RecommendRule
 from search.results import speed_check, time_to_target
 from search.sampling.space import override_value
 from tracking.metrics import ENERGY_PREFIX
-from train.measure.speed import Speed
+from train.launch.speed_probe import Speed
 from train.overrides import BEST_KEY, override_key
 
 

@@ -9,8 +9,8 @@ accumulation, precision, sequence length, checkpointing: every searched key but 
 optimizer's and the schedule's numbers), not to its learning rate. So at the end of the
 search the geometries of the candidates (the completed trials within the recommendation's
 tolerance, the fastest MAX_GEOMETRIES of them) are timed in turn, round after round
-(train/measure/speed.py), and the recommendation prefers a faster geometry only when it is faster
-in every round than the other in its best one (search/results/recommend.py).
+(train/launch/speed_probe.py), and the recommendation prefers a faster geometry only when it is
+faster in every round than the other in its best one (search/results/recommend.py).
 
 The result is kept in the study (user attr `speed_check`), so a resumed study or another
 worker reuses it while the candidates are the same.
@@ -29,7 +29,7 @@ from optuna.trial import FrozenTrial
 from search.core.record import TrialRecord
 from tracking.metrics import THROUGHPUT_SAMPLES, THROUGHPUT_TOKENS
 from train.config import RunSpec
-from train.measure.speed import ROUNDS, Speed, measure
+from train.launch.speed_probe import ROUNDS, Speed, measure
 from train.params import (
     ACCUM_KEY,
     BATCH_KEY,

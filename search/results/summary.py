@@ -44,7 +44,7 @@ from tracking.metrics import (
     joules_per,
 )
 from tracking.redact import redact
-from train.memory.budget import format_bytes
+from train.device.sizes import format_bytes
 from train.overrides import BEST_KEY, override_key
 from train.parallel.threads import usable_cores
 from train.params import (

@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from tracking.config import ConfigError
-from train.memory.device import DeviceSpec
+from train.device.spec import DeviceSpec
 from train.memory.fitting import fits_budget
 from train.memory.predict import PredictionUnsupported
 from train.memory.preflight import step_margin

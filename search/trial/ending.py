@@ -41,9 +41,9 @@ from tracking.metrics import (
 from tracking.runs import RunLog
 from tracking.tags import PRUNE_REASON_TAG, STATE_TAG
 from train.config import RunSpec
-from train.loop import RunResult
-from train.memory.budget import MemoryStats
+from train.measure.memory import MemoryStats
 from train.memory.predict import Prediction
+from train.step import RunResult
 
 MLFLOW_MESSAGE_CHARS = 5000
 

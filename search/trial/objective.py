@@ -58,13 +58,13 @@ from tracking.runs import RunLog, Tracker
 from tracking.tags import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG
 from train.batches import steps_plan
 from train.config import RunSpec
-from train.loop import Diverged, Hooks, RunResult
 from train.measure.energy import ENERGY_TAG
 from train.measure.flops import MFU_NOTE_TAG
+from train.measure.memory import MemoryStats, OutOfMemory, release_memory
 from train.measure.noise import NOISE_TAG
-from train.memory.budget import MemoryStats, OutOfMemory, release_memory
 from train.memory.predict import Prediction
 from train.run import perf_figures, run
+from train.step import Diverged, Hooks, RunResult
 
 
 def answer_from_record(trial: optuna.Trial, earlier: TrialRecord) -> list[float]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from search.core.record import SLOW, TrialRecord
 from search.core.study_config import TO_TARGET, Target
 from tracking.metrics import TRAIN_S
-from train.loop import RunResult
+from train.step import RunResult
 
 # What is slow, on evidence that survives a busy machine: every trial of a study is slowed
 # alike, so a trial is held to its budget *and* to the study's completed trials, not to the

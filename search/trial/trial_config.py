@@ -20,7 +20,7 @@ from search.core.study_config import SearchConfig
 from search.sampling.space import SearchSpace
 from tracking.config import ConfigError
 from train.config import RunSpec
-from train.memory.budget import format_bytes
+from train.device.sizes import format_bytes
 from train.memory.fitting import fits_budget, largest_fitting_batch
 from train.memory.predict import Prediction, PredictionUnsupported
 from train.params import ACCUM_KEY, BATCH_KEY

@@ -23,8 +23,8 @@ from bench.cuda_trace import (
     transient_events,
 )
 from search.core.study_config import SearchConfig
+from train.device.allocator_settings import AllocatorSettings
 from train.memory.allocator import SegmentState
-from train.memory.allocator_settings import AllocatorSettings
 from train.memory.preflight import UNMEASURED_MARGIN
 from train.memory.reserve import cublas_workspaces
 

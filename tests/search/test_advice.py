@@ -18,8 +18,8 @@ from search.study.driver import StudyDriver
 from search.study.validate import validate
 from tests.conftest import REPO
 from tracking.config import ConfigError
-from train.memory.budget import format_bytes
-from train.memory.gpus import gpu
+from train.device.gpus import gpu
+from train.device.sizes import format_bytes
 from train.run import OverBudget, plan, with_gpu_budget
 from train.workload import Workloads
 
@@ -107,7 +107,7 @@ GPT_T4 = ["+experiment=gpt", "data.max_bytes=40000", "search.gpu=T4", "search.gp
 def test_more_cards_then_the_smallest_larger_card(hydra_conf, stores) -> None:
     """The study planned for a card it does not have shows the report, then what would fit
     (as `python -m search` commands): the smallest number of T4s that FSDP fits batch 1 on,
-    then the smallest card of train/memory/gpus.py whose 0.19% holds it."""
+    then the smallest card of train/device/gpus.py whose 0.19% holds it."""
     overrides = [*GPT_T4, *stores["overrides"]]
     console = Console(record=True, width=400)
     with pytest.raises(ConfigError, match="search.gpu=T4 plans for a GPU this machine"):

@@ -22,7 +22,7 @@ from search.fit.tabulate import fit_report
 from search.study.driver import StudyDriver
 from search.study.validate import validate
 from tracking.config import ConfigError
-from train.memory.gpus import GPUS, gpu
+from train.device.gpus import GPUS, gpu
 from train.memory.preflight import Margin
 from train.memory.reserve import predict_reserved
 from train.precision import unsupported_reason
@@ -375,7 +375,7 @@ def test_a_named_card_is_the_budget_whatever_the_experiment_says(hydra_conf) -> 
     """gpt sets search.memory_budget=160MiB, a small simulated device; search.gpu=A100-40GB
     on the command line plans for what the card offers a process instead (conf/search/
     default.yaml search.gpu_budget=usable: its 42,298,834,944 bytes less the 512 MiB CUDA
-    context, train/memory/gpus.py), so the batch the 160 MiB refused fits the card. The
+    context, train/device/gpus.py), so the batch the 160 MiB refused fits the card. The
     GPT trains every weight, a kind of step no GPU has measured: the margin stays 5%."""
     a100 = gpu("A100-40GB")
     report, base = _planned(hydra_conf, [*GPT_SMALL, "search.gpu=A100-40GB"])

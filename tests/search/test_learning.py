@@ -11,7 +11,7 @@ import torch
 
 from search.trial.objective import learning_failure
 from tracking.metrics import VAL_ACC, VAL_LOSS
-from train.loop import RunResult
+from train.step import RunResult
 from train.tasks import CausalLM, Classification, Regression, Task
 
 

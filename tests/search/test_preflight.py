@@ -24,7 +24,7 @@ from search.study.driver import StudyDriver
 from search.study.validate import validate
 from tracking.config import ConfigError
 from tracking.metrics import PREDICTED_BYTES, PREDICTION_ERROR, PREDICTION_S
-from train.memory.budget import format_bytes
+from train.device.sizes import format_bytes
 from train.memory.fitting import largest_fitting_batch
 from train.memory.predict import PredictionUnsupported
 from train.memory.preflight import MARGIN_KEY, Margin, Misfit, PreflightConfig

@@ -29,7 +29,7 @@ from tracking.metrics import (
     VAL_ACC,
     VAL_LOSS,
 )
-from train.measure.speed import Speed
+from train.launch.speed_probe import Speed
 from train.overrides import load_overrides, merge_overrides
 
 ACC, LOSS, SPEED, PEAK = VAL_ACC, VAL_LOSS, THROUGHPUT_SAMPLES, PEAK_BYTES

@@ -16,7 +16,7 @@ from search.core.study_config import SearchConfig
 from search.trial.ending import trial_record, write
 from tracking.metrics import STEP_MS, THROUGHPUT_TOKENS, VAL_ACC
 from train.config import TrainerConfig
-from train.memory.device import DeviceSpec
+from train.device.spec import DeviceSpec
 from train.params import ACCUM_KEY, BATCH_KEY, PRECISION_KEY
 from train.run import RunSpec
 

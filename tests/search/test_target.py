@@ -16,9 +16,10 @@ from tracking.config import ConfigError
 from tracking.metrics import TO_TARGET_S, TRAIN_S, VAL_ACC
 from train.config import TrainerConfig
 from train.data import Splits
-from train.loop import Hooks, Run, fit
+from train.loop import Run, fit
 from train.lr import constant
-from train.memory.budget import MemoryMeter
+from train.measure.memory import MemoryMeter
+from train.step import Hooks
 
 CPU = torch.device("cpu")
 

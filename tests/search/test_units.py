@@ -31,7 +31,7 @@ from tracking.metrics import (
     VAL_ACC,
 )
 from tracking.runs import mib_metrics
-from train.memory.budget import format_bytes, parse_budget
+from train.device.sizes import format_bytes, parse_budget
 from train.params import ACCUM_KEY, BATCH_KEY, PRECISION_KEY
 
 MiB, GiB = 2**20, 2**30

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from train.device.allocator_settings import AllocatorSettings
 from train.memory.allocator import AllocatorOutOfMemory, CachingAllocatorModel, SegmentState
-from train.memory.allocator_settings import AllocatorSettings
 from train.memory.reserve import cublas_workspaces, predict_reserved, replay, smallest_limit
 
 KiB, MiB = 2**10, 2**20

@@ -25,11 +25,12 @@ from train.batches import SHAPE_SAMPLES, Pipeline, StepSampler, steps_plan
 from train.build import build_data, build_loader
 from train.config import LoaderConfig, TrainerConfig
 from train.data import Datasets, Splits, synthetic
-from train.loop import Run, RunResult, fit, memory_steps, step_micro_batch_sizes
+from train.loop import Run, fit
 from train.lr import constant
-from train.memory.budget import MemoryMeter
+from train.measure.memory import MemoryMeter
 from train.memory.predict import MemoryPredictor
 from train.models import small_cnn
+from train.step import RunResult, memory_steps, step_micro_batch_sizes
 from train.tasks import Classification, Task
 
 CPU = torch.device("cpu")

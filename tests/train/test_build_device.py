@@ -15,7 +15,7 @@ import torch
 from train.build import build_model, build_pipeline, build_task
 from train.language.hf import causal_lm
 from train.language.text import GPT
-from train.memory.budget import TensorMemoryTracker
+from train.measure.memory import TensorMemoryTracker
 from train.models import mlp, resnet18, small_cnn
 
 CPU, META = torch.device("cpu"), torch.device("meta")

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from tracking.config import ConfigError, unknown_keys
 from train.config import DEVICES, LR_SCALING_RULES, TrainerConfig
-from train.memory.budget import parse_budget
+from train.device.sizes import parse_budget
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 

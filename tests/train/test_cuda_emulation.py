@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from train.config import TrainerConfig
-from train.memory.allocator_settings import AllocatorSettings
-from train.memory.budget import TensorMemoryTracker
+from train.device.allocator_settings import AllocatorSettings
+from train.device.gpus import gpu
+from train.device.spec import DeviceSpec
+from train.measure.memory import TensorMemoryTracker
 from train.memory.cuda_emulation import (
     CUDA_AUTOCAST_POLICY,
     KNOWN_AUTOCAST_POLICY,
@@ -27,8 +29,6 @@ from train.memory.cuda_emulation import (
     installed_policy,
     op_exists,
 )
-from train.memory.device import DeviceSpec
-from train.memory.gpus import gpu
 from train.memory.predict import MemoryPredictor
 from train.memory.sdpa import SDPA_RULES, SdpaParams, sdpa_rules, select_sdp_backend
 

@@ -18,19 +18,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tracking.config import ConfigError
 from tracking.metrics import CUDNN_WORKSPACE_BYTES
 from train.config import RunSpec, TrainerConfig
-from train.memory.allocator_settings import AllocatorSettings
-from train.memory.budget import TensorMemoryTracker
-from train.memory.cudnn import (
+from train.device.allocator_settings import AllocatorSettings
+from train.device.cudnn_workspaces import (
     WSCAP_ENV,
     CudnnWorkspaces,
     MeasureOnDevice,
     MiB,
     apply_cap,
     cap_problems,
-    conv_composites,
 )
-from train.memory.device import DeviceSpec
-from train.memory.gpus import gpu
+from train.device.gpus import gpu
+from train.device.spec import DeviceSpec
+from train.measure.memory import TensorMemoryTracker
+from train.memory.cudnn import conv_composites
 from train.memory.predict import MemoryPredictor
 from train.run import memory_figures, plan
 from train.workload import Workloads
@@ -280,7 +280,7 @@ def test_the_default_cap_reaches_a_planned_card(monkeypatch) -> None:
 def test_on_the_gpu_each_workspace_is_measured_and_within_the_cap(monkeypatch) -> None:
     """On the card, each call is measured (train/memory/cudnn.py measure_on_device); cuDNN
     honours CUDNN_CONV_WSCAP_DBG, so no measured workspace passes the cap exported."""
-    from train.memory.device import device_spec
+    from train.device.spec import device_spec
 
     monkeypatch.setenv(WSCAP_ENV, "16")  # given back after the test
     apply_cap(16)

@@ -1,5 +1,5 @@
 """Data-parallel runs on CPU: 2 gloo ranks launched by torch's elastic launcher
-(train/parallel/distributed.py) against one process, and one rank's predicted memory against what
+(train/launch/distributed.py) against one process, and one rank's predicted memory against what
 each rank measured."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from torch import nn
 
 from tracking.config import ConfigError
 from train.config import TrainerConfig
-from train.loop import Hooks, RunResult
-from train.memory.budget import OutOfMemory
+from train.measure.memory import OutOfMemory
 from train.run import plan, run
+from train.step import Hooks, RunResult
 from train.workload import Workloads
 
 # 90 synthetic 1x8x8 images, 72 to train: with a global batch of 32 an epoch is steps of 32,
@@ -209,8 +209,8 @@ def test_the_runs_joules_are_each_counters_once_and_a_rank_without_says_why() ->
     """_global over two ranks' figures: two readings of one RAPL package count once (the
     larger), two cards add; a rank that measured nothing leaves the run without joules,
     with that rank's reason, not rank 0's source."""
+    from train.launch.distributed import _global
     from train.measure.energy import RAPL, UNMEASURED, Energy
-    from train.parallel.distributed import _global
 
     def results(*energies: Energy | None) -> dict[int, dict]:
         base = RunResult(6, 144, 0.0, 1.0, 100, None, 0.5, energy=energies[0],

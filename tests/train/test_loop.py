@@ -20,23 +20,16 @@ from tracking.metrics import (
     VAL_LOSS,
 )
 from train import loop
+from train.batches import samples_planned, steps_plan
 from train.config import TrainerConfig
 from train.data import Splits, synthetic
-from train.evaluate import evaluate, probe_seconds_per_sample
-from train.loop import (
-    Diverged,
-    Hooks,
-    Run,
-    fit,
-    memory_steps,
-    optimizer_step,
-    samples_planned,
-    steps_plan,
-)
+from train.loop import Run, fit
 from train.lr import constant
-from train.memory.budget import MemoryMeter
+from train.measure.evaluate import evaluate, probe_seconds_per_sample
+from train.measure.memory import MemoryMeter
 from train.models import small_cnn
 from train.precision import Precision
+from train.step import Diverged, Hooks, memory_steps, optimizer_step
 
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

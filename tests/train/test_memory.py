@@ -9,22 +9,17 @@ import pytest
 import torch
 from torch import nn
 
+from train.batches import steps_plan
 from train.config import TrainerConfig
 from train.data import Splits, synthetic
-from train.loop import Run, fit, optimizer_step, steps_plan
+from train.device.sizes import device_total_bytes, format_bytes, parse_budget
+from train.loop import Run, fit
 from train.lr import constant
-from train.memory.budget import (
-    MemoryMeter,
-    OutOfMemory,
-    TensorMemoryTracker,
-    device_total_bytes,
-    format_bytes,
-    is_oom_error,
-    parse_budget,
-)
+from train.measure.memory import MemoryMeter, OutOfMemory, TensorMemoryTracker, is_oom_error
 from train.memory.reserve import live_peak_bytes
 from train.models import param_bytes, small_cnn
 from train.precision import Precision
+from train.step import optimizer_step
 
 CPU = torch.device("cpu")
 GiB, MiB = 2**30, 2**20
@@ -246,7 +241,7 @@ def test_tracker_records_a_resize_as_alloc_then_free():
 
 def _linear_step_peak(n: int, d: int, c: int) -> int:
     """Hand count of the peak of one fp32 step of nn.Linear(d, c, bias=False), plain SGD,
-    cross-entropy on a single micro-batch of n samples, as train.loop.optimizer_step runs it.
+    cross-entropy on a single micro-batch of n samples, as train.step.optimizer_step runs it.
 
     The peak is reached in the backward of log_softmax (aten._log_softmax_backward_data),
     when these storages are live:

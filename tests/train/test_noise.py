@@ -21,12 +21,13 @@ from tracking.metrics import (
     GRAD_SQ_NORM,
     GRAD_VARIANCE,
 )
+from train.batches import steps_plan
 from train.config import TrainerConfig
 from train.data import Splits, synthetic
-from train.loop import Run, fit, steps_plan
+from train.loop import Run, fit
 from train.lr import constant
+from train.measure.memory import MemoryMeter
 from train.measure.noise import MIN_STEPS, NoiseReading, NoiseScale, t_975
-from train.memory.budget import MemoryMeter
 
 CPU = torch.device("cpu")
 
@@ -61,7 +62,7 @@ def _fit_frozen(data: Splits, cfg: TrainerConfig):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the parameters stay put
     _, num_steps = steps_plan(len(data.train_y), cfg)
     logged = []
-    from train.loop import Hooks
+    from train.step import Hooks
 
     hooks = Hooks(on_log=lambda step, metrics: logged.append((step, metrics)))
     result = fit(Run(

@@ -16,10 +16,10 @@ from torch import nn
 from tracking.config import ConfigError
 from train.build import build_data, build_model, build_optimizer, build_pipeline, build_task
 from train.config import TrainerConfig
-from train.loop import memory_steps, step_micro_batch_sizes
 from train.memory.fitting import largest_fitting_batch
 from train.memory.predict import MemoryPredictor, PredictionUnsupported
 from train.run import plan, run
+from train.step import memory_steps, step_micro_batch_sizes
 from train.workload import Workloads
 
 CPU = torch.device("cpu")

@@ -1,5 +1,5 @@
 """The prediction for a CUDA device, on this machine without one (train/memory/predict.py with a
-DeviceSpec of train/memory/device.py): the optimizer implementation CUDA runs, models built fake
+DeviceSpec of train/device/spec.py): the optimizer implementation CUDA runs, models built fake
 from the start, the reserve under a limit, and `search.gpu` planning for a named card."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from torch import nn
 from tracking.config import ConfigError
 from tracking.metrics import PREDICTED_BYTES, PREDICTED_RESERVED_BYTES, PREDICTION_ERROR
 from train.config import TrainerConfig
-from train.memory.allocator_settings import AllocatorSettings
-from train.memory.budget import MemoryStats
-from train.memory.device import DeviceSpec
-from train.memory.gpus import gpu
+from train.device.allocator_settings import AllocatorSettings
+from train.device.gpus import gpu
+from train.device.spec import DeviceSpec
+from train.measure.memory import MemoryStats
 from train.memory.predict import MemoryPredictor, Prediction, PredictionUnsupported
 from train.run import memory_figures, plan, planned_elsewhere
 

@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 pytest.importorskip("bitsandbytes")
 
+from train.device.gpus import GPUS, gpu  # noqa: E402
 from train.language.quantize import (  # noqa: E402
     BLOCKSIZE,
     cuda_card,
@@ -23,9 +24,8 @@ from train.language.quantize import (  # noqa: E402
     quantize,
     unfused_gemm_4bit,
 )
-from train.loop import state_tensors  # noqa: E402
-from train.memory.budget import TensorMemoryTracker  # noqa: E402
-from train.memory.gpus import GPUS, gpu  # noqa: E402
+from train.measure.memory import TensorMemoryTracker  # noqa: E402
+from train.step import state_tensors  # noqa: E402
 
 OUT, IN = 256, 128  # one layer's weight: 32,768 values, 512 blocks of 64
 

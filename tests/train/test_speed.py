@@ -1,12 +1,12 @@
-"""train/measure/speed.py: configurations timed side by side, in rotating order, round after
+"""train/launch/speed_probe.py: configurations timed side by side, in rotating order, round after
 round."""
 
 from __future__ import annotations
 
 import pytest
 
-from train.measure import speed
-from train.measure.speed import Speed, measure
+from train.launch import speed_probe as speed
+from train.launch.speed_probe import Speed, measure
 from train.run import plan
 
 SMALL = ["model=small_cnn", "model.width=4", "data=digits", "trainer.device=cpu"]

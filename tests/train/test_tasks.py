@@ -14,14 +14,15 @@ from torchmetrics import MeanSquaredError, Metric
 from torchmetrics.classification import MulticlassAccuracy
 
 from tracking.metrics import THROUGHPUT_TOKENS, VAL_ACC, VAL_LOSS, VAL_PERPLEXITY
-from train.batches import StepSampler
+from train.batches import StepSampler, steps_plan
 from train.config import TrainerConfig
 from train.data import Datasets, Splits, synthetic
-from train.evaluate import evaluate
-from train.loop import Run, fit, optimizer_step, steps_plan
+from train.loop import Run, fit
 from train.lr import constant
-from train.memory.budget import MemoryMeter
+from train.measure.evaluate import evaluate
+from train.measure.memory import MemoryMeter
 from train.precision import Precision
+from train.step import optimizer_step
 from train.tasks import (
     MAXIMIZE,
     MINIMIZE,

@@ -15,7 +15,7 @@ but the output head becomes a `bnb.nn.Linear4bit`), then peft's
 (norms, embeddings, the head) cast to fp32. Activation checkpointing stays trainer.
 activation_checkpointing's (non-reentrant: no input gradients needed).
 
-Memory, exactly, on CPU and for CUDA (train/memory/budget.py's tracker counts what is listed
+Memory, exactly, on CPU and for CUDA (train/measure/memory.py's tracker counts what is listed
 here; the predictor computes the step on fake tensors with bitsandbytes' own fake kernels,
 `bitsandbytes/_ops.py`):
 - the packed weights (uint8 parameters, two values a byte) and their quantization state,
@@ -412,7 +412,7 @@ def unfused_gemm_4bit(
 
 
 def composites() -> dict[Any, Callable[..., Any]]:
-    """Ops a memory tracker runs as their composition (train/memory/budget.py), when
+    """Ops a memory tracker runs as their composition (train/measure/memory.py), when
     bitsandbytes is imported."""
     import sys
 

@@ -31,7 +31,7 @@ from torch.utils import flop_counter
 
 from tracking.metrics import ACHIEVED_FLOPS, FLOPS_PER_SAMPLE, MFU, PEAK_FLOPS
 from tracking.outputs import cache_folder
-from train.memory.gpus import gpu_of_device_name
+from train.device.gpus import gpu_of_device_name
 
 CPU_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
               "fp16": torch.float16}  # fmt: skip
@@ -76,7 +76,7 @@ def count_flops(step: Callable[[], object]) -> int:
 
 def cuda_peak(name: str, precision: str) -> float | None:
     """The dense peak of a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3') from the GPU table
-    (train/memory/gpus.py), or None for a card or precision it does not know."""
+    (train/device/gpus.py), or None for a card or precision it does not know."""
     entry = gpu_of_device_name(name)
     return None if entry is None else entry.peak_flops.get(precision)
 

@@ -1,7 +1,7 @@
 """The throughput clock: the seconds and counts behind a run's throughput figures.
 
 A run's first steps stay off the clock: the warm-up steps (kernel selection, allocator
-growth) and the steps measured under the CPU memory tracker (train/loop.py `memory_steps`),
+growth) and the steps measured under the CPU memory tracker (train/step.py `memory_steps`),
 whose time is tracking, not training. Validation stays off it too. The device is
 synchronised before every reading, so a reading counts the kernels queued before it; the
 clock is read only at logging intervals and validations, never in the hot loop. The energy

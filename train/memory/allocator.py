@@ -4,7 +4,7 @@ budget by. It replays a step's allocations and frees (`(key, nbytes)` and `(key,
 c10's rules: block rounding, best fit by (size, address), splitting, merging, new segments,
 expandable segments, max_split_size, garbage collection and, under a per-process limit, c10's
 release-and-retry before an out-of-memory error. Its settings are
-train/memory/allocator_settings.py, the segments, blocks and pools it keeps
+train/device/allocator_settings.py, the segments, blocks and pools it keeps
 train/memory/allocator_blocks.py; train/memory/reserve.py replays a step through it (what the
 predictor calls), and `bench/cuda_trace.py` checks it event by event against real CUDA traces.
 
@@ -18,6 +18,15 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from train.device.allocator_settings import (
+    LARGE_BUFFER_BYTES,
+    MIN_BLOCK_BYTES,
+    ROUND_LARGE_BYTES,
+    SMALL_SIZE_BYTES,
+    AllocatorSettings,
+    allocation_size,
+    round_up,
+)
 from train.memory.allocator_blocks import (
     Block,
     BlockPool,
@@ -27,15 +36,6 @@ from train.memory.allocator_blocks import (
     copy_state,
     expandable_size,
     seeded_pieces,
-)
-from train.memory.allocator_settings import (
-    LARGE_BUFFER_BYTES,
-    MIN_BLOCK_BYTES,
-    ROUND_LARGE_BYTES,
-    SMALL_SIZE_BYTES,
-    AllocatorSettings,
-    allocation_size,
-    round_up,
 )
 
 # Address space of an expandable segment when the device's size is not given: c10 reserves

@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from train.memory.allocator_settings import LARGE_BUFFER_BYTES, SMALL_BUFFER_BYTES
+from train.device.allocator_settings import LARGE_BUFFER_BYTES, SMALL_BUFFER_BYTES
 
 Piece = tuple[int, int, bool, bool]  # a block to link: address, size, allocated, mapped
 

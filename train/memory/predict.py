@@ -2,21 +2,20 @@
 
 The model is built once under a FakeTensorMode (shape, dtype and device, no storage: a model
 of any size costs its module objects); one step on fake gradients gives the optimizer its
-state. A prediction then runs `optimizer_step`, the function `fit` runs, on fake micro-batches
-of the run's sizes, under the `TensorMemoryTracker` that measures CPU runs. On CPU, prediction
-and measurement are therefore the same accounting. For CUDA (a DeviceSpec of train/memory/device.py:
-this machine's GPU, or one named by search.gpu that it may not have) the step runs on fake CPU
-tensors as CUDA runs it (train/memory/cuda_emulation.py: autocast policy, attention kernels; here:
-the optimizer's foreach implementation), and its allocations are replayed through a model of
-the caching allocator (train/memory/reserve.py, train/memory/allocator.py), which holds more
-than the live tensors.
+state. A prediction then runs `optimizer_step` (train/step.py, the step `fit` runs) on fake
+micro-batches of the run's sizes, under the `TensorMemoryTracker` that measures CPU runs. On
+CPU, prediction and measurement are therefore the same accounting. For CUDA (a DeviceSpec of
+train/device/spec.py: this machine's GPU, or one named by search.gpu that it may not have) the
+step runs on fake CPU tensors as CUDA runs it (train/memory/cuda_emulation.py: autocast policy,
+attention kernels; here: the optimizer's foreach implementation), and its allocations are
+replayed through the caching allocator's model (train/memory/reserve.py, allocator.py).
 
 Only the steady-state step is computed: a full-size step with optimizer state in place (step 0
 holds the same tensors less that state; `fit` measures this step too, see `memory_steps`). Of
 its micro-batches only the first two run: from the second on, each starts from the same state
 (gradients allocated, the previous logits alive), and a short last micro-batch peaks lower.
-Steps already computed answer others where they can (train/memory/step_events.py). The
-largest micro-batch that fits a budget is searched by train/memory/fitting.py.
+Steps already computed answer others where they can (train/memory/step_events.py); the largest
+micro-batch that fits a budget is searched by train/memory/fitting.py.
 """
 
 from __future__ import annotations
@@ -37,20 +36,21 @@ from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from torch.utils._pytree import tree_map
 
 from train.config import TrainerConfig
+from train.device.allocator_settings import AllocatorSettings
+from train.device.cudnn_workspaces import Calls, CudnnWorkspaces
+from train.device.spec import DeviceSpec, device_spec
 from train.language.hf import eager_on_fakes
 from train.language.quantize import cuda_card, fake_param, fake_quant_states
-from train.loop import RunResult, optimizer_step, state_tensors, step_micro_batch_sizes
 from train.measure.flops import count_flops
-from train.memory.allocator_settings import AllocatorSettings
-from train.memory.budget import MemoryStats, TensorMemoryTracker
+from train.measure.memory import MemoryStats, TensorMemoryTracker
 from train.memory.cuda_emulation import CudaEmulation
-from train.memory.cudnn import Calls, CudnnWorkspaces, conv_composites, step_workspace_bytes
-from train.memory.device import DeviceSpec, device_spec
+from train.memory.cudnn import conv_composites, step_workspace_bytes
 from train.memory.reserve import CudaReserve, cublas_workspaces, live_peak_bytes, predict_reserved
 from train.memory.stack import DEPTHS, FSDP_DEPTHS, DepthLine, Step, find_stack, shallow_copy
 from train.memory.step_events import BatchSizeLine, Events, FakeStepTracker, first_micro_batch
 from train.parallel.sharding import ddp_bucket_sizes, fake_world, shard
 from train.precision import Precision
+from train.step import RunResult, optimizer_step, state_tensors, step_micro_batch_sizes
 from train.tasks import Classification, Task, batch_size_of
 
 MAX_SINGLES = 16  # first-micro-batch steps held until asked for (a fit report asks soon)

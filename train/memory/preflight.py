@@ -24,7 +24,7 @@ from torch.nn.modules.conv import _ConvNd
 
 from tracking.config import ConfigError, flag_problems, number_problems
 from train.config import TrainerConfig
-from train.memory.budget import format_bytes
+from train.device.sizes import format_bytes
 from train.memory.fitting import fits_budget, largest_fitting_batch
 from train.memory.predict import MemoryPredictor, Prediction, PredictionUnsupported
 from train.tasks import LanguageModel

@@ -15,14 +15,14 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from train.memory.allocator import AllocatorOutOfMemory, CachingAllocatorModel
-from train.memory.allocator_settings import (
+from train.device.allocator_settings import (
     LIMIT_RESOLUTION_BYTES,
     AllocatorSettings,
     KiB,
     allocation_size,
     round_up,
 )
+from train.memory.allocator import AllocatorOutOfMemory, CachingAllocatorModel
 
 
 def replay(model: CachingAllocatorModel, events: Iterable[tuple[object, int]]) -> None:

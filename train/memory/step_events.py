@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from train.memory.budget import TensorMemoryTracker
+from train.measure.memory import TensorMemoryTracker
 
 Events = list[tuple[int, int]]  # (storage number, bytes) allocated, (number, -1) freed
 _DEVICE = torch.ops.prim.device.default

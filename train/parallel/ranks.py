@@ -1,5 +1,5 @@
 """One rank of a data-parallel run, as the training loop sees it: the collectives its steps,
-memory check and validations agree through (train/parallel/distributed.py launches the ranks).
+memory check and validations agree through (train/launch/distributed.py launches the ranks).
 
 Every rank runs the same steps, micro-batches and validations, so each collective meets:
 - before a step, the units of the whole step are summed (the loss is divided by them, so a
@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from train.memory.budget import OutOfMemory, format_bytes
+from train.device.sizes import format_bytes
+from train.measure.memory import OutOfMemory
 
 CONTINUE, END, STOP = 0, 1, 2  # what rank 0 tells the others after a hook
 
@@ -37,7 +38,7 @@ class Ranks:
     world: int
     device: torch.device
     # Rank 0 only: a stop the search side asked for, polled at each step
-    # (train/parallel/distributed.py)
+    # (train/launch/distributed.py)
     stop_requested: Any = None
     wrapper: nn.Module | None = field(default=None, repr=False)  # the DDP module
 

@@ -1,5 +1,5 @@
 """How a model is spread over the ranks of a data-parallel run, the same for a rank that
-trains (train/parallel/distributed.py) and for the predictor of one rank's memory
+trains (train/launch/distributed.py) and for the predictor of one rank's memory
 (train/memory/predict.py).
 
 - `ddp`: torch's DistributedDataParallel. Each rank holds the whole model, its gradients

@@ -45,10 +45,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
-from train.loop import Diverged, Hooks, Run, RunResult, fit
+from train.loop import Run, fit
 from train.measure.energy import Energy
-from train.memory.budget import MemoryStats, OutOfMemory
+from train.measure.memory import MemoryStats, OutOfMemory
 from train.parallel.lifeline import die_with_parent, tied
+from train.step import Diverged, Hooks, RunResult
 
 STOP_GRACE_S = 30.0  # after a stop is asked, how long the ranks have before they are killed
 
@@ -345,7 +346,7 @@ def _train_rank(job: _Job, rank: int, world: int, device: torch.device) -> dict:
 
     from train.batches import steps_plan
     from train.build import build_model, build_optimizer, build_scheduler
-    from train.memory.budget import MemoryMeter
+    from train.measure.memory import MemoryMeter
     from train.parallel.ranks import Ranks, Stopped
     from train.parallel.sharding import settled_collectives, shard
     from train.workload import Workloads

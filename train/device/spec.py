@@ -3,7 +3,7 @@
 
 A run trains on `trainer.device` (train/run.py `resolve_device`); its memory is predicted
 for a `DeviceSpec`: the same CPU, the same GPU, or, with `search.gpu=A100-40GB`, a card from
-the table of train/memory/gpus.py. On a laptop or a login node the fit report and a study's
+the table of train/device/gpus.py. On a laptop or a login node the fit report and a study's
 preflight then answer "what fits on an A100-40GB?" for CUDA's reserved bytes: the step is
 computed on fake CPU tensors with CUDA's behaviour (train/memory/cuda_emulation.py) and replayed
 through the caching-allocator model with the card's cuBLAS workspaces (train/memory/reserve.py).
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from train.memory.allocator_settings import AllocatorSettings
-from train.memory.budget import device_total_bytes
-from train.memory.cudnn import CudnnWorkspaces, MeasureOnDevice
-from train.memory.gpus import Gpu, gpu, gpu_of_device_name
+from train.device.allocator_settings import AllocatorSettings
+from train.device.cudnn_workspaces import CudnnWorkspaces, MeasureOnDevice
+from train.device.gpus import Gpu, gpu, gpu_of_device_name
+from train.device.sizes import device_total_bytes
 
 
 @dataclass(frozen=True)

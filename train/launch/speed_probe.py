@@ -23,10 +23,10 @@ from omegaconf import DictConfig
 from train.batches import to_device
 from train.build import build_model, build_optimizer
 from train.config import RunSpec
-from train.loop import optimizer_step
+from train.measure.memory import release_memory
 from train.measure.throughput import Stopwatch
-from train.memory.budget import release_memory
 from train.precision import Precision
+from train.step import optimizer_step
 from train.workload import Workload, Workloads
 
 ROUNDS = 3  # visits per configuration: the spread needs more than one
