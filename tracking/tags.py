@@ -12,5 +12,8 @@ STUDY_TAG = "batchfit.study"
 TRIAL_TAG = "batchfit.trial"  # the trial's number
 STATE_TAG = "batchfit.state"  # COMPLETE, PRUNED or FAIL; KILLED: its worker died
 PRUNE_REASON_TAG = "batchfit.prune_reason"  # why a trial was pruned (search/core/record.py)
+# Its values that a run decides itself, the same for a trial and `python -m train`:
+OOM = "oom"  # over the budget as it trained
+DIVERGED = "diverged"  # NaN or infinite loss
 NOTE_TAG = "mlflow.note.content"  # a run's description in the MLflow UI (markdown)
 RECOMMENDED_TAG = "batchfit.recommended"  # the parent's: the trial's number; its run's: true

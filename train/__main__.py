@@ -43,7 +43,15 @@ from tracking.mlflow_setup import http_defaults, quiet_logging
 from tracking.outputs import cannot_create
 from tracking.redact import redact, redact_logging, redact_tree
 from tracking.runs import RunLog, Tracker
-from tracking.tags import PRUNE_REASON_TAG, ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG
+from tracking.tags import (
+    DIVERGED,
+    OOM,
+    PRUNE_REASON_TAG,
+    ROLE_TAG,
+    STATE_TAG,
+    STUDY_TAG,
+    TRIAL_TAG,
+)
 from train import model_file
 from train.device.sizes import format_bytes
 from train.measure.energy import ENERGY_TAG
@@ -65,15 +73,14 @@ from train.parallel.threads import KEY as THREADS_KEY
 from train.parallel.threads import Threads, plan_threads
 from train.run import (
     RunSpec,
+    Trained,
     check_builds,
-    memory_figures,
-    perf_figures,
     plan,
     planned_elsewhere,
-    run,
+    train_one,
     with_gpu_budget,
 )
-from train.step import Diverged, Hooks, RunResult
+from train.step import Diverged, Hooks
 from train.workload import Workload, Workloads
 
 # The entry point is the composition root: it wires MLflow (tracking.runs) to the training
@@ -127,9 +134,9 @@ def main(cfg: DictConfig) -> None:
     except Exception as error:
         crashed(errors, "The run failed", f"{type(error).__name__} starting its MLflow run (above)")
     console.print(_training_line(ready, log.run_id), soft_wrap=True)
-    result, model = _fit_logged(ready, log, console, errors)
+    trained, model = _fit_logged(ready, log, console, errors)
     try:
-        figures = _logged_figures(ready, log, result, console)
+        figures = _logged_figures(log, trained, console)
         where = _save(ready, log, model)
     except Exception as error:
         log.finish("FAILED")
@@ -343,7 +350,7 @@ def _training_line(ready: Prepared, run_id: str | None) -> str:
 
 def _fit_logged(
     ready: Prepared, log: RunLog, console: Console, errors: Console
-) -> tuple[RunResult, torch.nn.Module]:
+) -> tuple[Trained, torch.nn.Module]:
     """Train with the loop's hooks logging to the run; a failure ends the run and the process."""
 
     def on_eval(step: int, metrics: dict) -> None:
@@ -359,9 +366,10 @@ def _fit_logged(
     )
     try:
         with ready.tracker.system_metrics(log.run_id):
-            return run(ready.cfg, ready.spec, hooks, ready.workload), trained[0]
+            done = train_one(ready.cfg, ready.spec, hooks, ready.workload, ready.prediction)
+            return done, trained[0]
     except (OutOfMemory, Diverged) as error:
-        reason = "oom" if isinstance(error, OutOfMemory) else "diverged"
+        reason = OOM if isinstance(error, OutOfMemory) else DIVERGED
         log.tags({STATE_TAG: "PRUNED", PRUNE_REASON_TAG: reason})
         log.finish("FAILED")
         errors.print(f"[bold red]{reason}[/bold red]: {escape(redact(str(error)))}")
@@ -377,18 +385,17 @@ def _fit_logged(
         raise
 
 
-def _logged_figures(ready: Prepared, log: RunLog, result: RunResult, console: Console) -> str:
+def _logged_figures(log: RunLog, trained: Trained, console: Console) -> str:
     """The run's final figures, logged; and as one line to print."""
-    extra = memory_figures(ready.spec, ready.prediction, result)
-    perf, mfu_note = perf_figures(ready.workload, ready.cfg, ready.spec, result)
+    result, mfu_note = trained.result, trained.mfu_note
     if mfu_note:
         log.tags({MFU_NOTE_TAG: mfu_note})
         console.print(f"[yellow]note[/yellow] {escape(mfu_note)}", soft_wrap=True)
     log.tags({NOISE_TAG: result.noise_estimator, ENERGY_TAG: result.energy_note})
     if result.energy is None:  # why not, once: never a zero
         console.print(f"[yellow]note[/yellow] {escape(result.energy_note)}", soft_wrap=True)
-    log.end_figures({**result.metrics(), **extra, **perf}, result.num_steps)
-    figures = result.figures()
+    log.end_figures({**trained.metrics, **trained.memory, **trained.perf}, result.num_steps)
+    figures = trained.figures
     spread = figures.get(THROUGHPUT_SPREAD)
     steady = "" if spread is None else f" (±{spread / 2:.0%})"  # over the logging intervals
     speeds = [

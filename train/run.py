@@ -2,14 +2,18 @@
 
 `plan` turns the config into a RunSpec (every problem at once), `check_builds` builds what a
 run builds once before the first one, and `run` builds the model, optimizer and schedule
-on the data of a train/workload.py Workload and trains. `python -m train` and every search
-trial go through `plan` and `run`, so a trial and its rerun execute the same code.
+on the data of a train/workload.py Workload and trains. `train_one` runs it and works out
+every figure of the run (its own, memory against the prediction, FLOPs and MFU) before it
+returns a `Trained`: `python -m train` and every search trial go through `plan` and
+`train_one`, so a trial and its rerun execute the same code, and neither calls back into
+train/ once the run has returned.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,7 +47,7 @@ from train.memory.predict import MemoryPredictor, Prediction, PredictionUnsuppor
 from train.models import param_bytes
 from train.overrides import override_key
 from train.precision import unsupported_reason
-from train.step import Hooks, RunResult
+from train.step import Hooks, Metrics, RunResult
 from train.tasks import Task
 from train.workload import Workload, Workloads, workload_key
 
@@ -462,6 +466,42 @@ def run(
     hooks = hooks or Hooks()
     return fit(
         Run(model, optimizer, scheduler, pipeline, spec.trainer, spec.device, meter, hooks, task)
+    )
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A run trained to its end, with every figure of it worked out before `train_one`
+    returned: the callers format and log these and call nothing of train/ afterwards."""
+
+    result: RunResult
+    metrics: Metrics  # the run's final figures under their metric names (RunResult.metrics)
+    figures: Metrics  # those and the last validation's val/*: what a study ranks by
+    memory: Metrics  # memory/* against the budget and the prediction (memory_figures)
+    prediction_error: float | None  # the prediction's error against the measured peak
+    perf: Metrics  # perf/*: FLOPs per sample and MFU (perf_figures)
+    mfu_note: str | None  # why an MFU above 1 cannot be right, where it is
+
+
+def train_one(
+    cfg: DictConfig,
+    spec: RunSpec,
+    hooks: Hooks | None,
+    workload: Workload,
+    prediction: Prediction | None,
+) -> Trained:
+    """`run`, then the run's figures: the one orchestration of a run after its plan and
+    preflight, for `python -m train` and a study's trial alike."""
+    result = run(cfg, spec, hooks, workload)
+    perf, mfu_note = perf_figures(workload, cfg, spec, result)
+    return Trained(
+        result,
+        metrics=result.metrics(),
+        figures=result.figures(),
+        memory=memory_figures(spec, prediction, result),
+        prediction_error=prediction.error(result) if prediction is not None else None,
+        perf=perf,
+        mfu_note=mfu_note,
     )
 
 

@@ -21,13 +21,13 @@ from optuna.trial import FrozenTrial
 
 from tracking.metrics import PEAK_BYTES, STEP_MS, THROUGHPUT_PREFIX, VAL_ACC, VAL_PREFIX
 from tracking.metrics import throughput as throughput_metric
+from tracking.tags import DIVERGED, OOM
 from train.params import ACCUM_KEY, BATCH_KEY, EFFECTIVE_PARAM, LR_PARAM, PRECISION_KEY
 
-# Why a trial was pruned (`reason`), besides the study pruner's "pruner".
+# Why a trial was pruned (`reason`), besides the study pruner's "pruner"; OOM (over the budget
+# as it trained) and DIVERGED (NaN or infinite loss) are a run's own (tracking/tags.py).
 PREDICTED_OOM = "oom_predicted"  # its step was predicted not to fit, before training
-OOM = "oom"  # over the budget as it trained
 OOM_REASONS = (OOM, PREDICTED_OOM)
-DIVERGED = "diverged"  # NaN or infinite loss
 SLOW = "slow"  # its measured speed cannot finish within search.trial_time_budget_s
 PRUNER = "pruner"  # search.pruner, on a validation metric
 MISSED_TARGET = "missed_target"  # pruned at the end of its budget short of search.target

@@ -43,6 +43,7 @@ from tracking.tags import PRUNE_REASON_TAG, STATE_TAG
 from train.config import RunSpec
 from train.measure.memory import MemoryStats
 from train.memory.predict import Prediction
+from train.run import Trained
 from train.step import RunResult
 
 MLFLOW_MESSAGE_CHARS = 5000
@@ -57,7 +58,7 @@ def ended(
     reason: str | None = None,
     message: str | None = None,
     *,
-    result: RunResult | None = None,
+    trained: Trained | None = None,
     memory: MemoryStats | None = None,
     oom_peak_bytes: int | None = None,
     prediction: Prediction | None = None,
@@ -65,12 +66,13 @@ def ended(
     **known: Any,
 ) -> Outcome:
     """The outcome of a trial that ended in `state`, from what it left, each figure worked
-    out here once: a completed run's `result` (its figures, with the `extra` ones: perf/*,
-    time/to_target_s), or what a stopped one measured past its memory check (`memory`) or
+    out here once: a completed run's figures (`trained`, train/run.py's, worked out before the
+    run returned; with the `extra` ones: perf/*, time/to_target_s), or what a stopped one
+    measured past its memory check (`memory`) or
     when it ran out (`oom_peak_bytes`), and the memory `prediction` it was configured with.
     `known`: the rest of Outcome's fields by name (probe_s_per_sample, projected_s,
     mfu_note, error_traceback)."""
-    measured = result or memory
+    result = trained.result if trained else None
     peak = result.peak_bytes if result else oom_peak_bytes
     if peak is None and memory is not None:
         peak = memory.peak_bytes
@@ -89,9 +91,15 @@ def ended(
         message or None,
         peak_bytes=peak,
         predicted_bytes=prediction.peak_bytes if prediction else None,
-        prediction_error=prediction.error(measured) if prediction and measured else None,
+        prediction_error=(
+            trained.prediction_error
+            if trained
+            else prediction.error(memory)
+            if prediction and memory
+            else None
+        ),
         unit=result.unit if result else None,
-        metrics={**result.figures(), **(extra or {})} if result else {},
+        metrics={**trained.figures, **(extra or {})} if trained else {},
         val_curve=_val_curve(result),
         timed_steps=result.timed_steps if result else None,
         timed_samples=result.timed_samples if result else None,

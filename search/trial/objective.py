@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 import optuna
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from search.core.record import (
     DIVERGED,
@@ -63,7 +63,7 @@ from train.measure.flops import MFU_NOTE_TAG
 from train.measure.memory import MemoryStats, OutOfMemory, release_memory
 from train.measure.noise import NOISE_TAG
 from train.memory.predict import Prediction
-from train.run import perf_figures, run
+from train.run import Trained, train_one
 from train.step import Diverged, Hooks, RunResult
 
 
@@ -220,8 +220,8 @@ class Objective:
         )
         try:
             with self.tracker.system_metrics(log.run_id):
-                result = run(cfg, spec, hooks, workload)
-            outcome = self._completed(trial, cfg, spec, result, watch, log)
+                trained = train_one(cfg, spec, hooks, workload, configured.prediction)
+            outcome = self._completed(trial, spec, trained, watch, log)
         except OutOfMemory as oom:
             seen = {**watch.seen(), "memory": None}  # the OOM's peak, not as far as it ran
             outcome = ended("PRUNED", OOM, str(oom), oom_peak_bytes=oom.peak_bytes, **seen)
@@ -240,20 +240,20 @@ class Objective:
     def _completed(
         self,
         trial: optuna.Trial,
-        cfg: DictConfig,
         spec: RunSpec,
-        result: RunResult,
+        trained: Trained,
         watch: _Watch,
         log: RunLog,
     ) -> Outcome:
         """A run that trained to its end (or its target); pruned as `missed_target` when it
         ended short of search.target, its figures kept (it cannot be ranked by time)."""
-        perf, note = self._perf(cfg, spec, result, log)
+        result, perf, note = trained.result, trained.perf, trained.mfu_note
+        self._say_mfu(note, log)
         log.tags({NOISE_TAG: result.noise_estimator, ENERGY_TAG: result.energy_note})
         extra = {**perf, **watch.target.figures()}
         if TO_TARGET in extra and result.energy is not None:  # the timed steps' mean power
             extra[TO_TARGET_J] = result.energy.mean_watts * extra[TO_TARGET]
-        throughput = result.figures().get(throughput_metric(result.unit))
+        throughput = trained.figures.get(throughput_metric(result.unit))
         efficiency = scaling_efficiency(
             study_records(trial.study), trial.params, spec.params(), throughput
         )
@@ -266,22 +266,16 @@ class Objective:
         elif failure is not None:  # counted and shown, never recommended nor on the front
             state, reason, message = "PRUNED", DIVERGED, failure
         seen = {**watch.seen(), "memory": None}  # the whole run's, in `result`
-        return ended(state, reason, message, result=result, extra=extra, mfu_note=note, **seen)
+        return ended(state, reason, message, trained=trained, extra=extra, mfu_note=note, **seen)
 
-    def _perf(
-        self, cfg: DictConfig, spec: RunSpec, result: RunResult, log: RunLog
-    ) -> tuple[dict[str, float], str | None]:
-        """perf/* of a completed run: FLOPs per sample counted on the predictor's fake model,
-        and MFU against the device's peak (train/measure/flops.py); none for a model that does not
-        run on fake tensors. An MFU above 1 comes with a note of why (tag, record, and said
-        once)."""
-        figures, note = perf_figures(self.configure.workloads.of(cfg), cfg, spec, result)
+    def _say_mfu(self, note: str | None, log: RunLog) -> None:
+        """An MFU above 1 (train/measure/flops.py) comes with a note of why: tagged on the
+        run, kept in the record, and said once."""
         if note:
             log.tags({MFU_NOTE_TAG: note})
             if not self._mfu_said:
                 self._mfu_said = True
                 self.notify(note)
-        return figures, note
 
     def _on_eval(self, trial: optuna.Trial, log: RunLog) -> Callable[..., None]:
         single = len(self.settings.objectives) == 1
