@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from tracking.metrics import THROUGHPUT_TOKENS  # noqa: E402
 from train.device.sizes import format_bytes  # noqa: E402
 from train.run import plan, run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
@@ -82,7 +83,7 @@ def trained(args: argparse.Namespace) -> list[dict]:
                 "name": name,
                 "ranks": spec.trainer.devices,
                 "throughput": result.throughput_samples_per_sec,
-                "tokens": result.metrics().get("throughput/tokens_per_sec"),
+                "tokens": result.metrics().get(THROUGHPUT_TOKENS),
                 "peaks": result.rank_peak_bytes or [result.peak_bytes],
                 "predicted": predicted,
                 "seconds": time.perf_counter() - started,

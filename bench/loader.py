@@ -28,6 +28,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tracking.metrics import DATA_WAIT_SHARE  # noqa: E402
 from train.run import plan, run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
 
@@ -75,7 +76,7 @@ def main() -> int:
             for workers in order:
                 cfg = compose("config", overrides=[*base, f"loader.num_workers={workers}"])
                 result = run(cfg, plan(cfg, None), None, workloads.of(cfg))
-                share = result.metrics()["time/data_wait_share"]
+                share = result.metrics()[DATA_WAIT_SHARE]
                 shares[workers].append(share)
                 speeds[workers].append(result.throughput_samples_per_sec)
                 print(

@@ -75,6 +75,7 @@ from tracking.metrics import (  # noqa: E402
     GRAD_NOISE_SCALE_HIGH,
     GRAD_NOISE_SCALE_LOW,
     GRAD_NOISE_STEPS,
+    VAL_LOSS,  # noqa: E402
 )
 from train.run import plan, run  # noqa: E402
 from train.step import Diverged, Hooks  # noqa: E402
@@ -243,8 +244,8 @@ def train_to_target(
     stopped: list[str] = []
 
     def on_eval(step: int, metrics: dict[str, float]) -> bool:
-        evals.append((step, metrics["val/loss"]))
-        if metrics["val/loss"] <= setup.target_loss:
+        evals.append((step, metrics[VAL_LOSS]))
+        if metrics[VAL_LOSS] <= setup.target_loss:
             stopped.append("target")
         elif step >= cap:
             stopped.append("stopped")

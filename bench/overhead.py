@@ -59,6 +59,7 @@ if str(REPO) not in sys.path:  # `python bench/overhead.py` from anywhere, insta
 
 from search.core.record import TrialRecord  # noqa: E402
 from search.study.driver import StudyDriver  # noqa: E402
+from tracking.metrics import TRAIN_FINAL_LOSS, TRAIN_LOSS  # noqa: E402
 from train.batches import steps_plan  # noqa: E402
 from train.build import build_model, build_optimizer, build_scheduler  # noqa: E402
 from train.loop import split_window  # noqa: E402
@@ -244,14 +245,14 @@ def batchfit_run(
     run_id = record.run_id
     metrics = client.get_run(run_id).data.metrics
     # The run's last step: where its curves (train/loss, logged per interval) end.
-    num_steps = max(m.step for m in client.get_metric_history(run_id, "train/loss"))
+    num_steps = max(m.step for m in client.get_metric_history(run_id, TRAIN_LOSS))
     return Measured(
         throughput=attrs.throughput,
         num_steps=num_steps,
         timed_steps=attrs.timed_steps,
         timed_samples=attrs.timed_samples,
         val_acc=attrs.val_acc,
-        final_loss=metrics["train/final_loss"],
+        final_loss=metrics[TRAIN_FINAL_LOSS],
         wall_s=time.perf_counter() - wall,
     )
 

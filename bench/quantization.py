@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from tracking.metrics import VAL_LOSS  # noqa: E402
 from train.language.quantize import quant_state_tensors  # noqa: E402
 from train.run import plan, run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
@@ -69,7 +70,7 @@ def measured(rounds: int, steps: int, tmp: str) -> dict[str, dict]:
             entry = results[name]
             entry["rates"].append(result.timed_units / result.timed_seconds)
             entry["peak"] = result.peak_bytes
-            entry["val_loss"] = result.val["val/loss"]
+            entry["val_loss"] = result.val[VAL_LOSS]
     return results
 
 

@@ -68,9 +68,10 @@ from search.sampling.sampler import FeasibilityFilter  # noqa: E402
 from search.study.driver import StudyDriver  # noqa: E402
 from search.trial import ending  # noqa: E402
 from search.trial.objective import answer_from_record  # noqa: E402
+from tracking.metrics import THROUGHPUT_SAMPLES, TO_TARGET_S, VAL_ACC  # noqa: E402
 
 TABLE = Path(__file__).with_name("search_efficiency.csv")
-TARGET = "val/acc>=0.95"
+TARGET = f"{VAL_ACC}>=0.95"
 SPACE = {
     "trainer.batch_size": [16, 32, 64, 128, 256, 512],
     "trainer.accum_steps": [1, 2],
@@ -155,9 +156,9 @@ def build(path: Path, console: Console) -> None:
                 precision=t.params["trainer.precision"],
                 lr=t.params["optimizer.lr"],
                 outcome=a.outcome.reason or t.state.name,
-                val_acc=figures.get("val/acc"),
-                throughput=figures.get("throughput/samples_per_sec"),
-                time_to_target_s=figures.get("time/to_target_s"),
+                val_acc=figures.get(VAL_ACC),
+                throughput=figures.get(THROUGHPUT_SAMPLES),
+                time_to_target_s=figures.get(TO_TARGET_S),
                 peak_bytes=a.outcome.peak_bytes,
                 predicted_bytes=a.outcome.predicted_bytes,
                 trial_s=a.seconds or 0.0,

@@ -50,6 +50,7 @@ from bench.search_efficiency import BASE, SPACE, TARGET  # noqa: E402
 from search.core.record import PREDICTED_OOM, TrialRecord, records  # noqa: E402
 from search.core.trial_count import num_trained  # noqa: E402
 from search.study.driver import StudyDriver  # noqa: E402
+from tracking.metrics import TO_TARGET_S, VAL_ACC  # noqa: E402
 from train.measure.memory import OutOfMemory, release_memory  # noqa: E402
 from train.run import plan, run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
@@ -204,7 +205,7 @@ def final(
             f"the final run of {choice.approach} failed: {TrialRecord.of(trial).message}"
         )
     figures = TrialRecord.of(trial).metrics
-    return figures.get("time/to_target_s", float("inf")), figures.get("val/acc", float("nan"))
+    return figures.get(TO_TARGET_S, float("inf")), figures.get(VAL_ACC, float("nan"))
 
 
 def _describe(config: dict) -> str:

@@ -10,7 +10,6 @@ Several workers on one study: `python -m search --multirun search.workers=4 ...`
 from __future__ import annotations
 
 import contextlib
-import gc
 import signal
 import sys
 import warnings
@@ -33,7 +32,7 @@ from tracking.config import ConfigError
 from tracking.console import config_error, crashed, stopped
 from tracking.mlflow_setup import http_defaults, quiet_logging
 from tracking.redact import redact_logging
-from train.overrides import composed, run_checked, unknown_top_level
+from train.overrides import composed, run_entry_point, unknown_top_level
 from train.parallel.threads import plan_threads
 
 
@@ -172,11 +171,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    # What the imports made lives as long as the process: out of the collector's reach, a
-    # full collection (and the interpreter's at exit) skips its ~560k objects (exit
-    # 3 s -> 0.4 s on 2 busy cores). Nothing is trained yet, so no cycle is kept.
-    gc.freeze()
-    try:
-        run_checked(main)
-    except ConfigError as error:  # an override of a key the config does not have
-        config_error(Console(stderr=True), error)
+    run_entry_point(main)

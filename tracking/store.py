@@ -23,7 +23,6 @@ import re
 import shutil
 import sqlite3
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 import filelock
 import mlflow
 import sqlalchemy
+import tenacity
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
@@ -239,19 +239,29 @@ def schema_lock(uri: str) -> Iterator[None]:
 
 
 def retry_at_start(call: Callable[[], Any], tracking_uri: str) -> Any:
-    """`call`, retried on passing failures for START_RETRY_S: workers starting together on
-    one new SQLite store race to create its schema, and a server may be starting."""
-    deadline = time.monotonic() + START_RETRY_S
-    delay = RETRY_MIN_S
-    while True:
-        try:
-            with interrupts.deferred():  # as the outbox's writes (tracking/interrupts.py)
-                return call()
-        except ConfigError:
-            raise  # already says what to do
-        except Exception as error:
-            retry = is_transient(error) or "already exists" in str(error)
-            if not retry or time.monotonic() > deadline:
-                raise _cannot_use(tracking_uri, error) from None
-            time.sleep(delay)
-            delay = min(2 * delay, 2.0)
+    """`call`, retried on passing failures for START_RETRY_S, 0.05 s apart doubling up to 2 s
+    (tenacity): workers starting together on one new SQLite store race to create its schema,
+    and a server may be starting. Anything else is said at once, as the store's problem."""
+
+    def passing(error: BaseException) -> bool:
+        if isinstance(error, ConfigError) or not isinstance(error, Exception):
+            return False  # already says what to do; or a Ctrl-C
+        return is_transient(error) or "already exists" in str(error)
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(passing),
+        wait=tenacity.wait_exponential(multiplier=RETRY_MIN_S, min=RETRY_MIN_S, max=2.0),
+        stop=tenacity.stop_after_delay(START_RETRY_S),
+        reraise=True,  # the last error itself, not tenacity's RetryError
+    )
+    try:
+        return retrying(_deferred, call)
+    except ConfigError:
+        raise
+    except Exception as error:
+        raise _cannot_use(tracking_uri, error) from None
+
+
+def _deferred(call: Callable[[], Any]) -> Any:
+    with interrupts.deferred():  # as the outbox's writes (tracking/interrupts.py)
+        return call()

@@ -17,7 +17,6 @@ train/model_file.py reads it back).
 from __future__ import annotations
 
 import contextlib
-import gc
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,7 +65,7 @@ from train.overrides import (
     load_overrides,
     merge_overrides,
     override_key,
-    run_checked,
+    run_entry_point,
     unknown_top_level,
 )
 from train.parallel.threads import KEY as THREADS_KEY
@@ -446,9 +445,4 @@ def _artifact_location(log: RunLog) -> str:
 
 
 if __name__ == "__main__":
-    # The imports' objects out of the collector's reach, as in search/__main__.py.
-    gc.freeze()
-    try:
-        run_checked(main)
-    except ConfigError as error:  # an override of a key the config does not have
-        config_error(Console(stderr=True), error)
+    run_entry_point(main)

@@ -7,6 +7,8 @@ typo gets "did you mean ...?" instead of Hydra's advice or a run that ignores it
 from __future__ import annotations
 
 import difflib
+import functools
+import gc
 import os
 import re
 import sys
@@ -27,17 +29,28 @@ from hydra.errors import (
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+from rich.console import Console
 
 from tracking.config import ConfigError, not_yaml
+from tracking.console import config_error
 
 CONF = Path(__file__).resolve().parent.parent / "conf"  # the entry points' config_path
 BEST_FILE = "best.yaml"
 BEST_KEY = "best"  # python -m train +best=PATH
 
 
+@functools.lru_cache(maxsize=4096)  # a study asks again for the same command line's keys
 def override_key(override: str) -> str:
-    """The config key of a Hydra override: `+a.b=1` -> `a.b`."""
-    return override.split("=", 1)[0].lstrip("+~")
+    """The config key of a Hydra override, as Hydra's parser reads it: `+a.b=1` -> `a.b`,
+    `~a.b` -> `a.b`, a group at a package `model@x=foo` -> `model@x`. One that does not parse
+    is a ConfigError that quotes it."""
+    try:
+        parsed = OverridesParser.create().parse_override(override)
+    except HydraException as error:  # OverrideParseException, or the grammar's own
+        raise ConfigError([f"{override!r} is not a Hydra override ({error})"]) from None
+    if parsed.package is not None:
+        return f"{parsed.key_or_group}@{parsed.package}"
+    return parsed.key_or_group
 
 
 def load_overrides(path: str | Path) -> list[str]:
@@ -123,6 +136,19 @@ def unknown_top_level(
 # run_checked, in the processes a launcher starts too, so that `composed()` unsets it.
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 _OURS = "BATCHFIT_HYDRA_FULL_ERROR"
+
+
+def run_entry_point(main: Callable[[], object]) -> None:
+    """The ending of `python -m search`, `search.fit` and `train`: what the imports made lives
+    as long as the process, so it goes out of the collector's reach (a full collection, and
+    the interpreter's at exit, skips its ~560k objects: exit 3 s -> 0.4 s on 2 busy cores;
+    nothing is trained yet, so no cycle is kept); then `main` under `run_checked`, an
+    override of a key the config does not have said as every config error is."""
+    gc.freeze()
+    try:
+        run_checked(main)
+    except ConfigError as error:
+        config_error(Console(stderr=True), error)
 
 
 def run_checked(main: Callable[[], object]) -> None:
@@ -239,7 +265,7 @@ def _missing_option(error: HydraException) -> str | None:
     if not isinstance(error, MissingConfigException) or not error.options:
         return None
     group, _, name = str(error.missing_cfg_file or "").rpartition("/")
-    typed = [o for o in _command_line() if override_key(o) == group and "=" in o]
+    typed = [o for o in _command_line() if "=" in o and override_key(o) == group]
     if not group or not typed:
         return None
     override = typed[-1]

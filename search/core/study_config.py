@@ -20,12 +20,21 @@ from tracking.config import (
     number_problems,
 )
 from tracking.metrics import (
+    ACHIEVED_FLOPS,
+    DATA_WAIT_SHARE,
     DEVICE_UTILIZATION,
     ENERGY_J,
     ENERGY_PER_SAMPLE,
     MEAN_WATTS,
+    MFU,
+    PEAK_BYTES,
+    THROUGHPUT_SAMPLES,
     TO_TARGET_J,
+    TO_TARGET_S,
+    VAL_ACC,
+    VAL_PREFIX,
     joules_per,
+    throughput,
 )
 from tracking.redact import redact
 from train.config import RunSpec
@@ -37,11 +46,11 @@ from train.workload import Workloads
 
 # What every run measures, whatever its task, with the only direction that makes sense.
 RUN_METRICS = {
-    "throughput/samples_per_sec": "maximize",
-    "memory/peak_bytes": "minimize",
-    "time/data_wait_share": "minimize",
-    "perf/mfu": "maximize",  # model FLOPs utilisation (train/measure/flops.py)
-    "perf/achieved_flops": "maximize",
+    THROUGHPUT_SAMPLES: "maximize",
+    PEAK_BYTES: "minimize",
+    DATA_WAIT_SHARE: "minimize",
+    MFU: "maximize",  # model FLOPs utilisation (train/measure/flops.py)
+    ACHIEVED_FLOPS: "maximize",
     # measured where the hardware counts energy (train/measure/energy.py); absent elsewhere
     ENERGY_J: "minimize",
     ENERGY_PER_SAMPLE: "minimize",
@@ -55,12 +64,12 @@ def known_metrics(task: Task) -> dict[str, str]:
     metrics (val/loss and the task's own), its throughput in its unit, and RUN_METRICS."""
     found = dict(task.directions())
     if task.unit != "samples":
-        found[f"throughput/{task.unit}_per_sec"] = "maximize"
+        found[throughput(task.unit)] = "maximize"
         found[joules_per(task.unit)] = "minimize"
     return {**found, **RUN_METRICS}
 
 
-TO_TARGET = "time/to_target_s"  # training seconds until validation first met search.target
+TO_TARGET = TO_TARGET_S  # training seconds until validation first met search.target
 # What a trial that met search.target also reports (search/trial/objective.py)
 TARGET_METRICS = {TO_TARGET: "minimize", TO_TARGET_J: "minimize"}
 
@@ -90,8 +99,8 @@ class Target:
                 ]  # fmt: skip
             )
         problems = []
-        if not metric.startswith("val/") or metric not in known:
-            vals = [m for m in known if m.startswith("val/")]
+        if not metric.startswith(VAL_PREFIX) or metric not in known:
+            vals = [m for m in known if m.startswith(VAL_PREFIX)]
             problems.append(
                 f"search.target: {metric!r} is not a validation metric of this task; it "
                 f"reports {', '.join(vals)}"
@@ -138,9 +147,9 @@ class RecommendRule:
     (relative) of its best, the one best in `prefer`. `known`: metric name -> direction of
     what the study's trials report (known_metrics of its task)."""
 
-    metric: str = "val/acc"
+    metric: str = VAL_ACC
     tolerance: float = 0.01
-    prefer: str = "throughput/samples_per_sec"
+    prefer: str = THROUGHPUT_SAMPLES
     known: Mapping[str, str] = field(
         default_factory=lambda: dict(OBJECTIVE_METRICS), compare=False, repr=False
     )

@@ -4,8 +4,6 @@ fit when nothing does.
 
 from __future__ import annotations
 
-import gc
-
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -20,7 +18,7 @@ from tracking.config import ConfigError
 from tracking.console import config_error, crashed, stopped
 from tracking.redact import redact_logging
 from train.memory.predict import PredictionUnsupported
-from train.overrides import composed, run_checked, unknown_top_level
+from train.overrides import composed, run_entry_point, unknown_top_level
 from train.run import OverBudget, with_gpu_budget
 from train.workload import Workloads
 
@@ -86,9 +84,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    # The imports' objects out of the collector's reach, as in search/__main__.py.
-    gc.freeze()
-    try:
-        run_checked(main)
-    except ConfigError as error:  # an override of a key the config does not have
-        config_error(Console(stderr=True), error)
+    run_entry_point(main)

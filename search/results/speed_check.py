@@ -19,7 +19,7 @@ worker reuses it while the candidates are the same.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optuna
@@ -160,14 +160,3 @@ def describe(speed: Speed, unit: str) -> str:
 def unit_of(metric: str) -> str | None:
     """The unit a throughput metric counts, None for any other metric."""
     return THROUGHPUT_UNITS.get(metric)
-
-
-def speeds_by_trial(trials: Sequence[FrozenTrial], speeds: Mapping[str, Speed]) -> dict[int, Speed]:
-    """Trial number -> the speed check of its geometry, for the trials whose was timed."""
-    found = {}
-    for t in trials:
-        configured = TrialRecord.of(t).configured
-        name = label(geometry(t)) if configured else None
-        if name in speeds:
-            found[t.number] = speeds[name]
-    return found
