@@ -23,15 +23,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
 
+from common import interrupts
+from common.config import ConfigError
+from common.console import config_error, crashed, stopped
+from common.redact import redact_logging
 from search.core.compose import task_overrides
 from search.storage.failures import storage_failure
 from search.study.driver import StudyDriver
 from search.study.tracking_state import TrackingIncomplete
-from tracking import interrupts
-from tracking.config import ConfigError
-from tracking.console import config_error, crashed, stopped
 from tracking.mlflow_setup import http_defaults, quiet_logging
-from tracking.redact import redact_logging
 from train.overrides import composed, run_entry_point, unknown_top_level
 from train.parallel.threads import plan_threads
 
@@ -73,7 +73,7 @@ def stop_on_signals(errors: Console) -> None:
 
     def unraisable(event: sys.UnraisableHookArgs) -> None:
         # The stop raised in a weakref callback or __del__, which Python cannot raise: it
-        # is raised again at the next step (tracking/interrupts.py), not printed as an error.
+        # is raised again at the next step (common/interrupts.py), not printed as an error.
         if event.exc_type is not None and issubclass(event.exc_type, KeyboardInterrupt):
             return
         default_hook(event)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from common.config import ConfigError
 from tests.sweeps import run_module
-from tracking.config import ConfigError
 from train.language.hf import architecture
 from train.language.text import text_corpus
 from train.run import check_builds, plan

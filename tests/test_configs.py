@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from common.config import ConfigError
 from search.sampling.sampler import build_sampler
 from search.sampling.space import parse_space
 from search.study.validate import validate
-from tracking.config import ConfigError
 from tracking.metrics import VAL_LOSS
 from train.build import (
     build_data,

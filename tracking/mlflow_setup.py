@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-from tracking.redact import redact
+from common.redact import redact
 
 # MLflow's system-metrics thread logs a failed write with the whole database error in the
 # message (a locked SQLite store: the SQL statement and its parameters, ~70 lines).

@@ -37,8 +37,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from common.redact import redact
 from tracking.metrics import PEAK_MIB, PREDICTED_MIB, THROUGHPUT_SAMPLES, TRIAL_S, VAL_ACC
-from tracking.redact import redact
 from tracking.tags import PRUNE_REASON_TAG, RECOMMENDED_TAG, STATE_TAG
 
 # The MLflow UI (3.17) opens an experiment on its GenAI page unless the URL or the browser

@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 from mlflow.exceptions import MlflowException
 
-from tracking import interrupts
+from common import interrupts
+from common.redact import redact
 from tracking.overhead import CallClock
-from tracking.redact import redact
 
 # Failures that pass: the write is tried again later. Anything else is a real error.
 _TRANSIENT = re.compile(
@@ -64,7 +64,7 @@ class Outbox:
             if time.monotonic() < self._retry_at:
                 return False
             # Ctrl-C or SIGTERM waits for the write: cut short, a SQLite transaction held the
-            # store locked while the study closed its runs (tracking/interrupts.py).
+            # store locked while the study closed its runs (common/interrupts.py).
             with interrupts.deferred():
                 passing = self._write_first()
             if passing:

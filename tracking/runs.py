@@ -29,10 +29,10 @@ from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from common.redact import redact
 from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_PREFIX, THROUGHPUT_SAMPLES, TRAIN_EPOCH
 from tracking.mlflow_ui import VIEW_TAG, experiment_tags
 from tracking.outbox import Outbox
-from tracking.redact import redact
 from tracking.store import check_database, open_client, retry_at_start, schema_lock
 from tracking.tags import (
     NOTE_TAG,

@@ -34,11 +34,11 @@ import tenacity
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from tracking import interrupts
-from tracking.config import ConfigError
+from common import interrupts
+from common.config import ConfigError
+from common.redact import redact
 from tracking.outbox import RETRY_MIN_S, is_transient
 from tracking.outputs import cache_folder, store_examples
-from tracking.redact import redact
 
 _logger = logging.getLogger(__name__)
 
@@ -263,5 +263,5 @@ def retry_at_start(call: Callable[[], Any], tracking_uri: str) -> Any:
 
 
 def _deferred(call: Callable[[], Any]) -> Any:
-    with interrupts.deferred():  # as the outbox's writes (tracking/interrupts.py)
+    with interrupts.deferred():  # as the outbox's writes (common/interrupts.py)
         return call()

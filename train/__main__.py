@@ -34,13 +34,13 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
 
-from tracking.config import ConfigError
-from tracking.console import config_error, crashed
+from common.config import ConfigError
+from common.console import config_error, crashed
+from common.redact import redact, redact_logging, redact_tree
 from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_PREFIX, THROUGHPUT_SPREAD, VAL_PREFIX
 from tracking.mlflow_config import MlflowConfig
 from tracking.mlflow_setup import http_defaults, quiet_logging
 from tracking.outputs import cannot_create
-from tracking.redact import redact, redact_logging, redact_tree
 from tracking.runs import RunLog, Tracker
 from tracking.tags import (
     DIVERGED,

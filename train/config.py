@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tracking.config import (
+from common.config import (
     ConfigError,
     choice_problems,
     flag_problems,

@@ -31,8 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 from rich.console import Console
 
-from tracking.config import ConfigError, not_yaml
-from tracking.console import config_error
+from common.config import ConfigError, not_yaml
+from common.console import config_error
 
 CONF = Path(__file__).resolve().parent.parent / "conf"  # the entry points' config_path
 BEST_FILE = "best.yaml"

@@ -12,13 +12,14 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from tracking.config import (
+from common.config import (
     ConfigError,
     choice_problems,
     flag_problems,
     integer_problems,
     number_problems,
 )
+from common.redact import redact
 from tracking.metrics import (
     ACHIEVED_FLOPS,
     DATA_WAIT_SHARE,
@@ -36,7 +37,6 @@ from tracking.metrics import (
     joules_per,
     throughput,
 )
-from tracking.redact import redact
 from train.config import RunSpec
 from train.memory.predict import PredictionUnsupported
 from train.memory.preflight import UNMEASURED_MARGIN, Margin, margin_problems, step_margin

@@ -10,13 +10,13 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
 
+from common.config import ConfigError
+from common.console import config_error, crashed, stopped
+from common.redact import redact_logging
 from search.core.compose import task_overrides
 from search.fit.advice import what_would_fit
 from search.fit.layouts import COMMAND, NOTHING_FITS, nothing_fits, show_fit_reports
 from search.sampling.levers import with_default_space
-from tracking.config import ConfigError
-from tracking.console import config_error, crashed, stopped
-from tracking.redact import redact_logging
 from train.memory.predict import PredictionUnsupported
 from train.overrides import composed, run_entry_point, unknown_top_level
 from train.run import OverBudget, with_gpu_budget

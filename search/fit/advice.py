@@ -40,8 +40,8 @@ import hydra
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from common.config import ConfigError
 from search.sampling.space import SearchSpace, parse_space
-from tracking.config import ConfigError
 from train.config import RunSpec
 from train.device.gpus import GPUS, Gpu
 from train.device.sizes import format_bytes

@@ -17,12 +17,12 @@ from optuna.distributions import CategoricalDistribution
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from common.config import ConfigError
 from search.core.study_config import SearchConfig
 from search.fit.render import notes, render
 from search.fit.report import FitReport
 from search.fit.tabulate import GEOMETRY_KEYS, Tabulation, space_values
 from search.sampling.space import SearchSpace
-from tracking.config import ConfigError
 from train.config import RunSpec
 from train.memory.predict import replays_beside
 from train.params import (

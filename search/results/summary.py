@@ -26,6 +26,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from common.redact import redact
 from search.core.record import PRUNER, TrialRecord, mib, records
 from search.core.trial_count import num_trained
 from search.results import boundary, speed_check, time_to_target
@@ -43,7 +44,6 @@ from tracking.metrics import (
     VAL_PREFIX,
     joules_per,
 )
-from tracking.redact import redact
 from train.device.sizes import format_bytes
 from train.overrides import BEST_KEY, override_key
 from train.parallel.threads import usable_cores

@@ -33,9 +33,9 @@ from optuna.distributions import (
 from optuna.samplers import BaseSampler, GridSampler, TPESampler
 from optuna.trial import FrozenTrial, TrialState
 
+from common.config import ConfigError
 from search.core.trial_count import configuration, settled, study_records
 from search.sampling.space import SearchSpace
-from tracking.config import ConfigError
 from train.params import ACCUM_KEY, BATCH_KEY
 
 # Memory grows with the micro-batch. Not with trainer.effective_batch_size (derived

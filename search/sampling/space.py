@@ -24,7 +24,7 @@ from optuna.distributions import (
     IntDistribution,
 )
 
-from tracking.config import ConfigError
+from common.config import ConfigError
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import traceback
 # trials; the journal lock's base class and context) is pinned by tests/test_private_apis.py.
 import sqlalchemy
 
+from common.redact import redact
 from search.storage.journal import JournalWriteError
-from tracking.redact import redact
 
 
 def storage_failure(error: BaseException | None, url: str) -> str | None:

@@ -17,11 +17,11 @@ import optuna
 import tenacity
 from optuna.storages import BaseStorage
 
+from common.config import ConfigError
+from common.redact import redact
 from search.storage.heartbeat import HeartbeatJournalStorage, HeartbeatRDBStorage, RetryStaleTrial
 from search.storage.journal import SafeJournalFileBackend
-from tracking.config import ConfigError
 from tracking.outputs import store_examples
-from tracking.redact import redact
 
 JOURNAL_PREFIX = "journal:"
 

@@ -15,6 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
+from common.config import ConfigError
+from common.redact import redact
 from search.core.record import TrialRecord
 from search.core.study_config import Target
 from search.core.trial_count import TrialBudget, num_trained, study_records
@@ -35,11 +37,9 @@ from search.study.validate import Checked, validate
 from search.study.worker import TrialLoop
 from search.trial.objective import Objective
 from search.trial.trial_config import Configurer
-from tracking.config import ConfigError
 from tracking.metrics import STORAGE_S, TRACKING_S, VAL_LOSS
 from tracking.mlflow_ui import ui_link
 from tracking.overhead import CallClock, Lap, storage_methods
-from tracking.redact import redact
 from tracking.runs import RunLog, Tracker
 from train.memory.predict import PredictionUnsupported
 from train.overrides import override_key

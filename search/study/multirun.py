@@ -19,8 +19,8 @@ import optuna
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from common.redact import redact
 from search.study.decision import Decision
-from tracking.redact import redact
 from train.overrides import BEST_FILE
 
 

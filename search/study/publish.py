@@ -20,6 +20,7 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
+from common.redact import redact
 from search.core.record import records
 from search.core.study_config import RecommendRule
 from search.core.trial_count import num_trained
@@ -27,7 +28,6 @@ from search.results import plots, speed_check, summary
 from search.results.boundary import FIT_ATTR
 from search.results.recommend import Recommendation, best_document, recommend
 from search.study.decision import Decision
-from tracking.redact import redact
 from tracking.runs import RunLog
 from tracking.tags import RECOMMENDED_TAG
 from train.overrides import BEST_FILE

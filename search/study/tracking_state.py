@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from tracking.redact import redact
+from common.redact import redact
 from tracking.runs import Tracker
 
 

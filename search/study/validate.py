@@ -27,6 +27,7 @@ from optuna.pruners import BasePruner
 from optuna.samplers import BaseSampler
 from optuna.storages import BaseStorage
 
+from common.config import ConfigError, unknown_keys
 from search.core.study_config import (
     OBJECTIVE_METRICS,
     TARGET_METRICS,
@@ -40,7 +41,6 @@ from search.core.study_config import (
 from search.sampling.sampler import build_sampler
 from search.sampling.space import SearchSpace, parse_space
 from search.storage.opening import open_storage
-from tracking.config import ConfigError, unknown_keys
 from tracking.mlflow_config import MlflowConfig
 from train.build import build_task
 from train.config import RunSpec

@@ -29,6 +29,8 @@ from typing import Any
 import optuna
 from omegaconf import OmegaConf
 
+from common import interrupts
+from common.config import ConfigError
 from search.core.record import (
     DIVERGED,
     MISSED_TARGET,
@@ -50,8 +52,6 @@ from search.trial.stopping import (
     Yardstick,
 )
 from search.trial.trial_config import Configured, Configurer
-from tracking import interrupts
-from tracking.config import ConfigError
 from tracking.metrics import SCALING_EFFICIENCY, TO_TARGET_J, VAL_LOSS
 from tracking.metrics import throughput as throughput_metric
 from tracking.runs import RunLog, Tracker
@@ -311,7 +311,7 @@ class Objective:
 
 def _checked(on_step: Callable[[int, int, float], None]) -> Callable[[int, int, float], None]:
     """on_step, after raising a stop a signal asked for and Python swallowed
-    (tracking/interrupts.py)."""
+    (common/interrupts.py)."""
 
     def checked(step: int, num_steps: int, elapsed_s: float) -> None:
         interrupts.check()

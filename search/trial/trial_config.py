@@ -16,9 +16,9 @@ from typing import Any
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
+from common.config import ConfigError
 from search.core.study_config import SearchConfig
 from search.sampling.space import SearchSpace
-from tracking.config import ConfigError
 from train.config import RunSpec
 from train.device.sizes import format_bytes
 from train.memory.fitting import fits_budget, largest_fitting_batch

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from common.config import ConfigError
 from tests.faults.disk import fill, tmpfs
-from tracking.config import ConfigError
 from tracking.runs import Tracker
 
 

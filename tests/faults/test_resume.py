@@ -12,13 +12,13 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
+from common.config import ConfigError
 from search.storage.heartbeat import queue_unretried
 from search.storage.opening import open_storage
 from search.storage.owners import OWNER_ATTR
 from search.study.opening import CONFIG_ATTR, open_study
 from tests.faults.study import NAME, STUDY, inject, journal_of, run_study, start_study
 from tests.sweeps import journal_study, wait_for_trial
-from tracking.config import ConfigError
 
 
 def _parent(cwd: Path):  # noqa: ANN202 - an mlflow Run

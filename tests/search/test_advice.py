@@ -12,12 +12,12 @@ import sys
 import pytest
 from rich.console import Console
 
+from common.config import ConfigError
 from search.fit.advice import LORA, advise
 from search.fit.layouts import fit_reports
 from search.study.driver import StudyDriver
 from search.study.validate import validate
 from tests.conftest import REPO
-from tracking.config import ConfigError
 from train.device.gpus import gpu
 from train.device.sizes import format_bytes
 from train.run import OverBudget, plan, with_gpu_budget

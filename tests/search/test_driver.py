@@ -13,12 +13,12 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 from rich.console import Console
 
+from common.config import ConfigError
 from search.core.record import Attr
 from search.fit.render import summary_lines
 from search.fit.report import Cell, FitReport
 from search.study.driver import PARENT_ATTR, StudyDriver, located
 from search.trial.stopping import PROBE_MARGIN, Prune, TimeBudget
-from tracking.config import ConfigError
 from tracking.metrics import BUDGET_BYTES, PEAK_BYTES, THROUGHPUT_SAMPLES, VAL_ACC
 
 FAST = [

@@ -15,13 +15,13 @@ import torch
 from optuna.distributions import CategoricalDistribution
 from rich.console import Console
 
+from common.config import ConfigError
 from search.fit.layouts import MAX_LAYOUTS, fit_reports, layouts, show_fit_reports
 from search.fit.render import notes, render
 from search.fit.report import Cell, FitReport
 from search.fit.tabulate import fit_report
 from search.study.driver import StudyDriver
 from search.study.validate import validate
-from tracking.config import ConfigError
 from train.device.gpus import GPUS, gpu
 from train.memory.preflight import Margin
 from train.memory.reserve import predict_reserved

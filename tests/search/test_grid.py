@@ -12,12 +12,12 @@ from omegaconf import OmegaConf
 from optuna.trial import TrialState
 from rich.console import Console
 
+from common.config import ConfigError
 from search.core.record import Attr
 from search.sampling.sampler import build_sampler, grid_of
 from search.sampling.space import parse_space
 from search.study.driver import StudyDriver
 from search.study.validate import validate
-from tracking.config import ConfigError
 
 FAST = [
     "model=small_cnn",

@@ -15,6 +15,7 @@ from optuna.trial import TrialState
 from rich.console import Console
 from torch import nn
 
+from common.config import ConfigError
 from search.core import trial_count as budget_module
 from search.core.record import Attr
 from search.core.trial_count import num_trained, study_records
@@ -22,7 +23,6 @@ from search.fit.tabulate import fit_report
 from search.sampling.sampler import FeasibilityFilter
 from search.study.driver import StudyDriver
 from search.study.validate import validate
-from tracking.config import ConfigError
 from tracking.metrics import PREDICTED_BYTES, PREDICTION_ERROR, PREDICTION_S
 from train.device.sizes import format_bytes
 from train.memory.fitting import largest_fitting_batch

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
+from common.config import ConfigError
 from search.core.record import Attr
 from search.core.study_config import RecommendRule
 from search.results import speed_check
@@ -20,7 +21,6 @@ from search.results.critical_batch import StepsModel
 from search.results.recommend import Recommendation, best_document, metric_value, planned, recommend
 from search.results.time_to_target import Plan, Predicted
 from search.study.validate import recommend_rule, search_config
-from tracking.config import ConfigError
 from tracking.metrics import (
     ENERGY_J,
     ENERGY_PER_SAMPLE,

@@ -6,8 +6,8 @@ import optuna
 import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
+from common.config import ConfigError
 from search.sampling.space import parse_space
-from tracking.config import ConfigError
 
 
 def test_sweeper_grammar_maps_to_optuna_distributions() -> None:

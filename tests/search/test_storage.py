@@ -17,6 +17,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from common.config import ConfigError
 from search.core.record import Attr
 from search.core.study_config import SearchConfig
 from search.core.trial_count import (
@@ -30,7 +31,6 @@ from search.storage.heartbeat import BEAT_ATTR, HeartbeatJournalStorage, Heartbe
 from search.storage.journal import SafeJournalFileBackend
 from search.storage.opening import _create_rdb, open_storage
 from search.storage.owners import OWNER_ATTR, _process_start, owner_is_gone, this_owner
-from tracking.config import ConfigError
 from tracking.metrics import VAL_ACC
 
 REPO = Path(__file__).resolve().parents[2]

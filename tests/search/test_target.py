@@ -9,10 +9,10 @@ import torch
 from optuna.trial import TrialState
 from rich.console import Console
 
+from common.config import ConfigError
 from search.core.record import Attr
 from search.core.study_config import OBJECTIVE_METRICS, SearchConfig, Target
 from search.study.driver import StudyDriver
-from tracking.config import ConfigError
 from tracking.metrics import TO_TARGET_S, TRAIN_S, VAL_ACC
 from train.config import TrainerConfig
 from train.data import Splits

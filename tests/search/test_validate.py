@@ -12,10 +12,10 @@ import optuna
 import pytest
 from rich.console import Console
 
+from common.config import ConfigError
 from search.core.record import Attr
 from search.study.driver import StudyDriver
 from tests.sweeps import run_module
-from tracking.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["model=small_cnn", "model.width=4", "data=digits", "trainer.max_epochs=1"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tracking.config import ConfigError
+from common.config import ConfigError
 from tracking.mlflow_config import MlflowConfig
 
 

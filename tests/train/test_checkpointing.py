@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from common.config import ConfigError
 from search.fit.layouts import fit_reports
 from search.study.validate import validate
-from tracking.config import ConfigError
 from train import checkpointing
 from train.build import build_task
 from train.config import TrainerConfig

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
+from common.config import ConfigError
 from tests.sweeps import clean_env
-from tracking.config import ConfigError
 from train.parallel.threads import busy_cores, plan_threads, usable_cores
 
 

@@ -1,4 +1,4 @@
-"""tracking/redact.py: passwords in URLs are masked wherever batchfit writes text."""
+"""common/redact.py: passwords in URLs are masked wherever batchfit writes text."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tracking.redact import RedactingFilter, redact, redact_file, redact_tree
+from common.redact import RedactingFilter, redact, redact_file, redact_tree
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""A stop a signal asked for survives being swallowed (tracking/interrupts.py): Python prints
+"""A stop a signal asked for survives being swallowed (common/interrupts.py): Python prints
 and drops an exception raised in a weakref callback, where SIGTERM once landed mid-study
 and the study went on to the end."""
 
@@ -20,8 +20,8 @@ from rich.console import Console
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
+from common import interrupts
 from search.__main__ import stop_on_signals
-from tracking import interrupts
 from tracking.outbox import Outbox
 
 

@@ -1,7 +1,7 @@
 """Config checking shared by every side: the error that reports every problem of a config
 at once, each naming its key and the fix; unknown keys with the closest known one; where a YAML
-file is broken; a typed section from a mapping. It lives in tracking, the bottom layer, which
-imports neither train nor search, so that all three raise the same error.
+file is broken; a typed section from a mapping. It lives in common, the bottom layer, which
+imports none of tracking, train and search, so that all of them raise the same error.
 """
 
 from __future__ import annotations

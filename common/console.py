@@ -1,6 +1,6 @@
 """What the entry points (`python -m search`, `python -m search.fit`, `python -m train`) print
 when they stop on an error, and the exit status they stop with. The one printer for all of
-them: every message and traceback passes tracking.redact, so a password in an override
+them: every message and traceback passes common.redact, so a password in an override
 (`search.storage=postgresql://user:secret@host/db`) that a message or a traceback quotes is
 printed as ***.
 """
@@ -14,8 +14,8 @@ from typing import NoReturn
 from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
 
-from tracking.config import ConfigError
-from tracking.redact import redact
+from common.config import ConfigError
+from common.redact import redact
 
 CONFIG_ERROR_STATUS = 2  # a problem of the config: nothing ran, fix the named key
 FAILED_STATUS = 1  # anything else that stopped the entry point
