@@ -5,9 +5,9 @@
 # (each process has its own allocator, so its memory figures are its own):
 #   lane A: pytest -m gpu (the files that hold gpu tests: they collect without MLflow), the conv
 #           grid (bench/prediction.py), memory snapshots of a small_cnn and a resnet18 run
-#           (bench/cuda_snapshot.py, into $OUT), the real OOM boundary (bench/oom_limit.py);
+#           (bench/gpu/cuda_snapshot.py, into $OUT), the real OOM boundary (bench/gpu/oom_limit.py);
 #   lane B: Llama 3 8B LoRA at 1 and 4 x 2048 tokens, each in a fresh process (first step and
-#           host memory), the Llama 3.2 1B cells (bench/gpu_llm.py), QLoRA when bitsandbytes is
+#           host memory), the Llama 3.2 1B cells (bench/gpu/gpu_llm.py), QLoRA when bitsandbytes is
 #           there (bench/prediction.py --qlora; skipped without it).
 # On the GPU machine, with the wheels it lacks in .whl/ (../shared/device-kit/prepare.sh):
 #   bash .whl/on-device.sh bench/gpu_checks.sh
@@ -99,15 +99,15 @@ lane_a() {
   section conv-grid 120 "$BASE" "" -- \
     "$py" bench/prediction.py --device "$device" --models small_cnn resnet18 --batch-sizes 8 64 256 \
     --precisions fp32 bf16 --image-size 32
-  section snapshots 60 "$BASE" "" -- "$py" bench/cuda_snapshot.py --device "$device" --out "$OUT"
-  section oom-boundary 140 "$BASE transformers" "" -- "$py" bench/oom_limit.py --device "$device" --max-seconds 90 \
+  section snapshots 60 "$BASE" "" -- "$py" bench/gpu/cuda_snapshot.py --device "$device" --out "$OUT"
+  section oom-boundary 140 "$BASE transformers" "" -- "$py" bench/gpu/oom_limit.py --device "$device" --max-seconds 90 \
     --resolution-mib "$resolution"
 }
 
 lane_b() {
-  section llm-8b-1x2048 90 "$LLM" "" -- "$py" bench/gpu_llm.py --device "$device" "${tiny[@]}" --cells 8b-lora-1x2048
-  section llm-8b-4x2048 90 "$LLM" "" -- "$py" bench/gpu_llm.py --device "$device" "${tiny[@]}" --cells 8b-lora-4x2048
-  section llm-1b 180 "$LLM" "" -- "$py" bench/gpu_llm.py --device "$device" "${tiny[@]}" --cells 1b
+  section llm-8b-1x2048 90 "$LLM" "" -- "$py" bench/gpu/gpu_llm.py --device "$device" "${tiny[@]}" --cells 8b-lora-1x2048
+  section llm-8b-4x2048 90 "$LLM" "" -- "$py" bench/gpu/gpu_llm.py --device "$device" "${tiny[@]}" --cells 8b-lora-4x2048
+  section llm-1b 180 "$LLM" "" -- "$py" bench/gpu/gpu_llm.py --device "$device" "${tiny[@]}" --cells 1b
   section qlora 60 "$LLM" bitsandbytes -- "$py" bench/prediction.py --no-grid --qlora --device "$device"
 }
 

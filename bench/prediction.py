@@ -24,7 +24,7 @@ Also printed: seconds per prediction against seconds per real optimizer step.
     python bench/prediction.py --no-grid --qlora    # QLoRA steps: 4-bit weights, bitsandbytes
 
 `--traces DIR` replays real GPU memory snapshots (torch.cuda.memory._dump_snapshot files)
-through the allocator model (bench/cuda_trace.py): per trace and device, the share of
+through the allocator model (bench/gpu/cuda_trace.py): per trace and device, the share of
 events whose reserved bytes and segment count equal the real ones, the smallest
 per-process limit the model runs it in against the same figure from the real events, the
 peak reserved and whether a real OOM is predicted. Targets: 100% of events, every real OOM
@@ -110,7 +110,7 @@ DECODER_SPACE = (
 
 def traces(console: Console, folder: str) -> bool:
     """The allocator model against real traces; True when every target holds."""
-    from bench.cuda_trace import reports, table
+    from bench.gpu.cuda_trace import reports, table
 
     rows = reports(folder)
     console.print(table(rows))

@@ -1,13 +1,13 @@
-"""bench/cuda_snapshot.py's writer: a real snapshot's frames dropped, the rest as the replay
-(bench/cuda_trace.py) reads it, and a snapshot unfit for a fixture said so."""
+"""bench/gpu/cuda_snapshot.py's writer: a real snapshot's frames dropped, the rest as the replay
+(bench/gpu/cuda_trace.py) reads it, and a snapshot unfit for a fixture said so."""
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
 
-from bench.cuda_snapshot import compact, problems, write
-from bench.cuda_trace import device_traces, load_snapshot
+from bench.gpu.cuda_snapshot import compact, problems, write
+from bench.gpu.cuda_trace import device_traces, load_snapshot
 
 FIXTURE = (
     Path(__file__).resolve().parents[1] / "fixtures" / "cuda-traces" / "eor_nn_snapshot.json.gz"

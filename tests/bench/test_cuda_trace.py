@@ -1,4 +1,4 @@
-"""The allocator model against real CUDA traces (bench/cuda_trace.py, the snapshots in
+"""The allocator model against real CUDA traces (bench/gpu/cuda_trace.py, the snapshots in
 tests/fixtures/cuda-traces): event-by-event agreement, peaks, the real OOM, smallest limits,
 the cuBLAS workspaces and the share of transient allocations. Every figure is the model's,
 deterministic, so exact; the real-events limit is an estimate, compared within a tolerance."""
@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from bench.cuda_trace import (
+from bench.gpu.cuda_trace import (
     DeviceTrace,
     StartState,
     device_traces,

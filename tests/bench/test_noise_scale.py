@@ -1,5 +1,6 @@
 """bench/noise_scale.py's core on a tiny digits run (2 batch sizes, one rate, an easy target),
-its table, and its verdict on constructed numbers: it passes and fails where it should."""
+its table, and its verdict on constructed numbers: it passes and fails where it should; and
+bench/noise_stability.py's readings and verdict."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import pytest
 
 from bench import noise_scale as bench
+from bench import noise_stability as stability
 from search.results.critical_batch import StepsModel
 
 TINY = dataclasses.replace(
@@ -109,23 +111,24 @@ def test_quick_keeps_the_ends_and_the_middle() -> None:
     assert bench.GPT.lrs(64) == [0.004, 0.008, 0.002]  # the square root: 2e-3 x 2 at 64
 
 
-def _readings(*values: float) -> list[bench.Reading]:
+def _readings(*values: float) -> list[stability.Reading]:
     return [
-        bench.Reading(seed, v, v / 2, v * 2, 9, "accumulation: ...")
+        stability.Reading(seed, v, v / 2, v * 2, 9, "accumulation: ...")
         for seed, v in enumerate(values)
     ]
 
 
 def test_the_stability_verdict_passes_within_2x_across_seeds_and_fails_beyond() -> None:
     """Broken on purpose (max/min replaced by max/median), the 2.1x case passes: it fails."""
-    spread, reasons = bench.stability_verdict(_readings(40.0, 60.0, 80.0))
+    spread, reasons = stability.stability_verdict(_readings(40.0, 60.0, 80.0))
     assert spread == pytest.approx(2.0) and reasons == []
-    spread, reasons = bench.stability_verdict(_readings(40.0, 60.0, 84.0))
+    spread, reasons = stability.stability_verdict(_readings(40.0, 60.0, 84.0))
     assert spread == pytest.approx(2.1)
     assert reasons == ["max/min 2.10 across seeds, over 2"]
-    _, reasons = bench.stability_verdict(_readings(40.0, math.nan, 50.0))
+    _, reasons = stability.stability_verdict(_readings(40.0, math.nan, 50.0))
     assert reasons == ["seed(s) [1] logged no B_simple"]
-    assert "seed 1: no B_simple" in bench.Reading(1, math.nan, math.nan, math.nan, 3, "x").line()
+    missing = stability.Reading(1, math.nan, math.nan, math.nan, 3, "x")
+    assert "seed 1: no B_simple" in missing.line()
     assert _readings(46.6)[0].line() == "    seed 0: B_simple 46.6 [23.3, 93.2] over 9 steps"
 
 
@@ -134,7 +137,7 @@ def test_stability_reads_the_figures_a_trial_logs(hydra_conf) -> None:
     B_simple, interval and steps as RunResult.metrics() gives them."""
     overrides = ("model=mlp", "trainer.batch_size=16", "trainer.accum_steps=4")
     compose = lambda extra: hydra_conf([*extra, "trainer.max_epochs=2"])  # noqa: E731
-    (reading,) = bench.stability(compose, overrides, seeds=1)
+    (reading,) = stability.stability(compose, overrides, seeds=1)
     assert reading.steps > 30 and reading.note.startswith("accumulation: ")
     assert reading.note.endswith(f"over {reading.steps} steps")
     assert 0 < reading.low < reading.noise_scale < reading.high

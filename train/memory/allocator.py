@@ -6,7 +6,7 @@ expandable segments, max_split_size, garbage collection and, under a per-process
 release-and-retry before an out-of-memory error. Its settings are
 train/device/allocator_settings.py, the segments, blocks and pools it keeps
 train/memory/allocator_blocks.py; train/memory/reserve.py replays a step through it (what the
-predictor calls), and `bench/cuda_trace.py` checks it event by event against real CUDA traces.
+predictor calls), and `bench/gpu/cuda_trace.py` checks it event by event against real CUDA traces.
 
 Blocks serve only the CUDA stream that allocated their segment, as in c10; `empty_cache` is
 `release_cached_blocks`, and a trace's segment_free / segment_unmap are `release_segment` /

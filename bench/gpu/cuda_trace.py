@@ -8,7 +8,7 @@ with the real ones, which the `segment_*` events give. It also tells the smalles
 limit the step runs in (model and real), and how much of it transient allocations (kernel
 workspaces a fake-tensor step cannot see) take.
 
-    python -m bench.cuda_trace tests/fixtures/cuda-traces
+    python -m bench.gpu.cuda_trace tests/fixtures/cuda-traces
 """
 
 from __future__ import annotations

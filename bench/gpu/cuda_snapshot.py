@@ -14,11 +14,11 @@ reserve when recording began (0 unless something stayed on the card), and the ho
 since the epoch) at the end of each optimizer step, to find the steps among the events by
 `time_us`.
 
-    python bench/cuda_snapshot.py                      # on a GPU: into $OUT, else mlruns/gpu-checks
-    python bench/cuda_snapshot.py --out /tmp/traces --models resnet18
-    python bench/cuda_snapshot.py --device cpu         # the same runs on CPU; nothing to record
+    python bench/gpu/cuda_snapshot.py                  # on a GPU: into $OUT, else mlruns/gpu-checks
+    python bench/gpu/cuda_snapshot.py --out /tmp/traces --models resnet18
+    python bench/gpu/cuda_snapshot.py --device cpu     # the same runs on CPU; nothing to record
 
-Replay one with `python -m bench.cuda_trace FOLDER`. The verdict (every snapshot written,
+Replay one with `python -m bench.gpu.cuda_trace FOLDER`. The verdict (every snapshot written,
 complete, its final segments summing to `torch.cuda.memory_reserved()`) sets the exit status.
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

@@ -3,8 +3,8 @@ per-process memory limit a training step really runs in, bisected with
 `torch.cuda.set_per_process_memory_fraction`, beside the limit the prediction gives
 (train/memory/reserve.py: the caching-allocator model's smallest limit). Needs CUDA.
 
-    python bench/oom_limit.py                 # the bundled configurations
-    python bench/oom_limit.py --resolution-mib 4
+    python bench/gpu/oom_limit.py                 # the bundled configurations
+    python bench/gpu/oom_limit.py --resolution-mib 4
 
 Each attempt is a real run of 3 optimizer steps through `train.run.run` (the code path of a
 trial) under a budget of L bytes: the caching allocator raises OutOfMemoryError past it. The
@@ -33,7 +33,7 @@ from hydra import compose, initialize_config_dir
 from rich.console import Console
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -125,7 +125,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench/oom_limit.py needs a CUDA device (--device cpu: a dry run)")
+        sys.exit("bench/gpu/oom_limit.py needs a CUDA device (--device cpu: a dry run)")
     cases = CASES if args.device == "cuda" else CPU_CASES
     console = Console(width=160)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

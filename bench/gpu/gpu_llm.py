@@ -15,10 +15,10 @@ their first optimizer step within 60 s of the cell's start (compose, plan, predi
 step 0), with the process's peak host memory (ru_maxrss) under 4 GiB. The peak is the whole
 process's: run one 8B cell per process for its own figure.
 
-    python bench/gpu_llm.py                        # on a GPU: the 1B cells
-    python bench/gpu_llm.py --cells 8b-lora-1x2048 # one 8B cell (a process each)
-    python bench/gpu_llm.py --cells 1b 8b          # groups and cell names mix
-    python bench/gpu_llm.py --device cpu --tiny    # llama3_tiny, 1/8 the tokens: the path on CPU
+    python bench/gpu/gpu_llm.py                        # on a GPU: the 1B cells
+    python bench/gpu/gpu_llm.py --cells 8b-lora-1x2048 # one 8B cell (a process each)
+    python bench/gpu/gpu_llm.py --cells 1b 8b          # groups and cell names mix
+    python bench/gpu/gpu_llm.py --device cpu --tiny    # llama3_tiny, 1/8 the tokens, on CPU
 
 `--tiny` swaps each cell's architecture for `llama3_tiny` (2 layers 64 wide, the same layer
 types) and divides its sequence length by 8, so that the same code runs on a CPU in seconds.
@@ -44,7 +44,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
