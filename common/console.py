@@ -14,7 +14,7 @@ from typing import NoReturn
 from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from common.redact import redact
 
 CONFIG_ERROR_STATUS = 2  # a problem of the config: nothing ran, fix the named key

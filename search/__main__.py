@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from common import interrupts
-from common.config import ConfigError
+from common.checks import ConfigError
 from common.console import config_error, crashed, stopped
 from common.redact import redact_logging
 from search.core.compose import task_overrides

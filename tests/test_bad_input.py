@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from tests.sweeps import run_module
 from train.language.hf import architecture
 from train.language.text import text_corpus

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.sampling.sampler import build_sampler
 from search.sampling.space import parse_space
 from search.study.validate import validate

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from common.config import ConfigError, flag_problems, must_be, number_problems, section_from_mapping
+from common.checks import ConfigError, flag_problems, must_be, number_problems, section_from_mapping
 from common.redact import redact
 
 # The tracking stores MLflow 3 has (a bare path is a file store too), as URI schemes; a

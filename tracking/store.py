@@ -35,7 +35,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from common import interrupts
-from common.config import ConfigError
+from common.checks import ConfigError
 from common.redact import redact
 from tracking.outbox import RETRY_MIN_S, is_transient
 from tracking.outputs import cache_folder, store_examples

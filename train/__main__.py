@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from common.console import config_error, crashed
 from common.redact import redact, redact_logging, redact_tree
 from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_PREFIX, THROUGHPUT_SPREAD, VAL_PREFIX

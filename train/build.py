@@ -19,7 +19,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from common.config import ConfigError, unknown_keys
+from common.checks import ConfigError, unknown_keys
 from train import checkpointing
 from train.batches import Pipeline, to_device
 from train.config import LoaderConfig

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from common.config import (
+from common.checks import (
     ConfigError,
     choice_problems,
     flag_problems,

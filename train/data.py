@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from common.config import number_problems
+from common.checks import number_problems
 
 OFFLINE_HINT = "offline alternatives: data=digits (scikit-learn's bundled digits) or data=synthetic"
 

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 from rich.console import Console
 
-from common.config import ConfigError, not_yaml
+from common.checks import ConfigError, not_yaml
 from common.console import config_error
 
 CONF = Path(__file__).resolve().parent.parent / "conf"  # the entry points' config_path

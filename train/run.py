@@ -21,7 +21,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from common.config import ConfigError, number_problems
+from common.checks import ConfigError, number_problems
 from tracking.metrics import (
     BUDGET_BYTES,
     CUDNN_WORKSPACE_BYTES,

@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from common.config import (
+from common.checks import (
     ConfigError,
     choice_problems,
     flag_problems,

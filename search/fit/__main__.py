@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.markup import escape  # messages carry [...]: not markup
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from common.console import config_error, crashed, stopped
 from common.redact import redact_logging
 from search.core.compose import task_overrides

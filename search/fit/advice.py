@@ -40,7 +40,7 @@ import hydra
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.sampling.space import SearchSpace, parse_space
 from train.config import RunSpec
 from train.device.gpus import GPUS, Gpu

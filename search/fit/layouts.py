@@ -17,7 +17,7 @@ from optuna.distributions import CategoricalDistribution
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.core.study_config import SearchConfig
 from search.fit.render import notes, render
 from search.fit.report import FitReport

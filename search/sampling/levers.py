@@ -20,7 +20,7 @@ import dataclasses
 import torch
 from omegaconf import DictConfig, open_dict
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from train.device.spec import DeviceSpec
 from train.memory.fitting import fits_budget
 from train.memory.predict import PredictionUnsupported

@@ -33,7 +33,7 @@ from optuna.distributions import (
 from optuna.samplers import BaseSampler, GridSampler, TPESampler
 from optuna.trial import FrozenTrial, TrialState
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.core.trial_count import configuration, settled, study_records
 from search.sampling.space import SearchSpace
 from train.params import ACCUM_KEY, BATCH_KEY

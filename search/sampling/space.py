@@ -24,7 +24,7 @@ from optuna.distributions import (
     IntDistribution,
 )
 
-from common.config import ConfigError
+from common.checks import ConfigError
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import optuna
 import tenacity
 from optuna.storages import BaseStorage
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from common.redact import redact
 from search.storage.heartbeat import HeartbeatJournalStorage, HeartbeatRDBStorage, RetryStaleTrial
 from search.storage.journal import SafeJournalFileBackend

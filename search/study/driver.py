@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from common.redact import redact
 from search.core.record import TrialRecord
 from search.core.study_config import Target

@@ -15,7 +15,7 @@ import optuna
 from omegaconf import OmegaConf
 from optuna.storages import BaseStorage
 
-from common.config import ConfigError
+from common.checks import ConfigError
 
 CONFIG_ATTR = "batchfit.config"  # the study's fixed config, to refuse a resume that changes it
 

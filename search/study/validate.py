@@ -27,7 +27,7 @@ from optuna.pruners import BasePruner
 from optuna.samplers import BaseSampler
 from optuna.storages import BaseStorage
 
-from common.config import ConfigError, unknown_keys
+from common.checks import ConfigError, unknown_keys
 from search.core.study_config import (
     OBJECTIVE_METRICS,
     TARGET_METRICS,

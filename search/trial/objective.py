@@ -30,7 +30,7 @@ import optuna
 from omegaconf import OmegaConf
 
 from common import interrupts
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.core.record import (
     DIVERGED,
     MISSED_TARGET,

@@ -16,7 +16,7 @@ from typing import Any
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.core.study_config import SearchConfig
 from search.sampling.space import SearchSpace
 from train.config import RunSpec

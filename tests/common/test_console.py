@@ -12,7 +12,7 @@ import torch
 from hydra.core.global_hydra import GlobalHydra
 from rich.console import Console
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from common.console import config_error, crashed, stopped
 
 URL = "postgresql://bf:secret@db/x"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from tests.faults.disk import fill, tmpfs
 from tracking.runs import Tracker
 

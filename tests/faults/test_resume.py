@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.storage.heartbeat import queue_unretried
 from search.storage.opening import open_storage
 from search.storage.owners import OWNER_ATTR

@@ -12,7 +12,7 @@ import sys
 import pytest
 from rich.console import Console
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.fit.advice import LORA, advise
 from search.fit.layouts import fit_reports
 from search.study.driver import StudyDriver

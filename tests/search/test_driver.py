@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 from rich.console import Console
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.core.record import Attr
 from search.fit.render import summary_lines
 from search.fit.report import Cell, FitReport

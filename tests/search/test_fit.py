@@ -15,7 +15,7 @@ import torch
 from optuna.distributions import CategoricalDistribution
 from rich.console import Console
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.fit.layouts import MAX_LAYOUTS, fit_reports, layouts, show_fit_reports
 from search.fit.render import notes, render
 from search.fit.report import Cell, FitReport

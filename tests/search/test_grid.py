@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from optuna.trial import TrialState
 from rich.console import Console
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.core.record import Attr
 from search.sampling.sampler import build_sampler, grid_of
 from search.sampling.space import parse_space

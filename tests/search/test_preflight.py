@@ -15,7 +15,7 @@ from optuna.trial import TrialState
 from rich.console import Console
 from torch import nn
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.core import trial_count as budget_module
 from search.core.record import Attr
 from search.core.trial_count import num_trained, study_records

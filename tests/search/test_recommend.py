@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.core.record import Attr
 from search.core.study_config import RecommendRule
 from search.results import speed_check

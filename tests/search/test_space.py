@@ -6,7 +6,7 @@ import optuna
 import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.sampling.space import parse_space
 
 

@@ -17,7 +17,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.core.record import Attr
 from search.core.study_config import SearchConfig
 from search.core.trial_count import (

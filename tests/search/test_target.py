@@ -9,7 +9,7 @@ import torch
 from optuna.trial import TrialState
 from rich.console import Console
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.core.record import Attr
 from search.core.study_config import OBJECTIVE_METRICS, SearchConfig, Target
 from search.study.driver import StudyDriver

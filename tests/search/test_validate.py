@@ -12,7 +12,7 @@ import optuna
 import pytest
 from rich.console import Console
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.core.record import Attr
 from search.study.driver import StudyDriver
 from tests.sweeps import run_module

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from tracking.mlflow_config import MlflowConfig
 
 

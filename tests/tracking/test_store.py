@@ -15,7 +15,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 
 import tracking.store
-from common.config import ConfigError
+from common.checks import ConfigError
 from tests.sweeps import free_port
 from tracking.runs import Tracker
 from tracking.store import retry_at_start, schema_lock

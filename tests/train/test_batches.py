@@ -19,7 +19,7 @@ from torch.utils.data import Dataset, TensorDataset
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import ToTensor
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from tracking.metrics import DATA_WAIT_SHARE, VAL_ACC, VAL_LOSS
 from train.batches import SHAPE_SAMPLES, Pipeline, StepSampler, steps_plan
 from train.build import build_data, build_loader

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from search.fit.layouts import fit_reports
 from search.study.validate import validate
 from train import checkpointing

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_method
 from omegaconf import OmegaConf
 
-from common.config import ConfigError, unknown_keys
+from common.checks import ConfigError, unknown_keys
 from train.config import DEVICES, LR_SCALING_RULES, TrainerConfig
 from train.device.sizes import parse_budget
 

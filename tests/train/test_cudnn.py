@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from tracking.metrics import CUDNN_WORKSPACE_BYTES
 from train.config import RunSpec, TrainerConfig
 from train.device.allocator_settings import AllocatorSettings

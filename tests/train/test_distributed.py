@@ -12,7 +12,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from train.config import TrainerConfig
 from train.measure.memory import OutOfMemory
 from train.run import plan, run

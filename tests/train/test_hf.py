@@ -13,7 +13,7 @@ import torch
 import transformers
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from train.build import build_data, build_model, build_optimizer, build_pipeline, build_task
 from train.checkpointing import hugging_face_checkpointed
 from train.language.hf import architectures, causal_lm

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from train.overrides import merge_overrides, override_key
 
 

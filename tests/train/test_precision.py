@@ -13,7 +13,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_every_precision_is_accepted_and_an_unknown_one_is_refused_with_the_list():
-    from common.config import ConfigError
+    from common.checks import ConfigError
     from train.config import TrainerConfig
 
     for name in PRECISIONS:  # each one a run may use, and each with autocast behind it

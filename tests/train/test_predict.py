@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from train.build import build_data, build_model, build_optimizer, build_pipeline, build_task
 from train.config import TrainerConfig
 from train.memory.fitting import largest_fitting_batch

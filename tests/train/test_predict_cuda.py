@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from tracking.metrics import PREDICTED_BYTES, PREDICTED_RESERVED_BYTES, PREDICTION_ERROR
 from train.config import TrainerConfig
 from train.device.allocator_settings import AllocatorSettings

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from common.config import ConfigError
+from common.checks import ConfigError
 from tests.sweeps import clean_env
 from train.parallel.threads import busy_cores, plan_threads, usable_cores
 

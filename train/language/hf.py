@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import (
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from common.config import not_yaml
+from common.checks import not_yaml
 from train.language import quantize
 
 ARCHITECTURES = Path(__file__).resolve().parents[2] / "conf" / "architecture"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from common.config import ConfigError, flag_problems, number_problems
+from common.checks import ConfigError, flag_problems, number_problems
 from train.config import TrainerConfig
 from train.device.sizes import format_bytes
 from train.memory.fitting import fits_budget, largest_fitting_batch

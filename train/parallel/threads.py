@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import ConfigError, is_integer, must_be
+from common.checks import ConfigError, is_integer, must_be
 
 KEY = "search.threads"
 
