@@ -36,7 +36,8 @@ if str(REPO) not in sys.path:
 
 from tracking.metrics import THROUGHPUT_TOKENS  # noqa: E402
 from train.device.sizes import format_bytes  # noqa: E402
-from train.run import plan, run  # noqa: E402
+from train.plan import plan  # noqa: E402
+from train.run import run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
 
 # The GPT of conf/model/gpt.yaml on the stdlib's source: a model with blocks (FSDP shards

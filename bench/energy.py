@@ -47,8 +47,8 @@ from tracking.metrics import (  # noqa: E402
     THROUGHPUT_SAMPLES,
 )
 from train.measure.energy import why_unmeasured  # noqa: E402
+from train.plan import resolve_device  # noqa: E402
 from train.precision import unsupported_reason  # noqa: E402
-from train.run import resolve_device  # noqa: E402
 
 NAME = "energy-bench"
 

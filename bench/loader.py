@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tracking.metrics import DATA_WAIT_SHARE  # noqa: E402
-from train.run import plan, run  # noqa: E402
+from train.plan import plan  # noqa: E402
+from train.run import run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
 
 

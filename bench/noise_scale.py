@@ -8,7 +8,7 @@ McCandlish et al. 2018, "An Empirical Model of Large-Batch Training" (arXiv 1812
 training to a fixed loss at batch size B takes S = S_min (1 + B_crit / B) optimizer steps
 at the best learning rate for that B, and the critical batch B_crit is predicted, up to a
 factor of a few, by the simple noise scale B_simple = tr(Σ) / |G|² measured along the run.
-This bench checks both claims on batchfit's own training path (`train.run.plan` and
+This bench checks both claims on batchfit's own training path (`train.plan.plan` and
 `train.run.run`, what a trial runs), on two tasks:
 
 - **digits**: `model=mlp data=digits`, SGD (Nesterov momentum 0.9), constant learning rate;
@@ -67,7 +67,8 @@ from search.results.critical_batch import NoFit, StepsModel, fit_steps  # noqa: 
 from tracking.metrics import (  # noqa: E402
     VAL_LOSS,
 )
-from train.run import plan, run  # noqa: E402
+from train.plan import plan  # noqa: E402
+from train.run import run  # noqa: E402
 from train.step import Diverged, Hooks  # noqa: E402
 from train.workload import Workloads  # noqa: E402
 

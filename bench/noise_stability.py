@@ -5,7 +5,7 @@
 
 Trains the quick start's ResNet-18 on digits (`+experiment=resnet data=digits`, its schedule,
 a learning rate of 0.1 at 128) in fixed configurations (STABILITY) at `--seeds` seeds through
-batchfit's own training path (`train.run.plan` and `train.run.run`, what a trial runs), and
+batchfit's own training path (`train.plan.plan` and `train.run.run`, what a trial runs), and
 prints each seed's B_simple as the run logged it (stats/grad_noise_scale, train/measure/noise.py),
 its 95% interval and the steps it rests on. Verdict (exit status 0 PASS, 1 FAIL): every seed has
 a figure, and the largest over the smallest is at most STABILITY_FACTOR (2) per configuration.
@@ -35,7 +35,8 @@ from tracking.metrics import (  # noqa: E402
     GRAD_NOISE_SCALE_LOW,
     GRAD_NOISE_STEPS,
 )
-from train.run import plan, run  # noqa: E402
+from train.plan import plan  # noqa: E402
+from train.run import run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
 
 Compose = Callable[[list[str]], DictConfig]

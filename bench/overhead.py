@@ -63,7 +63,7 @@ from tracking.metrics import TRAIN_FINAL_LOSS, TRAIN_LOSS  # noqa: E402
 from train.batches import steps_plan  # noqa: E402
 from train.build import build_model, build_optimizer, build_scheduler  # noqa: E402
 from train.loop import split_window  # noqa: E402
-from train.run import plan  # noqa: E402
+from train.plan import plan  # noqa: E402
 from train.workload import Workload, Workloads  # noqa: E402
 
 CONF_DIR = REPO / "conf"

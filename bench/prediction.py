@@ -74,7 +74,8 @@ if str(REPO) not in sys.path:
 
 from train.device.sizes import format_bytes  # noqa: E402
 from train.measure.memory import release_memory  # noqa: E402
-from train.run import plan, run  # noqa: E402
+from train.plan import plan  # noqa: E402
+from train.run import run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
 
 MODELS = ["small_cnn", "mlp", "resnet18", "resnet50"]

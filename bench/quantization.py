@@ -40,7 +40,8 @@ if str(REPO) not in sys.path:
 
 from tracking.metrics import VAL_LOSS  # noqa: E402
 from train.language.quantize import quant_state_tensors  # noqa: E402
-from train.run import plan, run  # noqa: E402
+from train.plan import plan  # noqa: E402
+from train.run import run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
 
 GiB, MiB = 2**30, 2**20

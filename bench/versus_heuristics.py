@@ -52,7 +52,8 @@ from search.core.trial_count import num_trained  # noqa: E402
 from search.study.driver import StudyDriver  # noqa: E402
 from tracking.metrics import TO_TARGET_S, VAL_ACC  # noqa: E402
 from train.measure.memory import OutOfMemory, release_memory  # noqa: E402
-from train.run import plan, run  # noqa: E402
+from train.plan import plan  # noqa: E402
+from train.run import run  # noqa: E402
 from train.workload import Workloads  # noqa: E402
 
 WORKLOAD = [

@@ -26,13 +26,13 @@ from rich.console import Console
 from common import interrupts
 from common.checks import ConfigError
 from common.console import config_error, crashed, stopped
+from common.overrides import composed, run_entry_point, unknown_top_level
 from common.redact import redact_logging
 from search.core.compose import task_overrides
 from search.storage.failures import storage_failure
 from search.study.driver import StudyDriver
 from search.study.tracking_state import TrackingIncomplete
 from tracking.mlflow_setup import http_defaults, quiet_logging
-from train.overrides import composed, run_entry_point, unknown_top_level
 from train.parallel.threads import plan_threads
 
 

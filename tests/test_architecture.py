@@ -33,7 +33,7 @@ LAYERS = {
     "train": (
         ("device",),  # the GPU table, the device spec, allocator and cuDNN settings, byte sizes
         # the basics: settings, data, models, tasks, batches, builders
-        ("params", "config", "precision", "tasks", "data", "models", "lr", "overrides",
+        ("params", "config", "precision", "tasks", "data", "models", "lr", "plan",
          "language", "batches", "checkpointing", "build", "model_file"),
         ("measure", "parallel"),  # the instruments and the ranks they read across
         ("step",),  # one optimizer step, the hooks, the run's result

@@ -14,7 +14,8 @@ from common.checks import ConfigError
 from tests.sweeps import run_module
 from train.language.hf import architecture
 from train.language.text import text_corpus
-from train.run import check_builds, plan
+from train.plan import plan
+from train.run import check_builds
 
 FAST = ["model=small_cnn", "model.width=4", "data=digits", "trainer.max_epochs=1"]
 ENTRY_POINTS = ["search", "search.fit", "train"]
@@ -179,8 +180,8 @@ def test_lora_targets_match_any_module_and_the_bundled_list_is_not_checked() -> 
     import yaml
     from transformers import AutoModelForCausalLM, GPT2Config
 
+    from common.overrides import CONF
     from train.language.hf import DEFAULT_TARGETS, _check_targets
-    from train.overrides import CONF
 
     bundled = yaml.safe_load((CONF / "model" / "hf_causal_lm.yaml").read_text())
     assert bundled["lora"]["target_modules"] == DEFAULT_TARGETS
@@ -205,7 +206,7 @@ def test_hydra_full_error_is_given_back_as_the_user_had_it(monkeypatch, users) -
     """run_checked sets HYDRA_FULL_ERROR=1 while Hydra composes (its errors then reach
     batchfit's message); the task, or a multirun before it launches any job, finds the
     user's own value again (none, 0, or 1), so that no job or launcher inherits ours."""
-    from train.overrides import Composed, run_checked
+    from common.overrides import Composed, run_checked
 
     if users is None:
         monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)

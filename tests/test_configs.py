@@ -23,7 +23,8 @@ from train.build import (
     build_task,
 )
 from train.data import Datasets, Splits, split
-from train.run import plan, run
+from train.plan import plan
+from train.run import run
 from train.tasks import logits_of
 
 CPU = torch.device("cpu")

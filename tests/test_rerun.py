@@ -32,8 +32,8 @@ from train.measure.evaluate import evaluate
 from train.memory.fitting import fits_budget
 from train.model_file import load, rebuild
 from train.params import EFFECTIVE_PARAM, LR_PARAM, LR_REF_PARAM, LR_RULE_PARAM
+from train.plan import plan
 from train.precision import Precision
-from train.run import plan
 from train.workload import Workloads
 
 pytestmark = pytest.mark.slow

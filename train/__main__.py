@@ -36,6 +36,15 @@ from rich.markup import escape  # messages carry [...]: not markup
 
 from common.checks import ConfigError
 from common.console import config_error, crashed
+from common.overrides import (
+    BEST_KEY,
+    composed,
+    load_overrides,
+    merge_overrides,
+    override_key,
+    run_entry_point,
+    unknown_top_level,
+)
 from common.redact import redact, redact_logging, redact_tree
 from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_PREFIX, THROUGHPUT_SPREAD, VAL_PREFIX
 from tracking.mlflow_config import MlflowConfig
@@ -52,33 +61,18 @@ from tracking.tags import (
     TRIAL_TAG,
 )
 from train import model_file
+from train.config import RunSpec
 from train.device.sizes import format_bytes
 from train.measure.energy import ENERGY_TAG
 from train.measure.flops import MFU_NOTE_TAG
 from train.measure.memory import OutOfMemory
 from train.measure.noise import NOISE_TAG
-from train.memory.predict import Prediction, PredictionUnsupported
-from train.memory.preflight import PreflightConfig, misfit
-from train.overrides import (
-    BEST_KEY,
-    composed,
-    load_overrides,
-    merge_overrides,
-    override_key,
-    run_entry_point,
-    unknown_top_level,
-)
+from train.memory.predict import Prediction
+from train.memory.preflight import PreflightConfig
 from train.parallel.threads import KEY as THREADS_KEY
 from train.parallel.threads import Threads, plan_threads
-from train.run import (
-    RunSpec,
-    Trained,
-    check_builds,
-    plan,
-    planned_elsewhere,
-    train_one,
-    with_gpu_budget,
-)
+from train.plan import plan, planned_elsewhere, with_gpu_budget
+from train.run import Planned, Trained, check_builds
 from train.step import Diverged, Hooks
 from train.workload import Workload, Workloads
 
@@ -104,14 +98,27 @@ class Retrain:
 class Prepared:
     """A run validated, predicted to fit, and its MLflow store reached: ready to train."""
 
-    cfg: DictConfig
-    overrides: list[str]  # that composed cfg (best.yaml's, then the command line's)
-    spec: RunSpec
-    workload: Workload  # its data, task and memory predictor, built once
-    prediction: Prediction | None
+    planned: Planned  # the run planned and predicted (train/run.py), ready to train
+    overrides: list[str]  # that composed its cfg (best.yaml's, then the command line's)
     retrain: Retrain | None
     save_path: Path | None
     tracker: Tracker
+
+    @property
+    def cfg(self) -> DictConfig:
+        return self.planned.cfg
+
+    @property
+    def spec(self) -> RunSpec:
+        return self.planned.spec
+
+    @property
+    def workload(self) -> Workload:
+        return self.planned.workload
+
+    @property
+    def prediction(self) -> Prediction | None:
+        return self.planned.prediction
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -180,12 +187,10 @@ def _prepare(cfg: DictConfig, console: Console) -> Prepared:
     problems += [elsewhere] if elsewhere else []
     if problems:
         raise ConfigError(problems)
-    workloads = Workloads()
-    prediction = _fitting_prediction(cfg, spec, preflight, console, workloads)
+    planned = _preflight(cfg, spec, preflight, console, Workloads())
     experiment = retrain.study if retrain else EXPERIMENT
     tracker = Tracker.from_config(cfg.mlflow, experiment)
-    workload = workloads.of(cfg)
-    return Prepared(cfg, overrides, spec, workload, prediction, retrain, save_path, tracker)
+    return Prepared(planned, overrides, retrain, save_path, tracker)
 
 
 def _threads_line(threads: Threads) -> str:
@@ -213,36 +218,27 @@ def _collected(problems: list[str], check: Callable[[], T]) -> T:
         return None  # type: ignore[return-value]  # unused: the problems are raised
 
 
-def _fitting_prediction(
+def _preflight(
     cfg: DictConfig,
     spec: RunSpec,
     preflight: PreflightConfig,
     console: Console,
     workloads: Workloads,
-) -> Prediction | None:
-    """The run's predicted peak, once data and model build; a ConfigError, with what fits
-    instead, when it is over the budget by a trial's rule (train/memory/preflight.py, as
-    search/trial/trial_config.py applies it), unless search.preflight=false. None: the model cannot
-    be predicted, its memory is measured."""
+) -> Planned:
+    """The run planned and its step predicted, once data and model build; a ConfigError,
+    with what fits instead, when it is over the budget by a trial's rule
+    (train/memory/preflight.py, as search/trial/trial_config.py applies it), unless
+    search.preflight=false. A model that cannot be predicted has its memory measured."""
     note = check_builds(cfg, spec, workloads)
-    workload = workloads.of(cfg)
-    prediction = None
-    try:
-        prediction = workload.predict(spec, cfg.optimizer)
-    except PredictionUnsupported as error:
-        note = f"memory is not predicted for this model ({error}); it is measured as it trains"
+    planned = Planned.of(cfg, spec, workloads)
+    if planned.unsupported is not None:
+        note = (
+            f"memory is not predicted for this model ({planned.unsupported}); it is measured "
+            "as it trains"
+        )
     if note:
         console.print(f"[yellow]note[/yellow] {escape(note)}", soft_wrap=True)
-    if prediction is None:
-        return None
-    found = misfit(
-        workload.predictor(spec, cfg.optimizer),
-        spec.trainer,
-        workload.num_train,
-        prediction,
-        spec.budget_bytes,
-        preflight.preflight_margin,
-    )
+    found = planned.misfit(preflight.preflight_margin)
     if found is not None and preflight.preflight:
         raise ConfigError([found.message()])
     if found is not None:
@@ -251,7 +247,7 @@ def _fitting_prediction(
             "search.preflight=false says",
             soft_wrap=True,
         )
-    return prediction
+    return planned
 
 
 def _recommended(cfg: DictConfig, console: Console) -> tuple[DictConfig, list[str], Retrain | None]:
@@ -365,7 +361,7 @@ def _fit_logged(
     )
     try:
         with ready.tracker.system_metrics(log.run_id):
-            done = train_one(ready.cfg, ready.spec, hooks, ready.workload, ready.prediction)
+            done = ready.planned.train(hooks)
             return done, trained[0]
     except (OutOfMemory, Diverged) as error:
         reason = OOM if isinstance(error, OutOfMemory) else DIVERGED

@@ -3,7 +3,7 @@ the RunSpec derived from them: what a run will do, before anything is built.
 
 YAML holds the values; the entry points turn them into these frozen dataclasses, which check
 themselves in `__post_init__` and report every problem at once as a `ConfigError`.
-`train.run.plan` derives the RunSpec (device, budget, scaled learning rate); it lives here,
+`train.plan.plan` derives the RunSpec (device, budget, scaled learning rate); it lives here,
 not in train/run.py, so that train/workload.py, which train/run.py imports, can take one.
 """
 

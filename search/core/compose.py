@@ -15,7 +15,7 @@ from pathlib import Path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 
-from train.overrides import override_key
+from common.overrides import override_key
 
 SEARCHPATH_KEY = "hydra.searchpath"
 _FILE = "file://"

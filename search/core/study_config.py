@@ -40,7 +40,7 @@ from tracking.metrics import (
 from train.config import RunSpec
 from train.memory.predict import PredictionUnsupported
 from train.memory.preflight import UNMEASURED_MARGIN, Margin, margin_problems, step_margin
-from train.run import USABLE, gpu_budget_problems
+from train.plan import USABLE, gpu_budget_problems
 from train.tasks import Classification, Task
 from train.workload import Workloads
 

@@ -12,14 +12,15 @@ from rich.markup import escape  # messages carry [...]: not markup
 
 from common.checks import ConfigError
 from common.console import config_error, crashed, stopped
+from common.overrides import composed, run_entry_point, unknown_top_level
 from common.redact import redact_logging
 from search.core.compose import task_overrides
 from search.fit.advice import what_would_fit
 from search.fit.layouts import COMMAND, NOTHING_FITS, nothing_fits, show_fit_reports
 from search.sampling.levers import with_default_space
 from train.memory.predict import PredictionUnsupported
-from train.overrides import composed, run_entry_point, unknown_top_level
-from train.run import OverBudget, with_gpu_budget
+from train.plan import with_gpu_budget
+from train.run import OverBudget
 from train.workload import Workloads
 
 UNSUPPORTED_STATUS = 3  # the model does not run on fake tensors: nothing to report

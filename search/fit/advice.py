@@ -41,6 +41,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from common.checks import ConfigError
+from common.overrides import merge_overrides
 from search.sampling.space import SearchSpace, parse_space
 from train.config import RunSpec
 from train.device.gpus import GPUS, Gpu
@@ -48,10 +49,8 @@ from train.device.sizes import format_bytes
 from train.memory.fitting import fits_budget
 from train.memory.predict import MemoryPredictor, PredictionUnsupported
 from train.memory.preflight import UNMEASURED_MARGIN, Margin, step_margin
-from train.overrides import merge_overrides
 from train.params import CHECKPOINTING_KEY, DEVICES_KEY, PRECISION_KEY, STRATEGY_KEY
-from train.precision import unsupported_reason
-from train.run import (
+from train.plan import (
     GPU_KEY,
     budget_source,
     card_budget_bytes,
@@ -59,6 +58,7 @@ from train.run import (
     plan,
     with_gpu_budget,
 )
+from train.precision import unsupported_reason
 from train.workload import Workloads
 
 FOUND = 2  # levers that fit, printed; the search stops there

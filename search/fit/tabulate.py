@@ -29,8 +29,8 @@ from train.params import (
     EFFECTIVE_KEY,
     PRECISION_KEY,
 )
+from train.plan import budget_source
 from train.precision import unsupported_reason
-from train.run import budget_source
 from train.workload import Workloads
 
 

@@ -28,13 +28,13 @@ from typing import Any
 from omegaconf import OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
+from common.overrides import BEST_KEY, override_key
 from search.core.record import TrialRecord
 from search.core.study_config import RecommendRule
 from search.results import speed_check, time_to_target
 from search.sampling.space import override_value
 from tracking.metrics import ENERGY_PREFIX
 from train.launch.speed_probe import Speed
-from train.overrides import BEST_KEY, override_key
 
 
 def metric_value(trial: FrozenTrial, name: str) -> float | None:

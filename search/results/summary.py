@@ -26,6 +26,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from common.overrides import BEST_KEY, override_key
 from common.redact import redact
 from search.core.record import PRUNER, TrialRecord, mib, records
 from search.core.trial_count import num_trained
@@ -45,7 +46,6 @@ from tracking.metrics import (
     joules_per,
 )
 from train.device.sizes import format_bytes
-from train.overrides import BEST_KEY, override_key
 from train.parallel.threads import usable_cores
 from train.params import (
     ACCUM_KEY,

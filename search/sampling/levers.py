@@ -25,8 +25,8 @@ from train.device.spec import DeviceSpec
 from train.memory.fitting import fits_budget
 from train.memory.predict import PredictionUnsupported
 from train.memory.preflight import step_margin
+from train.plan import plan
 from train.precision import unsupported_reason
-from train.run import plan
 from train.workload import Workloads
 
 BATCH_CHOICES = 5

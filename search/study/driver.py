@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from common.checks import ConfigError
+from common.overrides import override_key
 from common.redact import redact
 from search.core.record import TrialRecord
 from search.core.study_config import Target
@@ -41,16 +42,10 @@ from tracking.metrics import STORAGE_S, TRACKING_S, VAL_LOSS
 from tracking.mlflow_ui import ui_link
 from tracking.overhead import CallClock, Lap, storage_methods
 from tracking.runs import RunLog, Tracker
+from train.config import RunSpec
 from train.memory.predict import PredictionUnsupported
-from train.overrides import override_key
-from train.run import (
-    OverBudget,
-    RunSpec,
-    planned_elsewhere,
-    resolve_device,
-    with_gpu_budget,
-    with_lr_reference,
-)
+from train.plan import planned_elsewhere, resolve_device, with_gpu_budget, with_lr_reference
+from train.run import OverBudget
 from train.workload import Workloads
 
 PARENT_ATTR = "mlflow_parent_run_id"

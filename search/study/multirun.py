@@ -19,9 +19,9 @@ import optuna
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from common.overrides import BEST_FILE
 from common.redact import redact
 from search.study.decision import Decision
-from train.overrides import BEST_FILE
 
 
 def _launcher(config: DictConfig) -> str:

@@ -20,6 +20,7 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
+from common.overrides import BEST_FILE
 from common.redact import redact
 from search.core.record import records
 from search.core.study_config import RecommendRule
@@ -30,7 +31,6 @@ from search.results.recommend import Recommendation, best_document, recommend
 from search.study.decision import Decision
 from tracking.runs import RunLog
 from tracking.tags import RECOMMENDED_TAG
-from train.overrides import BEST_FILE
 
 PUBLISH_EVERY_S = 15.0
 PLOTS_EVERY_S = 60.0

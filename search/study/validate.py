@@ -28,6 +28,7 @@ from optuna.samplers import BaseSampler
 from optuna.storages import BaseStorage
 
 from common.checks import ConfigError, unknown_keys
+from common.overrides import override_key
 from search.core.study_config import (
     OBJECTIVE_METRICS,
     TARGET_METRICS,
@@ -45,7 +46,6 @@ from tracking.mlflow_config import MlflowConfig
 from train.build import build_task
 from train.config import RunSpec
 from train.measure.energy import needs_energy, why_unmeasured
-from train.overrides import override_key
 from train.params import (
     ACCUM_KEY,
     BATCH_KEY,
@@ -54,8 +54,9 @@ from train.params import (
     PRECISION_KEY,
     STRATEGY_KEY,
 )
+from train.plan import plan, resolve_device
 from train.precision import unsupported_reason
-from train.run import OverBudget, check_builds, check_model_builds, plan, resolve_device
+from train.run import OverBudget, check_builds, check_model_builds
 from train.workload import Workloads
 
 _MISSING = object()

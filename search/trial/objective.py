@@ -63,7 +63,7 @@ from train.measure.flops import MFU_NOTE_TAG
 from train.measure.memory import MemoryStats, OutOfMemory, release_memory
 from train.measure.noise import NOISE_TAG
 from train.memory.predict import Prediction
-from train.run import Trained, train_one
+from train.run import Trained
 from train.step import Diverged, Hooks, RunResult
 
 
@@ -182,19 +182,19 @@ class Objective:
     def _log_config(self, run_log: RunLog, begun: TrialRecord, configured: Configured) -> None:
         """What the trial trains with, searched or not, its data and its whole config."""
         cfg = configured.cfg
-        data = self.configure.workloads.of(cfg).data_params()
+        data = configured.planned.workload.data_params()
         run_log.params({**begun.run, **begun.params, **data})
         run_log.text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
 
     def _train(self, trial: optuna.Trial, configured: Configured, log: RunLog) -> Outcome:
-        cfg, spec = configured.cfg, configured.spec
+        spec = configured.spec
         yardstick = Yardstick.of(study_records(trial.study))
         watch = _Watch(
             TimeBudget(self.settings.trial_time_budget_s, yardstick),
             TargetWatch(self.settings.target),
             configured.prediction,
         )
-        workload = self.configure.workloads.of(cfg)
+        workload = configured.planned.workload
         steps_per_epoch, num_steps = steps_plan(workload.num_train, spec.trainer)
         per_epoch = self.settings.validations_per_epoch
         if self.settings.target is not None and per_epoch is None:
@@ -220,7 +220,7 @@ class Objective:
         )
         try:
             with self.tracker.system_metrics(log.run_id):
-                trained = train_one(cfg, spec, hooks, workload, configured.prediction)
+                trained = replace(configured.planned, spec=spec).train(hooks)
             outcome = self._completed(trial, spec, trained, watch, log)
         except OutOfMemory as oom:
             seen = {**watch.seen(), "memory": None}  # the OOM's peak, not as far as it ran

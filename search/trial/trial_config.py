@@ -21,21 +21,33 @@ from search.core.study_config import SearchConfig
 from search.sampling.space import SearchSpace
 from train.config import RunSpec
 from train.device.sizes import format_bytes
-from train.memory.fitting import fits_budget, largest_fitting_batch
+from train.memory.fitting import largest_fitting_batch
 from train.memory.predict import Prediction, PredictionUnsupported
 from train.params import ACCUM_KEY, BATCH_KEY
-from train.run import plan
+from train.plan import plan
+from train.run import Planned
 from train.workload import Workloads
 
 
 @dataclass(frozen=True)
 class Configured:
-    """A trial ready to train, or known not to fit before it trains."""
+    """A trial ready to train (its run planned and predicted: train/run.py `Planned`), or
+    known not to fit before it trains."""
 
-    cfg: DictConfig
-    spec: RunSpec
-    prediction: Prediction | None  # None: not predicted (the model does not run on fakes)
+    planned: Planned
     fits: bool
+
+    @property
+    def cfg(self) -> DictConfig:
+        return self.planned.cfg
+
+    @property
+    def spec(self) -> RunSpec:
+        return self.planned.spec
+
+    @property
+    def prediction(self) -> Prediction | None:  # None: not predicted (or not asked)
+        return self.planned.prediction
 
     def misfit_message(self, margin: float) -> str:
         """Why a trial that does not fit is pruned before it trains."""
@@ -74,24 +86,17 @@ class Configurer:
         if self.settings.accumulation == "derived":
             return self._derive(overrides)
         cfg = self._compose(overrides)
-        spec = plan(cfg, self.settings.memory_budget)
-        if not self.settings.preflight:
-            return Configured(cfg, spec, None, True)
-        prediction = self._prediction(cfg, spec)
-        return Configured(cfg, spec, prediction, self._fits(prediction, spec.budget_bytes))
+        budget, preflight = self.settings.memory_budget, self.settings.preflight
+        planned = Planned.planned(cfg, budget, self.workloads, predict=preflight)
+        if planned.unsupported is not None:
+            self.say_unsupported(planned.unsupported)
+        return Configured(planned, planned.fits(self.settings.preflight_margin))
 
     def _compose(self, overrides: list[str]) -> DictConfig:
         try:
             return self.compose(overrides)
         except HydraException as error:
             raise ConfigError([f"trial overrides {overrides} do not compose: {error}"]) from None
-
-    def _prediction(self, cfg: DictConfig, spec: RunSpec) -> Prediction | None:
-        try:
-            return self.workloads.of(cfg).predict(spec, cfg.optimizer)
-        except PredictionUnsupported as error:
-            self.say_unsupported(error)
-            return None
 
     def say_unsupported(self, error: PredictionUnsupported) -> None:
         if not self._unsupported_said:
@@ -100,11 +105,6 @@ class Configurer:
                 f"memory is not predicted for this model: it does not run on fake tensors "
                 f"({error}); trials measure their memory as they train"
             )
-
-    def _fits(self, prediction: Prediction | None, budget_bytes: int | None) -> bool:
-        if prediction is None or budget_bytes is None:
-            return True
-        return fits_budget(prediction.peak_bytes, budget_bytes, self.settings.preflight_margin)
 
     def _derive(self, overrides: list[str]) -> Configured:
         # First as one micro-batch of the whole effective batch (a consistent config) ...
@@ -120,15 +120,17 @@ class Configurer:
             )
         except PredictionUnsupported as error:
             self.say_unsupported(error)
-            return Configured(cfg, spec, None, True)
+            return Configured(Planned.of(cfg, spec, self.workloads, predict=False), True)
         if found is None:  # not even a micro-batch of 1 fits (or trains)
             try:
                 prediction = predictor.predict(spec.trainer, num_train)
             except PredictionUnsupported:
                 prediction = None
-            return Configured(cfg, spec, prediction, False)
+            planned = Planned.of(cfg, spec, self.workloads, prediction=prediction, predict=False)
+            return Configured(planned, False)
         # ... then as the largest micro-batch that fits, accumulated to the effective batch.
         batch_size, prediction = found
         split = [f"{BATCH_KEY}={batch_size}", f"{ACCUM_KEY}={effective // batch_size}"]
         cfg = self._compose(overrides + split)
-        return Configured(cfg, plan(cfg, self.settings.memory_budget), prediction, True)
+        spec = plan(cfg, self.settings.memory_budget)
+        return Configured(Planned.of(cfg, spec, self.workloads, prediction=prediction), True)

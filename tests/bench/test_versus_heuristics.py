@@ -4,7 +4,7 @@ originals do: grown from 2 (Lightning) and halved from a start (Hugging Face).""
 from __future__ import annotations
 
 from bench import versus_heuristics as bench
-from train.run import plan
+from train.plan import plan
 from train.workload import Workloads
 
 

@@ -20,7 +20,8 @@ from search.study.validate import validate
 from tests.conftest import REPO
 from train.device.gpus import gpu
 from train.device.sizes import format_bytes
-from train.run import OverBudget, plan, with_gpu_budget
+from train.plan import plan, with_gpu_budget
+from train.run import OverBudget
 from train.workload import Workloads
 
 # Full fine-tuning of the tiny Llama on this CPU, its batch 1 at the space's shortest

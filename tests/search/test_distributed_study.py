@@ -28,7 +28,7 @@ from tracking.metrics import (
     THROUGHPUT_SAMPLES,
     VAL_ACC,
 )
-from train.run import plan
+from train.plan import plan
 from train.workload import Workloads
 
 pytestmark = pytest.mark.slow

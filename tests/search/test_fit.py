@@ -25,8 +25,8 @@ from search.study.validate import validate
 from train.device.gpus import GPUS, gpu
 from train.memory.preflight import Margin
 from train.memory.reserve import predict_reserved
+from train.plan import plan, with_gpu_budget
 from train.precision import unsupported_reason
-from train.run import plan, with_gpu_budget
 from train.workload import Workloads
 
 SMALL = [

@@ -29,7 +29,7 @@ from train.memory.fitting import largest_fitting_batch
 from train.memory.predict import PredictionUnsupported
 from train.memory.preflight import MARGIN_KEY, Margin, Misfit, PreflightConfig
 from train.params import EFFECTIVE_PARAM
-from train.run import plan
+from train.plan import plan
 from train.workload import Workloads
 
 FAST = [

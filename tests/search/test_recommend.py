@@ -14,6 +14,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from common.checks import ConfigError
+from common.overrides import load_overrides, merge_overrides
 from search.core.record import Attr
 from search.core.study_config import RecommendRule
 from search.results import speed_check
@@ -30,7 +31,6 @@ from tracking.metrics import (
     VAL_LOSS,
 )
 from train.launch.speed_probe import Speed
-from train.overrides import load_overrides, merge_overrides
 
 ACC, LOSS, SPEED, PEAK = VAL_ACC, VAL_LOSS, THROUGHPUT_SAMPLES, PEAK_BYTES
 BATCHES = CategoricalDistribution([16, 32, 64, 128, 256, 512])

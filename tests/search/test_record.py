@@ -15,10 +15,9 @@ from search.core.record import Attr, Outcome, TrialRecord
 from search.core.study_config import SearchConfig
 from search.trial.ending import trial_record, write
 from tracking.metrics import STEP_MS, THROUGHPUT_TOKENS, VAL_ACC
-from train.config import TrainerConfig
+from train.config import RunSpec, TrainerConfig
 from train.device.spec import DeviceSpec
 from train.params import ACCUM_KEY, BATCH_KEY, PRECISION_KEY
-from train.run import RunSpec
 
 RUN = {BATCH_KEY: 64, ACCUM_KEY: 2, PRECISION_KEY: "bf16", "device": "cpu"}
 

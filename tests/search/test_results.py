@@ -17,6 +17,7 @@ from optuna.trial import TrialState, create_trial
 from PIL import Image
 from rich.console import Console
 
+from common.overrides import load_overrides
 from search.core.record import TrialRecord
 from search.core.study_config import RecommendRule
 from search.results import batch_plots, plots, points, summary
@@ -27,7 +28,6 @@ from search.study.publish import PLOTS_EVERY_S, PUBLISH_EVERY_S, RECOMMENDED_TAG
 from tracking.metrics import PEAK_BYTES, THROUGHPUT_SAMPLES, TRAIN_LOSS, VAL_ACC, VAL_LOSS
 from tracking.runs import Tracker
 from tracking.tags import NOTE_TAG
-from train.overrides import load_overrides
 
 METRICS = [VAL_ACC, THROUGHPUT_SAMPLES]
 MIB = 2**20

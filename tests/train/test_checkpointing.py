@@ -15,7 +15,8 @@ from train import checkpointing
 from train.build import build_task
 from train.config import TrainerConfig
 from train.models import resnet18
-from train.run import plan, run
+from train.plan import plan
+from train.run import run
 from train.workload import Workloads
 
 GPT = [

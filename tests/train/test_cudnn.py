@@ -32,7 +32,8 @@ from train.device.spec import DeviceSpec
 from train.measure.memory import TensorMemoryTracker
 from train.memory.cudnn import conv_composites
 from train.memory.predict import MemoryPredictor
-from train.run import memory_figures, plan
+from train.plan import plan
+from train.run import memory_figures
 from train.workload import Workloads
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

@@ -15,7 +15,8 @@ from torch import nn
 from common.checks import ConfigError
 from train.config import TrainerConfig
 from train.measure.memory import OutOfMemory
-from train.run import plan, run
+from train.plan import plan
+from train.run import run
 from train.step import Hooks, RunResult
 from train.workload import Workloads
 

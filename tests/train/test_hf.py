@@ -18,8 +18,9 @@ from train.build import build_data, build_model, build_optimizer, build_pipeline
 from train.checkpointing import hugging_face_checkpointed
 from train.language.hf import architectures, causal_lm
 from train.language.text import python_stdlib, stdlib_source, text_corpus
+from train.plan import plan
 from train.precision import Precision
-from train.run import check_builds, plan, run
+from train.run import check_builds, run
 from train.step import optimizer_step
 from train.tasks import CausalLM
 from train.workload import Workloads

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from train.lr import constant, rule_for, scaled_lr, warmup_cosine
-from train.run import plan, with_lr_reference
+from train.plan import plan, with_lr_reference
 
 
 @pytest.mark.parametrize(

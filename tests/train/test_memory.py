@@ -631,7 +631,7 @@ def test_cuda_meter_does_not_need_the_tracker(cuda_clean):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_device_without_index_is_accepted_by_the_meter():
     # torch.device("cuda") has no index; set_per_process_memory_fraction needs one.
-    from train.run import resolve_device
+    from train.plan import resolve_device
 
     assert resolve_device("auto").index is not None
     meter = MemoryMeter(torch.device("cuda"), 2**30)

@@ -18,7 +18,8 @@ from train.build import build_data, build_model, build_optimizer, build_pipeline
 from train.config import TrainerConfig
 from train.memory.fitting import largest_fitting_batch
 from train.memory.predict import MemoryPredictor, PredictionUnsupported
-from train.run import plan, run
+from train.plan import plan
+from train.run import run
 from train.step import memory_steps, step_micro_batch_sizes
 from train.workload import Workloads
 

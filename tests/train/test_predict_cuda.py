@@ -18,7 +18,8 @@ from train.device.gpus import gpu
 from train.device.spec import DeviceSpec
 from train.measure.memory import MemoryStats
 from train.memory.predict import MemoryPredictor, Prediction, PredictionUnsupported
-from train.run import memory_figures, plan, planned_elsewhere
+from train.plan import plan, planned_elsewhere
+from train.run import memory_figures
 
 CPU = torch.device("cpu")
 A100 = gpu("A100-40GB")

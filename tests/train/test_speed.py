@@ -7,7 +7,7 @@ import pytest
 
 from train.launch import speed_probe as speed
 from train.launch.speed_probe import Speed, measure
-from train.run import plan
+from train.plan import plan
 
 SMALL = ["model=small_cnn", "model.width=4", "data=digits", "trainer.device=cpu"]
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from train.memory.predict import _BESIDE, MemoryPredictor, replays_beside
 from train.memory.stack import Step, _Canon, _insertions, _regions, find_stack
-from train.run import plan
+from train.plan import plan
 from train.workload import Workloads
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

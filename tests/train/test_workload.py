@@ -11,7 +11,8 @@ import torch
 from hydra.utils import get_object
 
 from train.data import Splits, synthetic
-from train.run import plan, run
+from train.plan import plan
+from train.run import run
 from train.workload import Workloads
 
 CPU = torch.device("cpu")

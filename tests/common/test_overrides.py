@@ -1,11 +1,11 @@
-"""train/overrides.py `override_key`: the key of an override as Hydra's own parser reads it."""
+"""common/overrides.py `override_key`: the key of an override as Hydra's own parser reads it."""
 
 from __future__ import annotations
 
 import pytest
 
 from common.checks import ConfigError
-from train.overrides import merge_overrides, override_key
+from common.overrides import merge_overrides, override_key
 
 
 @pytest.mark.parametrize(
