@@ -221,9 +221,13 @@ class Trained:
     metrics: Metrics  # the run's final figures under their metric names (RunResult.metrics)
     figures: Metrics  # those and the last validation's val/*: what a study ranks by
     memory: Metrics  # memory/* against the budget and the prediction (memory_figures)
-    prediction_error: float | None  # the prediction's error against the measured peak
     perf: Metrics  # perf/*: FLOPs per sample and MFU (perf_figures)
     mfu_note: str | None  # why an MFU above 1 cannot be right, where it is
+
+    @property
+    def prediction_error(self) -> float | None:
+        """The prediction's error against the measured peak; None where none was made."""
+        return self.memory.get(PREDICTION_ERROR)
 
 
 @dataclass(frozen=True)
@@ -313,7 +317,6 @@ def train_one(
         metrics=result.metrics(),
         figures=result.figures(),
         memory=memory_figures(spec, prediction, result),
-        prediction_error=prediction.error(result) if prediction is not None else None,
         perf=perf,
         mfu_note=mfu_note,
     )

@@ -68,8 +68,8 @@ def ended(
     """The outcome of a trial that ended in `state`, from what it left, each figure worked
     out here once: a completed run's figures (`trained`, train/run.py's, worked out before the
     run returned; with the `extra` ones: perf/*, time/to_target_s), or what a stopped one
-    measured past its memory check (`memory`) or
-    when it ran out (`oom_peak_bytes`), and the memory `prediction` it was configured with.
+    measured past its memory check (`memory`) or when it ran out (`oom_peak_bytes`), and the
+    memory `prediction` it was configured with.
     `known`: the rest of Outcome's fields by name (probe_s_per_sample, projected_s,
     mfu_note, error_traceback)."""
     result = trained.result if trained else None
@@ -85,19 +85,16 @@ def ended(
         logged[RESERVED_BYTES] = memory.reserved_bytes
     if known.get("projected_s") is not None:
         known["projected_s"] = round(known["projected_s"], 1)
+    error = trained.prediction_error if trained else None
+    if trained is None and prediction is not None and memory is not None:
+        error = prediction.error(memory)  # stopped past its memory check
     return Outcome(
         state,
         reason,
         message or None,
         peak_bytes=peak,
         predicted_bytes=prediction.peak_bytes if prediction else None,
-        prediction_error=(
-            trained.prediction_error
-            if trained
-            else prediction.error(memory)
-            if prediction and memory
-            else None
-        ),
+        prediction_error=error,
         unit=result.unit if result else None,
         metrics={**trained.figures, **(extra or {})} if trained else {},
         val_curve=_val_curve(result),
