@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from search.core.record import OOM_REASONS, SLOW, TrialRecord, records  # noqa: E402
-from search.study.driver import StudyDriver  # noqa: E402
+from batchfit.search.core.record import OOM_REASONS, SLOW, TrialRecord, records  # noqa: E402
+from batchfit.search.study.driver import StudyDriver  # noqa: E402
 
 MODES = {"searched": "+experiment=resnet", "derived": "+experiment=resnet_derived"}
 

@@ -34,11 +34,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tracking.metrics import THROUGHPUT_TOKENS  # noqa: E402
-from train.device.sizes import format_bytes  # noqa: E402
-from train.plan import plan  # noqa: E402
-from train.run import run  # noqa: E402
-from train.workload import Workloads  # noqa: E402
+from batchfit.tracking.metrics import THROUGHPUT_TOKENS  # noqa: E402
+from batchfit.train.device.sizes import format_bytes  # noqa: E402
+from batchfit.train.plan import plan  # noqa: E402
+from batchfit.train.run import run  # noqa: E402
+from batchfit.train.workload import Workloads  # noqa: E402
 
 # The GPT of conf/model/gpt.yaml on the stdlib's source: a model with blocks (FSDP shards
 # each) and a real data set; small enough for several epochs on two cores.

@@ -34,21 +34,21 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from search.core.record import TrialRecord  # noqa: E402
-from search.results import time_to_target  # noqa: E402
-from search.results.time_to_target import Untrusted  # noqa: E402
-from search.sampling import levers  # noqa: E402
-from search.storage.opening import open_storage  # noqa: E402
-from tracking.metrics import (  # noqa: E402
+from batchfit.search.core.record import TrialRecord  # noqa: E402
+from batchfit.search.results import time_to_target  # noqa: E402
+from batchfit.search.results.time_to_target import Untrusted  # noqa: E402
+from batchfit.search.sampling import levers  # noqa: E402
+from batchfit.search.storage.opening import open_storage  # noqa: E402
+from batchfit.tracking.metrics import (  # noqa: E402
     DEVICE_UTILIZATION,
     ENERGY_J,
     ENERGY_PER_SAMPLE,
     MEAN_WATTS,
     THROUGHPUT_SAMPLES,
 )
-from train.measure.energy import why_unmeasured  # noqa: E402
-from train.plan import resolve_device  # noqa: E402
-from train.precision import unsupported_reason  # noqa: E402
+from batchfit.train.measure.energy import why_unmeasured  # noqa: E402
+from batchfit.train.plan import resolve_device  # noqa: E402
+from batchfit.train.precision import unsupported_reason  # noqa: E402
 
 NAME = "energy-bench"
 

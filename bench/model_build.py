@@ -58,7 +58,7 @@ def child(architecture: str, dtype: str, how: str) -> dict:
     import transformers  # noqa: F401
     from hydra import compose, initialize_config_dir
 
-    from train.build import build_model, build_pipeline, build_task
+    from batchfit.train.build import build_model, build_pipeline, build_task
 
     overrides = [
         "+experiment=llm_lora", f"model.config={architecture}", f"model.dtype={dtype}",

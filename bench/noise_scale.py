@@ -63,14 +63,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from search.results.critical_batch import NoFit, StepsModel, fit_steps  # noqa: E402
-from tracking.metrics import (  # noqa: E402
+from batchfit.search.results.critical_batch import NoFit, StepsModel, fit_steps  # noqa: E402
+from batchfit.tracking.metrics import (  # noqa: E402
     VAL_LOSS,
 )
-from train.plan import plan  # noqa: E402
-from train.run import run  # noqa: E402
-from train.step import Diverged, Hooks  # noqa: E402
-from train.workload import Workloads  # noqa: E402
+from batchfit.train.plan import plan  # noqa: E402
+from batchfit.train.run import run  # noqa: E402
+from batchfit.train.step import Diverged, Hooks  # noqa: E402
+from batchfit.train.workload import Workloads  # noqa: E402
 
 Compose = Callable[[list[str]], DictConfig]
 

@@ -29,15 +29,15 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tracking.metrics import (  # noqa: E402
+from batchfit.tracking.metrics import (  # noqa: E402
     GRAD_NOISE_SCALE,
     GRAD_NOISE_SCALE_HIGH,
     GRAD_NOISE_SCALE_LOW,
     GRAD_NOISE_STEPS,
 )
-from train.plan import plan  # noqa: E402
-from train.run import run  # noqa: E402
-from train.workload import Workloads  # noqa: E402
+from batchfit.train.plan import plan  # noqa: E402
+from batchfit.train.run import run  # noqa: E402
+from batchfit.train.workload import Workloads  # noqa: E402
 
 Compose = Callable[[list[str]], DictConfig]
 

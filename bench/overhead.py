@@ -57,14 +57,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python bench/overhead.py` from anywhere, installed or not
     sys.path.insert(0, str(REPO))
 
-from search.core.record import TrialRecord  # noqa: E402
-from search.study.driver import StudyDriver  # noqa: E402
-from tracking.metrics import TRAIN_FINAL_LOSS, TRAIN_LOSS  # noqa: E402
-from train.batches import steps_plan  # noqa: E402
-from train.build import build_model, build_optimizer, build_scheduler  # noqa: E402
-from train.loop import split_window  # noqa: E402
-from train.plan import plan  # noqa: E402
-from train.workload import Workload, Workloads  # noqa: E402
+from batchfit.search.core.record import TrialRecord  # noqa: E402
+from batchfit.search.study.driver import StudyDriver  # noqa: E402
+from batchfit.tracking.metrics import TRAIN_FINAL_LOSS, TRAIN_LOSS  # noqa: E402
+from batchfit.train.batches import steps_plan  # noqa: E402
+from batchfit.train.build import build_model, build_optimizer, build_scheduler  # noqa: E402
+from batchfit.train.loop import split_window  # noqa: E402
+from batchfit.train.plan import plan  # noqa: E402
+from batchfit.train.workload import Workload, Workloads  # noqa: E402
 
 CONF_DIR = REPO / "conf"
 

@@ -72,11 +72,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from train.device.sizes import format_bytes  # noqa: E402
-from train.measure.memory import release_memory  # noqa: E402
-from train.plan import plan  # noqa: E402
-from train.run import run  # noqa: E402
-from train.workload import Workloads  # noqa: E402
+from batchfit.train.device.sizes import format_bytes  # noqa: E402
+from batchfit.train.measure.memory import release_memory  # noqa: E402
+from batchfit.train.plan import plan  # noqa: E402
+from batchfit.train.run import run  # noqa: E402
+from batchfit.train.workload import Workloads  # noqa: E402
 
 MODELS = ["small_cnn", "mlp", "resnet18", "resnet50"]
 PRECISIONS = ["fp32", "bf16", "fp16"]

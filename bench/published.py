@@ -62,8 +62,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from train.plan import plan  # noqa: E402
-from train.workload import Workloads  # noqa: E402
+from batchfit.train.plan import plan  # noqa: E402
+from batchfit.train.workload import Workloads  # noqa: E402
 
 GB, GiB = 10**9, 2**30
 LITGPT = (

@@ -38,11 +38,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tracking.metrics import VAL_LOSS  # noqa: E402
-from train.language.quantize import quant_state_tensors  # noqa: E402
-from train.plan import plan  # noqa: E402
-from train.run import run  # noqa: E402
-from train.workload import Workloads  # noqa: E402
+from batchfit.tracking.metrics import VAL_LOSS  # noqa: E402
+from batchfit.train.language.quantize import quant_state_tensors  # noqa: E402
+from batchfit.train.plan import plan  # noqa: E402
+from batchfit.train.run import run  # noqa: E402
+from batchfit.train.workload import Workloads  # noqa: E402
 
 GiB, MiB = 2**30, 2**20
 VARIANTS = {"fp32 weights": "model.quantization=none", "nf4 weights": "model.quantization=nf4"}
@@ -78,7 +78,7 @@ def measured(rounds: int, steps: int, tmp: str) -> dict[str, dict]:
 def linear_bytes(quantization: str) -> int:
     """The bytes of the tiny Llama's linear layers but the head, as built (fp32 weights,
     or packed 4-bit values and their scales)."""
-    from train.language.hf import causal_lm
+    from batchfit.train.language.hf import causal_lm
 
     model = causal_lm(
         config="llama3_tiny", lora={"r": 8}, vocab_size=256, quantization=quantization

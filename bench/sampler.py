@@ -35,11 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from search.core.record import OOM, OOM_REASONS, TrialRecord  # noqa: E402
-from search.fit.tabulate import fit_report  # noqa: E402
-from search.sampling.sampler import FeasibilityFilter  # noqa: E402
-from search.study.driver import StudyDriver  # noqa: E402
-from search.study.validate import validate  # noqa: E402
+from batchfit.search.core.record import OOM, OOM_REASONS, TrialRecord  # noqa: E402
+from batchfit.search.fit.tabulate import fit_report  # noqa: E402
+from batchfit.search.sampling.sampler import FeasibilityFilter  # noqa: E402
+from batchfit.search.study.driver import StudyDriver  # noqa: E402
+from batchfit.search.study.validate import validate  # noqa: E402
 
 BASE = [
     "+experiment=resnet",

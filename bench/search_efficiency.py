@@ -61,14 +61,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from batchfit.search.core.record import CONSTRAINT, OOM, OOM_REASONS, PREDICTED_OOM, TrialRecord  # noqa: E402
+from batchfit.search.core.trial_count import MAX_UNBILLED_IN_A_ROW, answer_for, study_records  # noqa: E402
+from batchfit.search.sampling.sampler import FeasibilityFilter  # noqa: E402
+from batchfit.search.study.driver import StudyDriver  # noqa: E402
+from batchfit.search.trial import ending  # noqa: E402
+from batchfit.search.trial.objective import answer_from_record  # noqa: E402
+from batchfit.tracking.metrics import THROUGHPUT_SAMPLES, TO_TARGET_S, VAL_ACC  # noqa: E402
 from bench.sampler import compose, median_predicted_peak  # noqa: E402
-from search.core.record import CONSTRAINT, OOM, OOM_REASONS, PREDICTED_OOM, TrialRecord  # noqa: E402
-from search.core.trial_count import MAX_UNBILLED_IN_A_ROW, answer_for, study_records  # noqa: E402
-from search.sampling.sampler import FeasibilityFilter  # noqa: E402
-from search.study.driver import StudyDriver  # noqa: E402
-from search.trial import ending  # noqa: E402
-from search.trial.objective import answer_from_record  # noqa: E402
-from tracking.metrics import THROUGHPUT_SAMPLES, TO_TARGET_S, VAL_ACC  # noqa: E402
 
 TABLE = Path(__file__).with_name("search_efficiency.csv")
 TARGET = f"{VAL_ACC}>=0.95"

@@ -45,16 +45,16 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from batchfit.search.core.record import PREDICTED_OOM, TrialRecord, records  # noqa: E402
+from batchfit.search.core.trial_count import num_trained  # noqa: E402
+from batchfit.search.study.driver import StudyDriver  # noqa: E402
+from batchfit.tracking.metrics import TO_TARGET_S, VAL_ACC  # noqa: E402
+from batchfit.train.measure.memory import OutOfMemory, release_memory  # noqa: E402
+from batchfit.train.plan import plan  # noqa: E402
+from batchfit.train.run import run  # noqa: E402
+from batchfit.train.workload import Workloads  # noqa: E402
 from bench.sampler import compose, median_predicted_peak  # noqa: E402
 from bench.search_efficiency import BASE, SPACE, TARGET  # noqa: E402
-from search.core.record import PREDICTED_OOM, TrialRecord, records  # noqa: E402
-from search.core.trial_count import num_trained  # noqa: E402
-from search.study.driver import StudyDriver  # noqa: E402
-from tracking.metrics import TO_TARGET_S, VAL_ACC  # noqa: E402
-from train.measure.memory import OutOfMemory, release_memory  # noqa: E402
-from train.plan import plan  # noqa: E402
-from train.run import run  # noqa: E402
-from train.workload import Workloads  # noqa: E402
 
 WORKLOAD = [
     "+experiment=resnet",

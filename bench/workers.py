@@ -40,7 +40,7 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from search.core.record import records  # noqa: E402
+from batchfit.search.core.record import records  # noqa: E402
 
 STUDY = [
     "model=small_cnn",

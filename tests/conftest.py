@@ -34,7 +34,7 @@ MAX_WORKERS = 4  # each holds a torch, MLflow and Optuna process, ~1.5 GB
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    from train.parallel.threads import usable_cores
+    from batchfit.train.parallel.threads import usable_cores
 
     return max(1, min(usable_cores(), MAX_WORKERS))
 
@@ -42,7 +42,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 def pytest_configure(config: pytest.Config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if "PYTEST_XDIST_WORKER" in os.environ and workers > 1:
-        from train.parallel.threads import usable_cores
+        from batchfit.train.parallel.threads import usable_cores
 
         torch.set_num_threads(max(1, usable_cores() // workers))
 
@@ -93,7 +93,7 @@ def prepare_study(hydra_conf: Callable[..., DictConfig]) -> Callable[..., object
     (`driver.console.export_text()` is what it said)."""
     from rich.console import Console
 
-    from search.study.driver import StudyDriver
+    from batchfit.search.study.driver import StudyDriver
 
     def prepare(overrides: list[str], width: int = 200) -> StudyDriver:
         console = Console(record=True, width=width)

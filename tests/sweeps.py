@@ -20,10 +20,10 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 
-from search.core.record import Attr
-from search.storage.owners import OWNER_ATTR
+from batchfit.search.core.record import Attr
+from batchfit.search.storage.owners import OWNER_ATTR
+from batchfit.tracking.metrics import STORAGE_S, TRACKING_S, TRIAL_S, VAL_ACC
 from tests.faults import forkserver
-from tracking.metrics import STORAGE_S, TRACKING_S, TRIAL_S, VAL_ACC
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from common.checks import ConfigError
+from batchfit.common.checks import ConfigError
+from batchfit.train.language.hf import architecture
+from batchfit.train.language.text import text_corpus
+from batchfit.train.plan import plan
+from batchfit.train.run import check_builds
 from tests.sweeps import run_module
-from train.language.hf import architecture
-from train.language.text import text_corpus
-from train.plan import plan
-from train.run import check_builds
 
 FAST = ["model=small_cnn", "model.width=4", "data=digits", "trainer.max_epochs=1"]
 ENTRY_POINTS = ["search", "search.fit", "train"]
@@ -180,8 +180,8 @@ def test_lora_targets_match_any_module_and_the_bundled_list_is_not_checked() -> 
     import yaml
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from common.overrides import CONF
-    from train.language.hf import DEFAULT_TARGETS, _check_targets
+    from batchfit.common.overrides import CONF
+    from batchfit.train.language.hf import DEFAULT_TARGETS, _check_targets
 
     bundled = yaml.safe_load((CONF / "model" / "hf_causal_lm.yaml").read_text())
     assert bundled["lora"]["target_modules"] == DEFAULT_TARGETS
@@ -206,7 +206,7 @@ def test_hydra_full_error_is_given_back_as_the_user_had_it(monkeypatch, users) -
     """run_checked sets HYDRA_FULL_ERROR=1 while Hydra composes (its errors then reach
     batchfit's message); the task, or a multirun before it launches any job, finds the
     user's own value again (none, 0, or 1), so that no job or launcher inherits ours."""
-    from common.overrides import Composed, run_checked
+    from batchfit.common.overrides import Composed, run_checked
 
     if users is None:
         monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
@@ -272,7 +272,7 @@ def test_nothing_fitting_a_model_that_cannot_train_batch_1_is_advised_at_its_sma
     """ResNet-18 on digits (BatchNorm over its pooled 1x1 map needs 2 samples) under 1 KiB:
     the advice was "No advice: batch 1 cannot be predicted (ValueError: Expected more than
     1 value per channel...)"; it is now given for batch 2, saying why."""
-    from search.fit.advice import advise
+    from batchfit.search.fit.advice import advise
 
     overrides = ["+experiment=resnet", "data=digits", "search.memory_budget=1KiB"]
     cfg = hydra_conf(overrides)

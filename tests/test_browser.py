@@ -18,12 +18,12 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.core.record import Attr
-from search.study.driver import PARENT_ATTR
+from batchfit.search.core.record import Attr
+from batchfit.search.study.driver import PARENT_ATTR
+from batchfit.tracking.metrics import PEAK_MIB, THROUGHPUT_SAMPLES, VAL_ACC
+from batchfit.tracking.mlflow_ui import RECOMMENDED_COLUMN
+from batchfit.tracking.tags import RECOMMENDED_TAG
 from tests.sweeps import MlflowServer, run_module
-from tracking.metrics import PEAK_MIB, THROUGHPUT_SAMPLES, VAL_ACC
-from tracking.mlflow_ui import RECOMMENDED_COLUMN
-from tracking.tags import RECOMMENDED_TAG
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 

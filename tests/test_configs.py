@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from common.checks import ConfigError
-from search.sampling.sampler import build_sampler
-from search.sampling.space import parse_space
-from search.study.validate import validate
-from tracking.metrics import VAL_LOSS
-from train.build import (
+from batchfit.common.checks import ConfigError
+from batchfit.search.sampling.sampler import build_sampler
+from batchfit.search.sampling.space import parse_space
+from batchfit.search.study.validate import validate
+from batchfit.tracking.metrics import VAL_LOSS
+from batchfit.train.build import (
     build_data,
     build_model,
     build_optimizer,
@@ -22,10 +22,10 @@ from train.build import (
     build_scheduler,
     build_task,
 )
-from train.data import Datasets, Splits, split
-from train.plan import plan
-from train.run import run
-from train.tasks import logits_of
+from batchfit.train.data import Datasets, Splits, split
+from batchfit.train.plan import plan
+from batchfit.train.run import run
+from batchfit.train.tasks import logits_of
 
 CPU = torch.device("cpu")
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import optuna
 import pytest
 
+from batchfit.tracking.metrics import PEAK_BYTES, VAL_ACC
 from tests.sweeps import free_port, run_module
-from tracking.metrics import PEAK_BYTES, VAL_ACC
 
 pytestmark = pytest.mark.slow
 

@@ -116,14 +116,14 @@ def _layout() -> list[str]:
 
 def test_the_layout_matches_the_tree() -> None:
     paths = _layout()
-    assert "train/memory/predict.py" in paths and "common/checks.py" in paths, paths
+    assert "batchfit/train/memory/predict.py" in paths and "batchfit/common/checks.py" in paths, paths
     ignored = ("mlruns/",)  # run output, not in a fresh checkout
     missing = [p for p in paths if not (REPO / p).exists() and not p.startswith(ignored)]
     assert not missing, f"the Layout (docs/design.md) names what is not there: {missing}"
     # Every folder of the code is in it; modules, at the level of the main ones.
     folders = [
         f"{p.relative_to(REPO).as_posix()}/"
-        for package in ("common", "train", "search", "tracking")
+        for package in ("batchfit/common", "batchfit/train", "batchfit/search", "batchfit/tracking")
         for p in [REPO / package, *(REPO / package).iterdir()]
         if p.is_dir() and (p / "__init__.py").is_file()
     ]

@@ -11,10 +11,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.core.record import Attr
-from search.study.driver import PARENT_ATTR
-from tests.sweeps import run_module
-from tracking.metrics import (
+from batchfit.search.core.record import Attr
+from batchfit.search.study.driver import PARENT_ATTR
+from batchfit.tracking.metrics import (
     ACHIEVED_FLOPS,
     BUDGET_BYTES,
     FLOPS_PER_SAMPLE,
@@ -28,7 +27,8 @@ from tracking.metrics import (
     TRAIN_LOSS,
     VAL_ACC,
 )
-from train.params import EFFECTIVE_PARAM, PRECISION_KEY
+from batchfit.train.params import EFFECTIVE_PARAM, PRECISION_KEY
+from tests.sweeps import run_module
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
+from batchfit.tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_SAMPLES
 from tests.sweeps import run_module
-from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_SAMPLES
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ Each of these has no public equivalent in the versions pinned (Optuna 5.0, torch
 - JournalStorage._backend (search/study/driver.py, tests/faults/test_journal.py)
 - Study._storage, Trial._trial_id, FrozenTrial._trial_id (search/storage/, search/study/worker.py)
 - BaseDistribution._contains (search/core/trial_count.py `_within`)
-- torch.amp.GradScaler._maybe_opt_step (train/memory/predict.py `_FakeGradScaler`)
+- torch.amp.GradScaler._maybe_opt_step (train/memory/fakes.py `FakeGradScaler`)
 - torch.amp.GradScaler._get_scale_async (train/measure/noise.py: fp16's loss scale, no host sync)
 - torch._foreach_norm with a dtype (train/measure/noise.py: the gradients' norms, as
 clip_grad_norm_)
@@ -17,7 +17,7 @@ clip_grad_norm_)
 - torch.utils._python_dispatch.TorchDispatchMode (train/measure/memory.py)
 - torch.utils._pytree tree_map, tree_leaves, tree_iter (train/batches.py, train/loop.py,
   train/tasks.py, train/measure/memory.py, train/memory/predict.py)
-- nn.Module._parameters, nn.Module._buffers (train/memory/predict.py `_fake_module`)
+- nn.Module._parameters, nn.Module._buffers (train/memory/fakes.py `fake_module`)
 - torch._subclasses.fake_tensor.unset_fake_temporarily, DataDependentOutputException and
   torch.utils._python_dispatch._get_current_dispatch_mode_stack (train/language/hf.py)
 - transformers.utils.import_utils.is_fake_tensor (via is_tracing) and
@@ -56,10 +56,14 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_iter, tree_leaves, tree_map
 
-from search.storage.heartbeat import BEAT_ATTR, HeartbeatJournalStorage, HeartbeatRDBStorage
-from search.storage.journal import SafeJournalFileBackend
-from search.storage.owners import OWNER_ATTR
-from train.memory.predict import _FakeGradScaler
+from batchfit.search.storage.heartbeat import (
+    BEAT_ATTR,
+    HeartbeatJournalStorage,
+    HeartbeatRDBStorage,
+)
+from batchfit.search.storage.journal import SafeJournalFileBackend
+from batchfit.search.storage.owners import OWNER_ATTR
+from batchfit.train.memory.fakes import FakeGradScaler
 
 # ---- Optuna: heartbeats (search/storage/heartbeat.py HeartbeatJournalStorage, HeartbeatRDBStorage)
 
@@ -230,7 +234,7 @@ def test_a_value_not_among_the_choices_has_no_internal_repr() -> None:
         CategoricalDistribution([16, 32]).to_internal_repr(64)
 
 
-# ---- torch: GradScaler's step (train/memory/predict.py `_FakeGradScaler`)
+# ---- torch: GradScaler's step (train/memory/fakes.py `FakeGradScaler`)
 
 
 def _inf_gradients(scaler: torch.amp.GradScaler) -> tuple[nn.Linear, torch.optim.SGD]:
@@ -276,8 +280,8 @@ def test_foreach_norm_gives_each_tensors_norm_in_the_dtype_asked() -> None:
 
 def test_the_fake_scaler_steps_where_the_real_one_skips() -> None:
     # Infinite gradients: GradScaler reads the found-inf flags (.item(), which a fake tensor
-    # cannot answer) and skips the step; _FakeGradScaler's override always steps.
-    for scaler, steps in ((torch.amp.GradScaler("cpu"), False), (_FakeGradScaler("cpu"), True)):
+    # cannot answer) and skips the step; FakeGradScaler's override always steps.
+    for scaler, steps in ((torch.amp.GradScaler("cpu"), False), (FakeGradScaler("cpu"), True)):
         model, optimizer = _inf_gradients(scaler)
         before = model.weight.detach().clone()
         scaler.step(optimizer)
@@ -328,7 +332,7 @@ def test_pytree_walks_tuples_lists_and_dicts_in_order() -> None:
     assert torch.equal(doubled["x"][1][0], 2 * b)
 
 
-# ---- torch: a module's own tensors (train/memory/predict.py `_fake_module`)
+# ---- torch: a module's own tensors (train/memory/fakes.py `fake_module`)
 
 
 def test_a_modules_parameter_and_buffer_dicts_are_what_it_uses() -> None:
@@ -349,7 +353,7 @@ def test_a_modules_parameter_and_buffer_dicts_are_what_it_uses() -> None:
 def test_transformers_takes_fakes_for_tracing_through_is_fake_tensor() -> None:
     from transformers.utils import import_utils
 
-    from train.language.hf import eager_on_fakes
+    from batchfit.train.language.hf import eager_on_fakes
 
     with FakeTensorMode():
         fake = torch.empty(2)
@@ -364,7 +368,7 @@ def test_packed_sequence_detection_reads_the_position_ids_values() -> None:
     from transformers import masking_utils
     from transformers.utils import import_utils
 
-    from train.language.hf import eager_on_fakes
+    from batchfit.train.language.hf import eager_on_fakes
 
     find = masking_utils.find_packed_sequence_indices
     assert find(torch.arange(8).unsqueeze(0)) is None  # eager: one sequence per row
@@ -403,9 +407,9 @@ def test_fsdp2_on_a_fake_process_group_shards_into_local_tensors() -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param
 
-    from train.config import FSDPConfig
-    from train.measure.memory import TensorMemoryTracker
-    from train.parallel.sharding import FSDP_COLLECTIVES, fake_world, shard
+    from batchfit.train.config import FSDPConfig
+    from batchfit.train.measure.memory import TensorMemoryTracker
+    from batchfit.train.parallel.sharding import FSDP_COLLECTIVES, fake_world, shard
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_world(4) as mesh, mode:

@@ -24,17 +24,17 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
 from optuna.trial import FrozenTrial
 
-from search.core.record import Attr
+from batchfit.search.core.record import Attr
+from batchfit.tracking.metrics import VAL_ACC
+from batchfit.train.build import build_pipeline, build_task
+from batchfit.train.measure.evaluate import evaluate
+from batchfit.train.memory.fitting import fits_budget
+from batchfit.train.model_file import load, rebuild
+from batchfit.train.params import EFFECTIVE_PARAM, LR_PARAM, LR_REF_PARAM, LR_RULE_PARAM
+from batchfit.train.plan import plan
+from batchfit.train.precision import Precision
+from batchfit.train.workload import Workloads
 from tests.sweeps import run_module
-from tracking.metrics import VAL_ACC
-from train.build import build_pipeline, build_task
-from train.measure.evaluate import evaluate
-from train.memory.fitting import fits_budget
-from train.model_file import load, rebuild
-from train.params import EFFECTIVE_PARAM, LR_PARAM, LR_REF_PARAM, LR_RULE_PARAM
-from train.plan import plan
-from train.precision import Precision
-from train.workload import Workloads
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +112,9 @@ def user_conf(tmp_path_factory: pytest.TempPathFactory) -> UserConf:
     myconf = root / "myconf"
     (myconf / "model").mkdir(parents=True)
     (myconf / "data").mkdir()
-    (myconf / "model" / "tiny.yaml").write_text("_target_: train.models.small_cnn\nwidth: 4\n")
+    (myconf / "model" / "tiny.yaml").write_text(
+        "_target_: batchfit.train.models.small_cnn\nwidth: 4\n"
+    )
     (myconf / "data" / "mydigits.yaml").write_text((REPO / "conf/data/digits.yaml").read_text())
     return UserConf(root, myconf)
 

@@ -14,10 +14,10 @@ import yaml
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.core.record import Attr
-from search.results.speed_check import SPEED_ATTR
-from search.storage.owners import OWNER_ATTR
-from search.study.decision import DECISION_ATTR
+from batchfit.search.core.record import Attr
+from batchfit.search.results.speed_check import SPEED_ATTR
+from batchfit.search.storage.owners import OWNER_ATTR
+from batchfit.search.study.decision import DECISION_ATTR
 from tests.sweeps import (
     FINISHED,
     MlflowServer,

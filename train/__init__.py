@@ -1,5 +1,5 @@
-"""batchfit's training side: models, data, precision, memory budget and the training loop.
+"""`python -m train`: the command-line name of batchfit's single run (`batchfit train`).
 
-Nothing here knows about Optuna or MLflow: the loop exposes hooks and the study driver in
-`search/` uses them to report, prune and log.
+The training library itself is `batchfit.train`; this package only gives it the short
+`python -m` name, and imports nothing else.
 """

@@ -24,9 +24,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from train.device.allocator_settings import AllocatorSettings, allocation_size
-from train.memory.allocator import AllocatorOutOfMemory, CachingAllocatorModel, SegmentState
-from train.memory.reserve import expandable_slack_bytes, live_peak_bytes, smallest_fitting_limit
+from batchfit.train.device.allocator_settings import AllocatorSettings, allocation_size
+from batchfit.train.memory.allocator import (
+    AllocatorOutOfMemory,
+    CachingAllocatorModel,
+    SegmentState,
+)
+from batchfit.train.memory.reserve import (
+    expandable_slack_bytes,
+    live_peak_bytes,
+    smallest_fitting_limit,
+)
 
 GiB = 1 << 30
 _MAPS = ("segment_alloc", "segment_map")

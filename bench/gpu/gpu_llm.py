@@ -48,12 +48,12 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from train.device.sizes import format_bytes  # noqa: E402
-from train.measure.memory import release_memory  # noqa: E402
-from train.plan import plan  # noqa: E402
-from train.run import run  # noqa: E402
-from train.step import Hooks  # noqa: E402
-from train.workload import Workloads  # noqa: E402
+from batchfit.train.device.sizes import format_bytes  # noqa: E402
+from batchfit.train.measure.memory import release_memory  # noqa: E402
+from batchfit.train.plan import plan  # noqa: E402
+from batchfit.train.run import run  # noqa: E402
+from batchfit.train.step import Hooks  # noqa: E402
+from batchfit.train.workload import Workloads  # noqa: E402
 
 GiB = 2**30
 FIRST_STEP_LIMIT_S, HOST_LIMIT_BYTES = 60.0, 4 * GiB  # the 8B cells' start-up targets

@@ -37,11 +37,11 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from train.device.sizes import format_bytes  # noqa: E402
-from train.measure.memory import OutOfMemory, release_memory  # noqa: E402
-from train.plan import plan  # noqa: E402
-from train.run import run  # noqa: E402
-from train.workload import Workloads  # noqa: E402
+from batchfit.train.device.sizes import format_bytes  # noqa: E402
+from batchfit.train.measure.memory import OutOfMemory, release_memory  # noqa: E402
+from batchfit.train.plan import plan  # noqa: E402
+from batchfit.train.run import run  # noqa: E402
+from batchfit.train.workload import Workloads  # noqa: E402
 
 MiB = 2**20
 # (overrides, batch size, precision): convolutions, a decoder with attention, both precisions.

@@ -11,6 +11,11 @@ import pytest
 from omegaconf import OmegaConf
 from rich.console import Console
 
+from batchfit.search.core.study_config import SearchConfig
+from batchfit.train.device.allocator_settings import AllocatorSettings
+from batchfit.train.memory.allocator import SegmentState
+from batchfit.train.memory.preflight import UNMEASURED_MARGIN
+from batchfit.train.memory.reserve import cublas_workspaces
 from bench.gpu.cuda_trace import (
     DeviceTrace,
     StartState,
@@ -22,11 +27,6 @@ from bench.gpu.cuda_trace import (
     table,
     transient_events,
 )
-from search.core.study_config import SearchConfig
-from train.device.allocator_settings import AllocatorSettings
-from train.memory.allocator import SegmentState
-from train.memory.preflight import UNMEASURED_MARGIN
-from train.memory.reserve import cublas_workspaces
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "cuda-traces"
 CONF = Path(__file__).parents[2] / "conf"

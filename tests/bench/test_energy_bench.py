@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from batchfit.train.measure.energy import UNMEASURED
 from tests.search.test_energy_study import PackageCounter
 from tests.sweeps import clean_env
-from train.measure.energy import UNMEASURED
 
 REPO = Path(__file__).resolve().parents[2]
 ARGS = ["--batch-sizes", "16", "64", "256", "--precisions", "fp32", "--steps", "48", "--",

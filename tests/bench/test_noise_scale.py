@@ -9,9 +9,9 @@ import math
 
 import pytest
 
+from batchfit.search.results.critical_batch import StepsModel
 from bench import noise_scale as bench
 from bench import noise_stability as stability
-from search.results.critical_batch import StepsModel
 
 TINY = dataclasses.replace(
     bench.DIGITS, batches=(16, 64), lr_factors=(1.0,), target_loss=1.0, max_steps=60
@@ -51,7 +51,7 @@ def test_a_tiny_digits_run_measures_steps_and_noise_and_tabulates_them(hydra_con
 
 
 def test_a_run_that_cannot_beat_the_best_stops_there(hydra_conf) -> None:
-    from train.workload import Workloads
+    from batchfit.train.workload import Workloads
 
     lr = TINY.lrs(16)[0]
     stopped = bench.train_to_target(hydra_conf, Workloads(), TINY, 16, lr, 0, cap=3)

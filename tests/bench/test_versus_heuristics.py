@@ -3,9 +3,9 @@ originals do: grown from 2 (Lightning) and halved from a start (Hugging Face).""
 
 from __future__ import annotations
 
+from batchfit.train.plan import plan
+from batchfit.train.workload import Workloads
 from bench import versus_heuristics as bench
-from train.plan import plan
-from train.workload import Workloads
 
 
 def _peak(hydra_conf, batch: int) -> int:

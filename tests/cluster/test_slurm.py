@@ -14,7 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.storage.owners import OWNER_ATTR
+from batchfit.search.storage.owners import OWNER_ATTR
 from tests.sweeps import (
     MlflowServer,
     check_stores,

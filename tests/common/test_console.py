@@ -12,8 +12,8 @@ import torch
 from hydra.core.global_hydra import GlobalHydra
 from rich.console import Console
 
-from common.checks import ConfigError
-from common.console import config_error, crashed, stopped
+from batchfit.common.checks import ConfigError
+from batchfit.common.console import config_error, crashed, stopped
 
 URL = "postgresql://bf:secret@db/x"
 MASKED = "postgresql://bf:***@db/x"
@@ -98,7 +98,10 @@ def entry_point(
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("module", ["search.__main__", "search.fit.__main__", "train.__main__"])
+@pytest.mark.parametrize(
+    "module",
+    ["batchfit.search.__main__", "batchfit.search.fit.__main__", "batchfit.train.__main__"],
+)
 def test_each_entry_point_masks_the_password_its_config_error_quotes(
     entry_point, module: str, capsys: pytest.CaptureFixture
 ) -> None:

@@ -20,9 +20,9 @@ from rich.console import Console
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
-from common import interrupts
-from search.__main__ import stop_on_signals
-from tracking.outbox import Outbox
+from batchfit.common import interrupts
+from batchfit.search.__main__ import stop_on_signals
+from batchfit.tracking.outbox import Outbox
 
 
 class _Garbage:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.checks import ConfigError
-from common.overrides import merge_overrides, override_key
+from batchfit.common.checks import ConfigError
+from batchfit.common.overrides import merge_overrides, override_key
 
 
 @pytest.mark.parametrize(

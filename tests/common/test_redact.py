@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from common.redact import RedactingFilter, redact, redact_file, redact_tree
+from batchfit.common.redact import RedactingFilter, redact, redact_file, redact_tree
 
 
 @pytest.mark.parametrize(

@@ -73,10 +73,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # A study's imports: its entry point's, and what MLflow's sqlite store and the digits data
-# import at first use (a third of the time). `python -m search` never registers
-# search.__main__ itself (runpy warns when it finds it imported): forgotten after importing.
-PRELOAD = ("search.__main__", "mlflow.store.tracking.sqlalchemy_store", "sklearn.datasets")
-FORGET = ("search.__main__",)
+# import at first use (a third of the time). `python -m search` runs the thin search/__main__.py,
+# which imports batchfit.search.__main__: preloaded, as a module `python -m` does not run itself.
+PRELOAD = ("batchfit.search.__main__", "mlflow.store.tracking.sqlalchemy_store", "sklearn.datasets")
+FORGET: tuple[str, ...] = ()  # preloaded modules that `python -m` runs itself (runpy warns)
 IMPORT_OUTPUT = ("imports.out", "imports.err")  # in the server's directory
 # Set by pytest for each test: a child takes the value of its request (nothing imports it).
 PER_RUN_ENV = ("PYTEST_CURRENT_TEST",)

@@ -27,7 +27,7 @@ import signal
 import sys
 from pathlib import Path
 
-from search.storage.journal import SafeJournalFileBackend
+from batchfit.search.storage.journal import SafeJournalFileBackend
 
 
 def die() -> None:

@@ -87,7 +87,9 @@ def report() -> dict:
         "fds": _fds(),
         "signals": _signals(),
         "python_threads": threading.active_count(),
-        "modules": {name: name in sys.modules for name in ("search.__main__", __spec__.name)},
+        "modules": {
+            name: name in sys.modules for name in ("batchfit.search.__main__", __spec__.name)
+        },
         "loggers": {
             name: [
                 (type(h).__name__, getattr(h, "stream", None) is sys.stderr)

@@ -11,8 +11,8 @@ import optuna
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.storage.heartbeat import MAX_RETRY
-from search.storage.opening import open_storage
+from batchfit.search.storage.heartbeat import MAX_RETRY
+from batchfit.search.storage.opening import open_storage
 from tests.faults import forkserver
 from tests.faults.inject import record_kind
 from tests.sweeps import clean_env

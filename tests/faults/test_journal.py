@@ -19,13 +19,13 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.storage.journal import (
+from batchfit.search.storage.journal import (
     TORN_SUFFIX,
     FlockJournalLock,
     JournalWriteError,
     SafeJournalFileBackend,
 )
-from search.storage.opening import open_storage
+from batchfit.search.storage.opening import open_storage
 from tests.faults.disk import fill, tmpfs
 from tests.faults.study import (
     NAME,
@@ -100,7 +100,7 @@ def test_a_record_glued_onto_a_torn_one_is_kept(tmp_path: Path) -> None:
 _HOLDER = textwrap.dedent(
     """
     import sys, time
-    from search.storage.journal import SafeJournalFileBackend
+    from batchfit.search.storage.journal import SafeJournalFileBackend
     backend = SafeJournalFileBackend(sys.argv[1])
     backend.lock.acquire()
     print("holding", flush=True)
@@ -129,7 +129,7 @@ def test_a_long_wait_for_the_lock_is_said(
 ) -> None:
     """Optuna's own "taking longer" warning is hidden at batchfit's log level; this one is
     not: a writer stopped (Ctrl-Z) while holding the lock holds it until it goes on."""
-    monkeypatch.setattr("search.storage.journal.LOCK_WARN_S", 0.2)
+    monkeypatch.setattr("batchfit.search.storage.journal.LOCK_WARN_S", 0.2)
     journal = tmp_path / "optuna.journal"
     holder = subprocess.Popen(
         [sys.executable, "-c", _HOLDER, str(journal)], stdout=subprocess.PIPE, text=True, cwd=REPO
@@ -138,7 +138,7 @@ def test_a_long_wait_for_the_lock_is_said(
     holder.send_signal(signal.SIGSTOP)
     subprocess.Popen(["sh", "-c", f"sleep 1; kill -KILL {holder.pid}"])
     lock = FlockJournalLock(journal)
-    with caplog.at_level("WARNING", logger="search.storage.journal"):
+    with caplog.at_level("WARNING", logger="batchfit.search.storage.journal"):
         lock.acquire()
     lock.release()
     holder.wait()
@@ -209,7 +209,7 @@ _WORKER = textwrap.dedent(
     """
     import sys
     import optuna
-    from search.storage.opening import open_storage
+    from batchfit.search.storage.opening import open_storage
     study = optuna.load_study(study_name="s", storage=open_storage("journal:" + sys.argv[1], None))
     print(len(study.trials), flush=True)
     sys.stdin.readline()

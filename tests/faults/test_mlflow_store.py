@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from common.checks import ConfigError
+from batchfit.common.checks import ConfigError
+from batchfit.tracking.runs import Tracker
 from tests.faults.disk import fill, tmpfs
-from tracking.runs import Tracker
 
 
 @pytest.fixture

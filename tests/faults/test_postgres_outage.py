@@ -14,7 +14,7 @@ import sqlalchemy
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.storage.opening import open_storage
+from batchfit.search.storage.opening import open_storage
 from tests.faults.postgres import PostgresServer, own_server
 from tests.faults.study import NAME, STUDY, run_study, start_study
 from tests.sweeps import training, wait_for_trial

@@ -15,9 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from batchfit.train.parallel.lifeline import tied
 from tests.faults import forkserver
 from tests.sweeps import LONG_DDP, REPO, clean_env
-from train.parallel.lifeline import tied
 
 # Calibration, on the 2-core CI machine at load 7: after the fix every rank and the tracker
 # were gone 0.24-0.29 s after the SIGKILL; before it, ranks killed while importing lived on

@@ -12,11 +12,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from common.checks import ConfigError
-from search.storage.heartbeat import queue_unretried
-from search.storage.opening import open_storage
-from search.storage.owners import OWNER_ATTR
-from search.study.opening import CONFIG_ATTR, open_study
+from batchfit.common.checks import ConfigError
+from batchfit.search.storage.heartbeat import queue_unretried
+from batchfit.search.storage.opening import open_storage
+from batchfit.search.storage.owners import OWNER_ATTR
+from batchfit.search.study.opening import CONFIG_ATTR, open_study
 from tests.faults.study import NAME, STUDY, inject, journal_of, run_study, start_study
 from tests.sweeps import journal_study, wait_for_trial
 
@@ -32,7 +32,8 @@ def _parent(cwd: Path):  # noqa: ANN202 - an mlflow Run
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "kill_in", ["search.study.driver:_log_fit_report", "tracking.runs:RunLog.params"]
+    "kill_in",
+    ["batchfit.search.study.driver:_log_fit_report", "batchfit.tracking.runs:RunLog.params"],
 )
 def test_a_parent_run_cut_short_is_completed_by_the_resume(tmp_path: Path, kill_in: str) -> None:
     killed = inject(tmp_path, STUDY, ["--kill-in", kill_in], check=False)

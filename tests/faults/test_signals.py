@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.core.record import Attr
+from batchfit.search.core.record import Attr
 from tests.faults.forkserver import Process
 from tests.faults.study import NAME, STUDY, journal_of, run_study, start_study
 from tests.sweeps import journal_study, training, wait_for_trial

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from common.checks import ConfigError
-from search.storage.opening import open_storage
+from batchfit.common.checks import ConfigError
+from batchfit.search.storage.opening import open_storage
+from batchfit.tracking.outputs import cannot_create
+from batchfit.tracking.runs import Tracker
 from tests.faults.disk import tmpfs
 from tests.faults.postgres import own_server
-from tracking.outputs import cannot_create
-from tracking.runs import Tracker
 
 
 @pytest.fixture
@@ -77,8 +77,8 @@ def test_a_database_that_does_not_exist_is_said_at_once(postgres_server: str) ->
 def test_a_database_driver_not_installed_is_one_line() -> None:
     """psycopg2 is not batchfit's driver (psycopg 3 is): the asking-first check leaves the
     URL to MLflow's own opening, which says what is missing in one line, at once."""
-    from common.checks import ConfigError
-    from tracking.runs import Tracker
+    from batchfit.common.checks import ConfigError
+    from batchfit.tracking.runs import Tracker
 
     with pytest.raises(ConfigError, match=r"cannot be used \(ModuleNotFoundError: No module"):
         Tracker("postgresql+psycopg2://u@127.0.0.1:1/x", "x", None, None)

@@ -12,17 +12,17 @@ import sys
 import pytest
 from rich.console import Console
 
-from common.checks import ConfigError
-from search.fit.advice import LORA, advise
-from search.fit.layouts import fit_reports
-from search.study.driver import StudyDriver
-from search.study.validate import validate
+from batchfit.common.checks import ConfigError
+from batchfit.search.fit.advice import LORA, advise
+from batchfit.search.fit.layouts import fit_reports
+from batchfit.search.study.driver import StudyDriver
+from batchfit.search.study.validate import validate
+from batchfit.train.device.gpus import gpu
+from batchfit.train.device.sizes import format_bytes
+from batchfit.train.plan import plan, with_gpu_budget
+from batchfit.train.run import OverBudget
+from batchfit.train.workload import Workloads
 from tests.conftest import REPO
-from train.device.gpus import gpu
-from train.device.sizes import format_bytes
-from train.plan import plan, with_gpu_budget
-from train.run import OverBudget
-from train.workload import Workloads
 
 # Full fine-tuning of the tiny Llama on this CPU, its batch 1 at the space's shortest
 # sequence (128); the budget is set below from predictions, with no margin.

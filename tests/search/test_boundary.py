@@ -7,9 +7,9 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
-from search.fit.layouts import fit_reports
-from search.results import boundary
-from search.study.validate import validate
+from batchfit.search.fit.layouts import fit_reports
+from batchfit.search.results import boundary
+from batchfit.search.study.validate import validate
 
 # small_cnn(width=4) peaks at ~0.33 MiB per 32 samples in fp32 and about half in bf16: a
 # 1 MiB budget puts the fp32 limit at 64 and the bf16 one at 128.

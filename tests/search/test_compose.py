@@ -16,7 +16,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 
-from search.core.compose import search_path, task_overrides
+from batchfit.search.core.compose import search_path, task_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,7 +96,7 @@ def test_the_override_finds_a_group_option_only_the_user_dir_has(
     relative to the working directory, with a space) composes with the produced override."""
     (tmp_path / "my conf" / "model").mkdir(parents=True)
     (tmp_path / "my conf" / "model" / "tiny.yaml").write_text(
-        "_target_: train.models.small_cnn\nwidth: 2\n"
+        "_target_: batchfit.train.models.small_cnn\nwidth: 2\n"
     )
     monkeypatch.chdir(tmp_path)
     cfg = _hydra_cfg(
@@ -109,6 +109,6 @@ def test_the_override_finds_a_group_option_only_the_user_dir_has(
     monkeypatch.chdir(REPO)  # a trial composes wherever the process is
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         composed = compose(config_name="config", overrides=overrides)
-        assert composed.model == {"_target_": "train.models.small_cnn", "width": 2}
+        assert composed.model == {"_target_": "batchfit.train.models.small_cnn", "width": 2}
         with pytest.raises(MissingConfigException, match="model/tiny"):
             compose(config_name="config", overrides=overrides[1:])  # without the search path

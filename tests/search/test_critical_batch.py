@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from search.results.critical_batch import NoFit, StepsModel, fit_samples, fit_steps
+from batchfit.search.results.critical_batch import NoFit, StepsModel, fit_samples, fit_steps
 
 BATCHES = [8, 16, 32, 64, 128]
 

@@ -19,17 +19,17 @@ import yaml
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.core.record import Attr
-from tests.sweeps import LONG_DDP, REPO, clean_env
-from tracking.metrics import (
+from batchfit.search.core.record import Attr
+from batchfit.tracking.metrics import (
     PEAK_BYTES,
     PREDICTION_ERROR,
     SCALING_EFFICIENCY,
     THROUGHPUT_SAMPLES,
     VAL_ACC,
 )
-from train.plan import plan
-from train.workload import Workloads
+from batchfit.train.plan import plan
+from batchfit.train.workload import Workloads
+from tests.sweeps import LONG_DDP, REPO, clean_env
 
 pytestmark = pytest.mark.slow
 

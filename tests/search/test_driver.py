@@ -13,13 +13,13 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 from rich.console import Console
 
-from common.checks import ConfigError
-from search.core.record import Attr
-from search.fit.render import summary_lines
-from search.fit.report import Cell, FitReport
-from search.study.driver import PARENT_ATTR, StudyDriver, located
-from search.trial.stopping import PROBE_MARGIN, Prune, TimeBudget
-from tracking.metrics import BUDGET_BYTES, PEAK_BYTES, THROUGHPUT_SAMPLES, VAL_ACC
+from batchfit.common.checks import ConfigError
+from batchfit.search.core.record import Attr
+from batchfit.search.fit.render import summary_lines
+from batchfit.search.fit.report import Cell, FitReport
+from batchfit.search.study.driver import PARENT_ATTR, StudyDriver, located
+from batchfit.search.trial.stopping import PROBE_MARGIN, Prune, TimeBudget
+from batchfit.tracking.metrics import BUDGET_BYTES, PEAK_BYTES, THROUGHPUT_SAMPLES, VAL_ACC
 
 FAST = [
     "model=small_cnn",
@@ -443,7 +443,7 @@ def test_a_stop_as_the_trials_run_id_is_written_ends_its_run_killed(
     """A stop (SIGTERM, SIGHUP and Ctrl-C raise KeyboardInterrupt where they land) as the
     trial's MLflow run id is written to the study, the moment tests/faults/test_signals.py
     waits for before it signals: the run ends KILLED, not RUNNING forever."""
-    from search.trial import objective
+    from batchfit.search.trial import objective
 
     write = objective.write
 

@@ -17,10 +17,9 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from search.core.record import Attr
-from search.storage.opening import open_storage
-from tests.sweeps import clean_env
-from tracking.metrics import (
+from batchfit.search.core.record import Attr
+from batchfit.search.storage.opening import open_storage
+from batchfit.tracking.metrics import (
     DEVICE_UTILIZATION,
     ENERGY_J,
     ENERGY_PER_SAMPLE,
@@ -28,7 +27,8 @@ from tracking.metrics import (
     TO_TARGET_J,
     TO_TARGET_S,
 )
-from train.measure.energy import ENERGY_TAG, RAPL, UNMEASURED
+from batchfit.train.measure.energy import ENERGY_TAG, RAPL, UNMEASURED
+from tests.sweeps import clean_env
 
 STUDY = [
     "model=small_cnn", "model.width=4", "data=digits", "trainer.max_epochs=2",

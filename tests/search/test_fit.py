@@ -15,19 +15,19 @@ import torch
 from optuna.distributions import CategoricalDistribution
 from rich.console import Console
 
-from common.checks import ConfigError
-from search.fit.layouts import MAX_LAYOUTS, fit_reports, layouts, show_fit_reports
-from search.fit.render import notes, render
-from search.fit.report import Cell, FitReport
-from search.fit.tabulate import fit_report
-from search.study.driver import StudyDriver
-from search.study.validate import validate
-from train.device.gpus import GPUS, gpu
-from train.memory.preflight import Margin
-from train.memory.reserve import predict_reserved
-from train.plan import plan, with_gpu_budget
-from train.precision import unsupported_reason
-from train.workload import Workloads
+from batchfit.common.checks import ConfigError
+from batchfit.search.fit.layouts import MAX_LAYOUTS, fit_reports, layouts, show_fit_reports
+from batchfit.search.fit.render import notes, render
+from batchfit.search.fit.report import Cell, FitReport
+from batchfit.search.fit.tabulate import fit_report
+from batchfit.search.study.driver import StudyDriver
+from batchfit.search.study.validate import validate
+from batchfit.train.device.gpus import GPUS, gpu
+from batchfit.train.memory.preflight import Margin
+from batchfit.train.memory.reserve import predict_reserved
+from batchfit.train.plan import plan, with_gpu_budget
+from batchfit.train.precision import unsupported_reason
+from batchfit.train.workload import Workloads
 
 SMALL = [
     "model=small_cnn",
@@ -252,7 +252,7 @@ def test_each_cell_of_a_cuda_report_is_replayed_once_under_the_runs_limit(
         calls.append(limit_bytes)
         return predict_reserved(events, settings, workspaces, limit_bytes)
 
-    monkeypatch.setattr("train.memory.predict.predict_reserved", counted)
+    monkeypatch.setattr("batchfit.train.memory.predict.predict_reserved", counted)
     report = _report(hydra_conf, ["+experiment=resnet", *SMALL, "search.gpu=A100-40GB"])
     steps = {(p, b, min(a, 2)) for p, b, a in report.cells if p not in report.unsupported}
     assert set(report.accum_steps) > {1, 2}  # the premise: some cells share a step

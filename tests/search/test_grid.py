@@ -12,12 +12,12 @@ from omegaconf import OmegaConf
 from optuna.trial import TrialState
 from rich.console import Console
 
-from common.checks import ConfigError
-from search.core.record import Attr
-from search.sampling.sampler import build_sampler, grid_of
-from search.sampling.space import parse_space
-from search.study.driver import StudyDriver
-from search.study.validate import validate
+from batchfit.common.checks import ConfigError
+from batchfit.search.core.record import Attr
+from batchfit.search.sampling.sampler import build_sampler, grid_of
+from batchfit.search.sampling.space import parse_space
+from batchfit.search.study.driver import StudyDriver
+from batchfit.search.study.validate import validate
 
 FAST = [
     "model=small_cnn",

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from search.trial.objective import learning_failure
-from tracking.metrics import VAL_ACC, VAL_LOSS
-from train.step import RunResult
-from train.tasks import CausalLM, Classification, Regression, Task
+from batchfit.search.trial.objective import learning_failure
+from batchfit.tracking.metrics import VAL_ACC, VAL_LOSS
+from batchfit.train.step import RunResult
+from batchfit.train.tasks import CausalLM, Classification, Regression, Task
 
 
 def _result(*losses: float, chance: float | None = math.log(10), acc: float = 0.1) -> RunResult:

@@ -8,7 +8,7 @@ import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState
 
-from search.sampling.levers import default_params, with_default_space
+from batchfit.search.sampling.levers import default_params, with_default_space
 from tests.conftest import FAST
 
 SMALL = ["model=small_cnn", "model.width=4", "data=digits", "trainer.device=cpu"]

@@ -17,11 +17,11 @@ import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
-from search.storage.heartbeat import BEAT_ATTR
-from search.storage.locks import DECISION_SUFFIX
-from search.storage.opening import open_storage
-from search.storage.owners import OWNER_ATTR, _process_start, running_elsewhere, this_owner
-from search.study.decision import Decision, decide, finished_trials, wait_for_others
+from batchfit.search.storage.heartbeat import BEAT_ATTR
+from batchfit.search.storage.locks import DECISION_SUFFIX
+from batchfit.search.storage.opening import open_storage
+from batchfit.search.storage.owners import OWNER_ATTR, _process_start, running_elsewhere, this_owner
+from batchfit.search.study.decision import Decision, decide, finished_trials, wait_for_others
 from tests.cluster.conftest import postgres_url  # noqa: F401 - the fixture, for the PG race
 
 NAME = "one-answer"

@@ -14,10 +14,10 @@ from matplotlib.figure import Figure
 from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from search.results import batch_plots, plots, points
-from search.results.critical_batch import StepsModel
-from search.results.time_to_target import Plan, Point, Predicted
-from tracking.metrics import THROUGHPUT_SAMPLES, VAL_ACC
+from batchfit.search.results import batch_plots, plots, points
+from batchfit.search.results.critical_batch import StepsModel
+from batchfit.search.results.time_to_target import Plan, Point, Predicted
+from batchfit.tracking.metrics import THROUGHPUT_SAMPLES, VAL_ACC
 
 MIB = 2**20
 BUDGET = 64 * MIB

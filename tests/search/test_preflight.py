@@ -15,22 +15,22 @@ from optuna.trial import TrialState
 from rich.console import Console
 from torch import nn
 
-from common.checks import ConfigError
-from search.core import trial_count as budget_module
-from search.core.record import Attr
-from search.core.trial_count import num_trained, study_records
-from search.fit.tabulate import fit_report
-from search.sampling.sampler import FeasibilityFilter
-from search.study.driver import StudyDriver
-from search.study.validate import validate
-from tracking.metrics import PREDICTED_BYTES, PREDICTION_ERROR, PREDICTION_S
-from train.device.sizes import format_bytes
-from train.memory.fitting import largest_fitting_batch
-from train.memory.predict import PredictionUnsupported
-from train.memory.preflight import MARGIN_KEY, Margin, Misfit, PreflightConfig
-from train.params import EFFECTIVE_PARAM
-from train.plan import plan
-from train.workload import Workloads
+from batchfit.common.checks import ConfigError
+from batchfit.search.core import trial_count as budget_module
+from batchfit.search.core.record import Attr
+from batchfit.search.core.trial_count import num_trained, study_records
+from batchfit.search.fit.tabulate import fit_report
+from batchfit.search.sampling.sampler import FeasibilityFilter
+from batchfit.search.study.driver import StudyDriver
+from batchfit.search.study.validate import validate
+from batchfit.tracking.metrics import PREDICTED_BYTES, PREDICTION_ERROR, PREDICTION_S
+from batchfit.train.device.sizes import format_bytes
+from batchfit.train.memory.fitting import largest_fitting_batch
+from batchfit.train.memory.predict import PredictionUnsupported
+from batchfit.train.memory.preflight import MARGIN_KEY, Margin, Misfit, PreflightConfig
+from batchfit.train.params import EFFECTIVE_PARAM
+from batchfit.train.plan import plan
+from batchfit.train.workload import Workloads
 
 FAST = [
     "model=small_cnn",

@@ -8,9 +8,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from search.core.record import Attr
-from search.study.driver import StudyDriver
-from tracking.metrics import PEAK_BYTES, PREDICTED_BYTES, PREDICTION_ERROR
+from batchfit.search.core.record import Attr
+from batchfit.search.study.driver import StudyDriver
+from batchfit.tracking.metrics import PEAK_BYTES, PREDICTED_BYTES, PREDICTION_ERROR
 
 pytestmark = pytest.mark.study
 

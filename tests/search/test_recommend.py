@@ -13,16 +13,22 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from common.checks import ConfigError
-from common.overrides import load_overrides, merge_overrides
-from search.core.record import Attr
-from search.core.study_config import RecommendRule
-from search.results import speed_check
-from search.results.critical_batch import StepsModel
-from search.results.recommend import Recommendation, best_document, metric_value, planned, recommend
-from search.results.time_to_target import Plan, Predicted
-from search.study.validate import recommend_rule, search_config
-from tracking.metrics import (
+from batchfit.common.checks import ConfigError
+from batchfit.common.overrides import load_overrides, merge_overrides
+from batchfit.search.core.record import Attr
+from batchfit.search.core.study_config import RecommendRule
+from batchfit.search.results import speed_check
+from batchfit.search.results.critical_batch import StepsModel
+from batchfit.search.results.recommend import (
+    Recommendation,
+    best_document,
+    metric_value,
+    planned,
+    recommend,
+)
+from batchfit.search.results.time_to_target import Plan, Predicted
+from batchfit.search.study.validate import recommend_rule, search_config
+from batchfit.tracking.metrics import (
     ENERGY_J,
     ENERGY_PER_SAMPLE,
     PEAK_BYTES,
@@ -30,7 +36,7 @@ from tracking.metrics import (
     VAL_ACC,
     VAL_LOSS,
 )
-from train.launch.speed_probe import Speed
+from batchfit.train.launch.speed_probe import Speed
 
 ACC, LOSS, SPEED, PEAK = VAL_ACC, VAL_LOSS, THROUGHPUT_SAMPLES, PEAK_BYTES
 BATCHES = CategoricalDistribution([16, 32, 64, 128, 256, 512])

@@ -11,13 +11,13 @@ import torch
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
-from search.core.record import Attr, Outcome, TrialRecord
-from search.core.study_config import SearchConfig
-from search.trial.ending import trial_record, write
-from tracking.metrics import STEP_MS, THROUGHPUT_TOKENS, VAL_ACC
-from train.config import RunSpec, TrainerConfig
-from train.device.spec import DeviceSpec
-from train.params import ACCUM_KEY, BATCH_KEY, PRECISION_KEY
+from batchfit.search.core.record import Attr, Outcome, TrialRecord
+from batchfit.search.core.study_config import SearchConfig
+from batchfit.search.trial.ending import trial_record, write
+from batchfit.tracking.metrics import STEP_MS, THROUGHPUT_TOKENS, VAL_ACC
+from batchfit.train.config import RunSpec, TrainerConfig
+from batchfit.train.device.spec import DeviceSpec
+from batchfit.train.params import ACCUM_KEY, BATCH_KEY, PRECISION_KEY
 
 RUN = {BATCH_KEY: 64, ACCUM_KEY: 2, PRECISION_KEY: "bf16", "device": "cpu"}
 

@@ -8,10 +8,10 @@ import pytest
 from optuna.distributions import CategoricalDistribution, IntDistribution
 from optuna.trial import TrialState, create_trial
 
-from search.core.record import Outcome, TrialRecord
-from search.core.trial_count import answer_for, known_configurations, study_records
-from search.sampling.sampler import FeasibilityFilter
-from search.trial.objective import answer_from_record
+from batchfit.search.core.record import Outcome, TrialRecord
+from batchfit.search.core.trial_count import answer_for, known_configurations, study_records
+from batchfit.search.sampling.sampler import FeasibilityFilter
+from batchfit.search.trial.objective import answer_from_record
 
 B = "trainer.batch_size"
 SIZES = {B: CategoricalDistribution([16, 32, 64, 256])}

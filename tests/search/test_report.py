@@ -10,10 +10,10 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState, create_trial
 from rich.console import Console
 
-from search.core.study_config import RecommendRule
-from search.results.critical_batch import StepsModel
-from search.results.recommend import Recommendation
-from search.results.summary import (
+from batchfit.search.core.study_config import RecommendRule
+from batchfit.search.results.critical_batch import StepsModel
+from batchfit.search.results.recommend import Recommendation
+from batchfit.search.results.summary import (
     StudyProgress,
     counts_line,
     rerun_overrides,
@@ -21,8 +21,8 @@ from search.results.summary import (
     summary_markdown,
     trial_line,
 )
-from search.results.time_to_target import Plan, Predicted
-from tracking.metrics import (
+from batchfit.search.results.time_to_target import Plan, Predicted
+from batchfit.tracking.metrics import (
     ENERGY_PER_SAMPLE,
     THROUGHPUT_SAMPLES,
     THROUGHPUT_SPREAD,

@@ -17,17 +17,17 @@ from optuna.trial import TrialState, create_trial
 from PIL import Image
 from rich.console import Console
 
-from common.overrides import load_overrides
-from search.core.record import TrialRecord
-from search.core.study_config import RecommendRule
-from search.results import batch_plots, plots, points, summary
-from search.results.points import MIN_IMPORTANCE_TRIALS
-from search.results.recommend import recommend
-from search.results.summary import EPOCH_LINES_AFTER_S, StudyProgress, summary_markdown
-from search.study.publish import PLOTS_EVERY_S, PUBLISH_EVERY_S, RECOMMENDED_TAG, Results
-from tracking.metrics import PEAK_BYTES, THROUGHPUT_SAMPLES, TRAIN_LOSS, VAL_ACC, VAL_LOSS
-from tracking.runs import Tracker
-from tracking.tags import NOTE_TAG
+from batchfit.common.overrides import load_overrides
+from batchfit.search.core.record import TrialRecord
+from batchfit.search.core.study_config import RecommendRule
+from batchfit.search.results import batch_plots, plots, points, summary
+from batchfit.search.results.points import MIN_IMPORTANCE_TRIALS
+from batchfit.search.results.recommend import recommend
+from batchfit.search.results.summary import EPOCH_LINES_AFTER_S, StudyProgress, summary_markdown
+from batchfit.search.study.publish import PLOTS_EVERY_S, PUBLISH_EVERY_S, RECOMMENDED_TAG, Results
+from batchfit.tracking.metrics import PEAK_BYTES, THROUGHPUT_SAMPLES, TRAIN_LOSS, VAL_ACC, VAL_LOSS
+from batchfit.tracking.runs import Tracker
+from batchfit.tracking.tags import NOTE_TAG
 
 METRICS = [VAL_ACC, THROUGHPUT_SAMPLES]
 MIB = 2**20
@@ -284,7 +284,7 @@ def test_run_name(attrs: dict, name: str) -> None:
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """search.results.summary's monotonic clock, set by the test."""
+    """batchfit.search.results.summary's monotonic clock, set by the test."""
     now = [1000.0]
     monkeypatch.setattr(summary, "time", SimpleNamespace(monotonic=lambda: now[0]))
     return now
@@ -466,7 +466,7 @@ def test_publish_without_a_completed_trial(tracker: Tracker, tmp_path: Path) -> 
 
 
 def test_a_long_summary_becomes_a_description_cut_at_a_whole_line() -> None:
-    from search.study.publish import CUT_NOTE, DESCRIPTION_CHARS, description
+    from batchfit.search.study.publish import CUT_NOTE, DESCRIPTION_CHARS, description
 
     rows = "\n".join(f"| {n} | 256 | 1 | 256 | fp32 | oom_predicted |" for n in range(400))
     summary = "# Study s\n\n" + rows + "\n"

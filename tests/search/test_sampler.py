@@ -10,8 +10,8 @@ import pytest
 from optuna.samplers import TPESampler
 from optuna.trial import TrialState, create_trial
 
-from search.core.record import TrialRecord
-from search.sampling.sampler import FeasibilityFilter, dominated
+from batchfit.search.core.record import TrialRecord
+from batchfit.search.sampling.sampler import FeasibilityFilter, dominated
 
 BATCH, ACCUM, PRECISION = "trainer.batch_size", "trainer.accum_steps", "trainer.precision"
 EFFECTIVE, LR = "trainer.effective_batch_size", "optimizer.lr"

@@ -12,12 +12,12 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 from rich.console import Console
 
-from search.core.record import Attr, Outcome, TrialRecord
-from search.results.summary import none_completed, summary
-from search.storage.heartbeat import RetryStaleTrial
-from search.trial.stopping import PROBE_MARGIN, SETTLE_STEPS, Prune, TimeBudget, Yardstick
+from batchfit.search.core.record import Attr, Outcome, TrialRecord
+from batchfit.search.results.summary import none_completed, summary
+from batchfit.search.storage.heartbeat import RetryStaleTrial
+from batchfit.search.trial.stopping import PROBE_MARGIN, SETTLE_STEPS, Prune, TimeBudget, Yardstick
+from batchfit.tracking.metrics import VAL_ACC
 from tests.conftest import FAST
-from tracking.metrics import VAL_ACC
 
 # ResNet-18/digits on a 2-core AVX2 CPU, 2876 samples (2 epochs), a 60 s budget. fp32 trials
 # train in 10-28 s on an idle machine; their 8-sample probes projected 279-543 s beside two

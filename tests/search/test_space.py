@@ -6,8 +6,8 @@ import optuna
 import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from common.checks import ConfigError
-from search.sampling.space import parse_space
+from batchfit.common.checks import ConfigError
+from batchfit.search.sampling.space import parse_space
 
 
 def test_sweeper_grammar_maps_to_optuna_distributions() -> None:
@@ -110,7 +110,7 @@ def test_one_command_line_form_narrows_widens_adds_and_drops_searched_keys(hydra
 def test_a_dropped_key_is_not_searched_by_a_study(hydra_conf, stores) -> None:
     from rich.console import Console
 
-    from search.study.driver import StudyDriver
+    from batchfit.search.study.driver import StudyDriver
 
     overrides = [
         *stores["overrides"],

@@ -12,8 +12,8 @@ from mlflow.tracking import MlflowClient
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import create_trial
 
-from search.results import speed_check
-from search.results.speed_check import SPEED_ATTR
+from batchfit.search.results import speed_check
+from batchfit.search.results.speed_check import SPEED_ATTR
 from tests.conftest import FAST
 
 pytestmark = pytest.mark.study

@@ -17,21 +17,25 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from common.checks import ConfigError
-from search.core.record import Attr
-from search.core.study_config import SearchConfig
-from search.core.trial_count import (
+from batchfit.common.checks import ConfigError
+from batchfit.search.core.record import Attr
+from batchfit.search.core.study_config import SearchConfig
+from batchfit.search.core.trial_count import (
     claims_slot,
     interrupted_numbers,
     num_trained,
     should_start_trial,
     study_records,
 )
-from search.storage.heartbeat import BEAT_ATTR, HeartbeatJournalStorage, HeartbeatRDBStorage
-from search.storage.journal import SafeJournalFileBackend
-from search.storage.opening import _create_rdb, open_storage
-from search.storage.owners import OWNER_ATTR, _process_start, owner_is_gone, this_owner
-from tracking.metrics import VAL_ACC
+from batchfit.search.storage.heartbeat import (
+    BEAT_ATTR,
+    HeartbeatJournalStorage,
+    HeartbeatRDBStorage,
+)
+from batchfit.search.storage.journal import SafeJournalFileBackend
+from batchfit.search.storage.opening import _create_rdb, open_storage
+from batchfit.search.storage.owners import OWNER_ATTR, _process_start, owner_is_gone, this_owner
+from batchfit.tracking.metrics import VAL_ACC
 
 REPO = Path(__file__).resolve().parents[2]
 # These tests drive the heartbeat by hand (ask, record_heartbeat), not through optimize.
@@ -88,7 +92,7 @@ def test_open_storage_gives_heartbeat_storages(tmp_path: Path) -> None:
 _WORKER = textwrap.dedent(
     """
     import sys, time, optuna
-    from search.storage.opening import open_storage
+    from batchfit.search.storage.opening import open_storage
     storage = open_storage(sys.argv[1], 60)
     study = optuna.create_study(study_name="s", storage=storage, load_if_exists=True)
     trial = study.ask()
@@ -294,7 +298,7 @@ def test_the_journal_lock_excludes_threads_and_a_pickled_copy(tmp_path: Path) ->
 _OPEN_AT_ONCE = textwrap.dedent(
     """
     import sys, time
-    from search.storage.opening import open_storage
+    from batchfit.search.storage.opening import open_storage
     while time.time() < float(sys.argv[2]):
         time.sleep(0.001)
     open_storage(sys.argv[1], 60)
@@ -336,7 +340,7 @@ def test_creating_the_tables_is_tried_five_times_then_its_error_raised(
             calls.append(time.monotonic())
             raise RuntimeError(f'relation "studies" already exists (attempt {len(calls)})')
 
-    monkeypatch.setattr("search.storage.opening.HeartbeatRDBStorage", LosesTheRace)
+    monkeypatch.setattr("batchfit.search.storage.opening.HeartbeatRDBStorage", LosesTheRace)
     with pytest.raises(RuntimeError, match=r"already exists \(attempt 5\)"):
         _create_rdb("postgresql://nowhere/db", {})
     gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
@@ -349,7 +353,7 @@ def test_creating_the_tables_is_tried_five_times_then_its_error_raised(
             calls.append(time.monotonic())
             raise RuntimeError("connection refused")
 
-    monkeypatch.setattr("search.storage.opening.HeartbeatRDBStorage", Refused)
+    monkeypatch.setattr("batchfit.search.storage.opening.HeartbeatRDBStorage", Refused)
     with pytest.raises(RuntimeError, match="connection refused"):
         _create_rdb("postgresql://nowhere/db", {})
     assert len(calls) == 1

@@ -9,17 +9,17 @@ import torch
 from optuna.trial import TrialState
 from rich.console import Console
 
-from common.checks import ConfigError
-from search.core.record import Attr
-from search.core.study_config import OBJECTIVE_METRICS, SearchConfig, Target
-from search.study.driver import StudyDriver
-from tracking.metrics import TO_TARGET_S, TRAIN_S, VAL_ACC
-from train.config import TrainerConfig
-from train.data import Splits
-from train.loop import Run, fit
-from train.lr import constant
-from train.measure.memory import MemoryMeter
-from train.step import Hooks
+from batchfit.common.checks import ConfigError
+from batchfit.search.core.record import Attr
+from batchfit.search.core.study_config import OBJECTIVE_METRICS, SearchConfig, Target
+from batchfit.search.study.driver import StudyDriver
+from batchfit.tracking.metrics import TO_TARGET_S, TRAIN_S, VAL_ACC
+from batchfit.train.config import TrainerConfig
+from batchfit.train.data import Splits
+from batchfit.train.loop import Run, fit
+from batchfit.train.lr import constant
+from batchfit.train.measure.memory import MemoryMeter
+from batchfit.train.step import Hooks
 
 CPU = torch.device("cpu")
 

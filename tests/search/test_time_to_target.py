@@ -9,12 +9,12 @@ import yaml
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from search.core.record import Attr
-from search.core.study_config import TARGET_METRICS, RecommendRule
-from search.results.plots import time_to_target_plot
-from search.results.recommend import best_document, recommend
-from search.results.summary import lr_plan
-from search.results.time_to_target import (
+from batchfit.search.core.record import Attr
+from batchfit.search.core.study_config import TARGET_METRICS, RecommendRule
+from batchfit.search.results.plots import time_to_target_plot
+from batchfit.search.results.recommend import best_document, recommend
+from batchfit.search.results.summary import lr_plan
+from batchfit.search.results.time_to_target import (
     Predicted,
     Untrusted,
     energy_front,
@@ -23,7 +23,7 @@ from search.results.time_to_target import (
     steps_to,
     table,
 )
-from tracking.metrics import (
+from batchfit.tracking.metrics import (
     ENERGY_J,
     ENERGY_PER_SAMPLE,
     GRAD_NOISE_SCALE,
@@ -33,7 +33,7 @@ from tracking.metrics import (
     TO_TARGET_J,
     VAL_ACC,
 )
-from train.params import LR_PARAM
+from batchfit.train.params import LR_PARAM
 
 ACC, SPEED = VAL_ACC, THROUGHPUT_SAMPLES
 S_MIN, B_CRIT = 100.0, 64.0

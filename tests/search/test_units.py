@@ -16,9 +16,9 @@ import pytest
 from optuna.distributions import IntDistribution
 from optuna.trial import TrialState, create_trial
 
-from search.core.record import TrialRecord, mib
-from search.results.summary import _clock, spread_note, trial_line, trial_row
-from tracking.metrics import (
+from batchfit.search.core.record import TrialRecord, mib
+from batchfit.search.results.summary import _clock, spread_note, trial_line, trial_row
+from batchfit.tracking.metrics import (
     DATA_WAIT_SHARE,
     PEAK_BYTES,
     PEAK_MIB,
@@ -30,9 +30,9 @@ from tracking.metrics import (
     TO_TARGET_S,
     VAL_ACC,
 )
-from tracking.runs import mib_metrics
-from train.device.sizes import format_bytes, parse_budget
-from train.params import ACCUM_KEY, BATCH_KEY, PRECISION_KEY
+from batchfit.tracking.runs import mib_metrics
+from batchfit.train.device.sizes import format_bytes, parse_budget
+from batchfit.train.params import ACCUM_KEY, BATCH_KEY, PRECISION_KEY
 
 MiB, GiB = 2**20, 2**30
 

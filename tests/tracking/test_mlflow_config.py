@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.checks import ConfigError
-from tracking.mlflow_config import MlflowConfig
+from batchfit.common.checks import ConfigError
+from batchfit.tracking.mlflow_config import MlflowConfig
 
 
 def _problems(**values: object) -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import mlflow
 
-from tracking.mlflow_ui import (
+from batchfit.tracking.mlflow_ui import (
     RECOMMENDED_COLUMN,
     RUN_NAME_COLUMN,
     VIEW_TAG,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from tracking.outbox import RETRY_MIN_S, Outbox
+from batchfit.tracking.outbox import RETRY_MIN_S, Outbox
 
 
 def _refused(times: int) -> tuple[Callable[[], None], list[float]]:

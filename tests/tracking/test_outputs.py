@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from batchfit.tracking.outputs import cannot_create
 from tests.sweeps import run_module
-from tracking.outputs import cannot_create
 
 
 @pytest.fixture

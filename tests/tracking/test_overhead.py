@@ -7,7 +7,7 @@ import time
 
 import optuna
 
-from tracking.overhead import CallClock, Lap, storage_methods
+from batchfit.tracking.overhead import CallClock, Lap, storage_methods
 
 
 def test_clock_counts_this_threads_calls_once() -> None:

@@ -15,13 +15,13 @@ import pytest
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from search.core.record import TrialRecord
+from batchfit.search.core.record import TrialRecord
+from batchfit.tracking.mlflow_setup import SYSTEM_METRICS_LOGGER, http_defaults, quiet_logging
+from batchfit.tracking.mlflow_ui import VIEW_TAG
+from batchfit.tracking.outbox import Outbox
+from batchfit.tracking.runs import RunLog, Tracker, mib_metrics
+from batchfit.tracking.tags import RECOMMENDED_TAG, ROLE_TAG, TRIAL_TAG
 from tests.sweeps import free_port
-from tracking.mlflow_setup import SYSTEM_METRICS_LOGGER, http_defaults, quiet_logging
-from tracking.mlflow_ui import VIEW_TAG
-from tracking.outbox import Outbox
-from tracking.runs import RunLog, Tracker, mib_metrics
-from tracking.tags import RECOMMENDED_TAG, ROLE_TAG, TRIAL_TAG
 
 
 def test_outbox_queues_writes_to_an_unreachable_server_in_order(monkeypatch) -> None:
@@ -190,17 +190,17 @@ def test_mlflow_stores_an_experiments_artifact_location_absolute(
 def test_a_moved_project_directory_is_said(tmp_path: Path, monkeypatch, caplog) -> None:
     """The decision (docs/troubleshooting.md): MLflow keeps the old absolute location, and
     batchfit says where the study's artifacts go and how to keep them with the project."""
-    caplog.set_level(logging.WARNING, logger="tracking.runs")
+    caplog.set_level(logging.WARNING, logger="batchfit.tracking.runs")
     old, new = tmp_path / "old", tmp_path / "new"
     old.mkdir()
     monkeypatch.chdir(old)
     for _ in range(2):  # created, then found again in place: nothing to say
         Tracker("sqlite:///mlruns/mlflow.db", "study", "mlruns/artifacts")
-    assert not [r for r in caplog.records if r.name == "tracking.runs"]
+    assert not [r for r in caplog.records if r.name == "batchfit.tracking.runs"]
     old.rename(new)
     monkeypatch.chdir(new)
     tracker = Tracker("sqlite:///mlruns/mlflow.db", "study", "mlruns/artifacts")
-    (said,) = [r.getMessage() for r in caplog.records if r.name == "tracking.runs"]
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "batchfit.tracking.runs"]
     assert said.startswith(
         f"MLflow experiment 'study' keeps its artifacts in {old}/mlruns/artifacts/study, which "
         f"no longer exists, not under mlflow.artifact_root ({new}/mlruns/artifacts): MLflow "

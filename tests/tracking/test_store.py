@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from mlflow.exceptions import MlflowException
 
-import tracking.store
-from common.checks import ConfigError
+from batchfit.common.checks import ConfigError
+from batchfit.tracking import store as tracking_store
+from batchfit.tracking.runs import Tracker
+from batchfit.tracking.store import retry_at_start, schema_lock
 from tests.sweeps import free_port
-from tracking.runs import Tracker
-from tracking.store import retry_at_start, schema_lock
 
 
 def _failing(times: int, error: BaseException) -> tuple[Callable[[], str], list[float]]:
@@ -92,7 +92,7 @@ def test_a_tracking_server_that_stays_down_is_waited_for_then_said(
     off, as the entry points set them), until START_RETRY_S has passed."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    monkeypatch.setattr(tracking.store, "START_RETRY_S", 1.0)
+    monkeypatch.setattr(tracking_store, "START_RETRY_S", 1.0)
     uri = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
     with pytest.raises(ConfigError) as raised:
@@ -179,13 +179,13 @@ def test_a_new_sqlite_store_is_a_copy_of_the_template_and_reads_as_one_mlflow_ma
     it was opened from, and the first experiment created is id 1 (the README's link)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     caplog.set_level("INFO", logger="mlflow.store.db.utils")
-    first = tracking.store.open_client(f"sqlite:///{tmp_path / 'a' / 'mlflow.db'}")
+    first = tracking_store.open_client(f"sqlite:///{tmp_path / 'a' / 'mlflow.db'}")
     assert "Creating initial MLflow database tables" in caplog.text
-    assert tracking.store._template_path().is_relative_to(tmp_path / "cache")
-    assert tracking.store._template_path().is_file()
+    assert tracking_store._template_path().is_relative_to(tmp_path / "cache")
+    assert tracking_store._template_path().is_file()
     caplog.clear()
     monkeypatch.chdir(tmp_path / "a")
-    second = tracking.store.open_client(f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}")
+    second = tracking_store.open_client(f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}")
     assert "Creating initial MLflow database tables" not in caplog.text  # copied, not migrated
     default = second.get_experiment("0")
     assert default.name == "Default"

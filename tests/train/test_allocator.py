@@ -10,9 +10,18 @@ import time
 
 import pytest
 
-from train.device.allocator_settings import AllocatorSettings
-from train.memory.allocator import AllocatorOutOfMemory, CachingAllocatorModel, SegmentState
-from train.memory.reserve import cublas_workspaces, predict_reserved, replay, smallest_limit
+from batchfit.train.device.allocator_settings import AllocatorSettings
+from batchfit.train.memory.allocator import (
+    AllocatorOutOfMemory,
+    CachingAllocatorModel,
+    SegmentState,
+)
+from batchfit.train.memory.reserve import (
+    cublas_workspaces,
+    predict_reserved,
+    replay,
+    smallest_limit,
+)
 
 KiB, MiB = 2**10, 2**20
 EXPANDABLE = AllocatorSettings(expandable_segments=True)

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from batchfit.train.device.allocator_settings import AllocatorSettings
+from batchfit.train.memory.allocator import AllocatorOutOfMemory, CachingAllocatorModel
+from batchfit.train.memory.reserve import _replay_rounded, _rounded, _Runs, live_peak_bytes
 from bench.gpu.cuda_trace import device_traces, load_snapshot, replay_device
-from train.device.allocator_settings import AllocatorSettings
-from train.memory.allocator import AllocatorOutOfMemory, CachingAllocatorModel
-from train.memory.reserve import _replay_rounded, _rounded, _Runs, live_peak_bytes
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "cuda-traces"
 

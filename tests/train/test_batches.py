@@ -19,19 +19,19 @@ from torch.utils.data import Dataset, TensorDataset
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import ToTensor
 
-from common.checks import ConfigError
-from tracking.metrics import DATA_WAIT_SHARE, VAL_ACC, VAL_LOSS
-from train.batches import SHAPE_SAMPLES, Pipeline, StepSampler, steps_plan
-from train.build import build_data, build_loader
-from train.config import LoaderConfig, TrainerConfig
-from train.data import Datasets, Splits, synthetic
-from train.loop import Run, fit
-from train.lr import constant
-from train.measure.memory import MemoryMeter
-from train.memory.predict import MemoryPredictor
-from train.models import small_cnn
-from train.step import RunResult, memory_steps, step_micro_batch_sizes
-from train.tasks import Classification, Task
+from batchfit.common.checks import ConfigError
+from batchfit.tracking.metrics import DATA_WAIT_SHARE, VAL_ACC, VAL_LOSS
+from batchfit.train.batches import SHAPE_SAMPLES, Pipeline, StepSampler, steps_plan
+from batchfit.train.build import build_data, build_loader
+from batchfit.train.config import LoaderConfig, TrainerConfig
+from batchfit.train.data import Datasets, Splits, synthetic
+from batchfit.train.loop import Run, fit
+from batchfit.train.lr import constant
+from batchfit.train.measure.memory import MemoryMeter
+from batchfit.train.memory.predict import MemoryPredictor
+from batchfit.train.models import small_cnn
+from batchfit.train.step import RunResult, memory_steps, step_micro_batch_sizes
+from batchfit.train.tasks import Classification, Task
 
 CPU = torch.device("cpu")
 GiB = 2**30
@@ -642,7 +642,7 @@ def test_build_data_refuses_what_is_neither_splits_nor_datasets(hydra_conf):
         build_data(cfg)
     message = str(caught.value)
     assert "data (builtins.dict) built a dict" in message
-    assert "train.data.Datasets" in message and "train.data.Splits" in message
+    assert "batchfit.Datasets" in message and "batchfit.Splits" in message
 
 
 def test_build_data_builds_datasets_from_a_config(hydra_conf):
@@ -650,7 +650,7 @@ def test_build_data_builds_datasets_from_a_config(hydra_conf):
         _with_data(
             hydra_conf,
             {
-                "_target_": "train.data.Datasets",
+                "_target_": "batchfit.Datasets",
                 "train": {"_target_": "builtins.list", "_args_": [[1, 2, 3]]},
                 "val": {"_target_": "builtins.list", "_args_": [[4]]},
                 "num_classes": 3,
@@ -671,10 +671,14 @@ def test_build_data_builds_datasets_from_a_config(hydra_conf):
 def test_build_data_reports_a_dataset_that_cannot_train_as_a_config_error(hydra_conf, train, match):
     cfg = _with_data(
         hydra_conf,
-        {"_target_": "train.data.Datasets", "train": train, "val": {"_target_": "builtins.list"}},
+        {
+            "_target_": "batchfit.Datasets",
+            "train": train,
+            "val": {"_target_": "builtins.list"},
+        },
     )
     with pytest.raises(
-        ConfigError, match=r"data \(train\.data\.Datasets\) cannot be built: " + match
+        ConfigError, match=r"data \(batchfit\.Datasets\) cannot be built: " + match
     ):
         build_data(cfg)
 

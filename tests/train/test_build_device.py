@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.build import build_model, build_pipeline, build_task
-from train.language.hf import causal_lm
-from train.language.text import GPT
-from train.measure.memory import TensorMemoryTracker
-from train.models import mlp, resnet18, small_cnn
+from batchfit.train.build import build_model, build_pipeline, build_task
+from batchfit.train.language.hf import causal_lm
+from batchfit.train.language.text import GPT
+from batchfit.train.measure.memory import TensorMemoryTracker
+from batchfit.train.models import mlp, resnet18, small_cnn
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 TEXT = ["data.seq_len=32", "data.max_bytes=20000"]
@@ -95,7 +95,7 @@ def test_a_tied_head_stays_tied_on_every_device(hydra_conf):
 
 
 def test_quantized_weights_are_built_on_the_device(hydra_conf):
-    from train.language.quantize import quant_state_tensors
+    from batchfit.train.language.quantize import quant_state_tensors
 
     cfg = hydra_conf(["+experiment=llm_qlora", *TEXT, "model.quantization=nf4"])
     model, _ = built(cfg, META)
@@ -192,7 +192,7 @@ def _transformers_own(settings: dict, lora: dict | None) -> torch.nn.Module:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from train.language.hf import architecture, lora_config
+    from batchfit.train.language.hf import architecture, lora_config
 
     torch.manual_seed(0)
     arch = architecture(settings)
@@ -206,7 +206,7 @@ def test_a_tied_head_is_never_allocated_and_the_seed_gives_the_same_weights(
 ):
     import yaml
 
-    from train.language.hf import _TiedHead
+    from batchfit.train.language.hf import _TiedHead
 
     # The head's draws go through a scratch of 2**20 elements, more than this head's 16,384:
     # 1,024 here, so that the scratch is not the head's size and the draws run in 16 chunks

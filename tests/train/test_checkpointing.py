@@ -8,16 +8,16 @@ import pytest
 import torch
 from torch import nn
 
-from common.checks import ConfigError
-from search.fit.layouts import fit_reports
-from search.study.validate import validate
-from train import checkpointing
-from train.build import build_task
-from train.config import TrainerConfig
-from train.models import resnet18
-from train.plan import plan
-from train.run import run
-from train.workload import Workloads
+from batchfit.common.checks import ConfigError
+from batchfit.search.fit.layouts import fit_reports
+from batchfit.search.study.validate import validate
+from batchfit.train import checkpointing
+from batchfit.train.build import build_task
+from batchfit.train.config import TrainerConfig
+from batchfit.train.models import resnet18
+from batchfit.train.plan import plan
+from batchfit.train.run import run
+from batchfit.train.workload import Workloads
 
 GPT = [
     "+experiment=gpt",

@@ -11,9 +11,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_method
 from omegaconf import OmegaConf
 
-from common.checks import ConfigError, unknown_keys
-from train.config import DEVICES, LR_SCALING_RULES, TrainerConfig
-from train.device.sizes import parse_budget
+from batchfit.common.checks import ConfigError, unknown_keys
+from batchfit.train.config import DEVICES, LR_SCALING_RULES, TrainerConfig
+from batchfit.train.device.sizes import parse_budget
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -185,8 +185,8 @@ def test_resnet_experiment_composes(composer):
     trainer = _trainer(cfg)
     assert trainer.max_epochs == 1  # a quick start: one epoch a trial
     assert (trainer.lr_scaling, trainer.lr_ref_batch_size) == ("linear", 128)
-    assert cfg.model._target_ == "train.models.resnet18"
-    assert cfg.data._target_ == "train.data.cifar10"
+    assert cfg.model._target_ == "batchfit.train.models.resnet18"
+    assert cfg.data._target_ == "batchfit.train.data.cifar10"
     assert parse_budget(cfg.search.memory_budget, 64 * 2**30) == 2**30
     offline = composer("+experiment=resnet", "data=digits")
     assert parse_budget(offline.search.memory_budget, 64 * 2**30) == 160 * 2**20

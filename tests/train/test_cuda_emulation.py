@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from train.config import TrainerConfig
-from train.device.allocator_settings import AllocatorSettings
-from train.device.gpus import gpu
-from train.device.spec import DeviceSpec
-from train.measure.memory import TensorMemoryTracker
-from train.memory.cuda_emulation import (
+from batchfit.train.config import TrainerConfig
+from batchfit.train.device.allocator_settings import AllocatorSettings
+from batchfit.train.device.gpus import gpu
+from batchfit.train.device.spec import DeviceSpec
+from batchfit.train.measure.memory import TensorMemoryTracker
+from batchfit.train.memory.cuda_emulation import (
     CUDA_AUTOCAST_POLICY,
     KNOWN_AUTOCAST_POLICY,
     NOT_EMULATED,
@@ -29,8 +29,8 @@ from train.memory.cuda_emulation import (
     installed_policy,
     op_exists,
 )
-from train.memory.predict import MemoryPredictor
-from train.memory.sdpa import SDPA_RULES, SdpaParams, sdpa_rules, select_sdp_backend
+from batchfit.train.memory.predict import MemoryPredictor
+from batchfit.train.memory.sdpa import SDPA_RULES, SdpaParams, sdpa_rules, select_sdp_backend
 
 aten = torch.ops.aten
 
@@ -236,7 +236,7 @@ def test_dropout_saves_cudas_bool_mask() -> None:
 
 def test_a_failed_registration_leaves_no_kernel_behind(monkeypatch) -> None:  # noqa: ANN001
     """Half-registered, CUDA's casts would apply to real CPU training afterwards."""
-    import train.memory.cuda_emulation as emulation
+    import batchfit.train.memory.cuda_emulation as emulation
 
     policy = {**emulation.CUDA_AUTOCAST_POLICY, "no_such_op": "fp32"}
     monkeypatch.setattr(emulation, "CUDA_AUTOCAST_POLICY", policy)

@@ -15,11 +15,11 @@ from hydra import compose, initialize_config_dir
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from common.checks import ConfigError
-from tracking.metrics import CUDNN_WORKSPACE_BYTES
-from train.config import RunSpec, TrainerConfig
-from train.device.allocator_settings import AllocatorSettings
-from train.device.cudnn_workspaces import (
+from batchfit.common.checks import ConfigError
+from batchfit.tracking.metrics import CUDNN_WORKSPACE_BYTES
+from batchfit.train.config import RunSpec, TrainerConfig
+from batchfit.train.device.allocator_settings import AllocatorSettings
+from batchfit.train.device.cudnn_workspaces import (
     WSCAP_ENV,
     CudnnWorkspaces,
     MeasureOnDevice,
@@ -27,14 +27,14 @@ from train.device.cudnn_workspaces import (
     apply_cap,
     cap_problems,
 )
-from train.device.gpus import gpu
-from train.device.spec import DeviceSpec
-from train.measure.memory import TensorMemoryTracker
-from train.memory.cudnn import conv_composites
-from train.memory.predict import MemoryPredictor
-from train.plan import plan
-from train.run import memory_figures
-from train.workload import Workloads
+from batchfit.train.device.gpus import gpu
+from batchfit.train.device.spec import DeviceSpec
+from batchfit.train.measure.memory import TensorMemoryTracker
+from batchfit.train.memory.cudnn import conv_composites
+from batchfit.train.memory.predict import MemoryPredictor
+from batchfit.train.plan import plan
+from batchfit.train.run import memory_figures
+from batchfit.train.workload import Workloads
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "cuda-traces"
@@ -281,7 +281,7 @@ def test_the_default_cap_reaches_a_planned_card(monkeypatch) -> None:
 def test_on_the_gpu_each_workspace_is_measured_and_within_the_cap(monkeypatch) -> None:
     """On the card, each call is measured (train/memory/cudnn.py measure_on_device); cuDNN
     honours CUDNN_CONV_WSCAP_DBG, so no measured workspace passes the cap exported."""
-    from train.device.spec import device_spec
+    from batchfit.train.device.spec import device_spec
 
     monkeypatch.setenv(WSCAP_ENV, "16")  # given back after the test
     apply_cap(16)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torchvision.datasets import CIFAR10
 
-from train.data import OFFLINE_HINT, Splits, cifar10, digits, split, synthetic
+from batchfit.train.data import OFFLINE_HINT, Splits, cifar10, digits, split, synthetic
 
 # --------------------------------------------------------------------------- split
 

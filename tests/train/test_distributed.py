@@ -12,13 +12,13 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from common.checks import ConfigError
-from train.config import TrainerConfig
-from train.measure.memory import OutOfMemory
-from train.plan import plan
-from train.run import run
-from train.step import Hooks, RunResult
-from train.workload import Workloads
+from batchfit.common.checks import ConfigError
+from batchfit.train.config import TrainerConfig
+from batchfit.train.measure.memory import OutOfMemory
+from batchfit.train.plan import plan
+from batchfit.train.run import run
+from batchfit.train.step import Hooks, RunResult
+from batchfit.train.workload import Workloads
 
 # 90 synthetic 1x8x8 images, 72 to train: with a global batch of 32 an epoch is steps of 32,
 # 32 and 8; the last one's second global micro-batch (16 samples) is rank 0's alone, and
@@ -109,7 +109,7 @@ def test_two_ranks_train_as_one_process_and_each_rank_is_predicted_to_the_byte(
 
 
 def _untrained(hydra_conf: Callable[..., DictConfig]) -> nn.Module:
-    from train.build import build_model
+    from batchfit.train.build import build_model
 
     cfg = hydra_conf(DATA)
     workload = Workloads().of(cfg)
@@ -210,8 +210,8 @@ def test_the_runs_joules_are_each_counters_once_and_a_rank_without_says_why() ->
     """_global over two ranks' figures: two readings of one RAPL package count once (the
     larger), two cards add; a rank that measured nothing leaves the run without joules,
     with that rank's reason, not rank 0's source."""
-    from train.launch.distributed import _global
-    from train.measure.energy import RAPL, UNMEASURED, Energy
+    from batchfit.train.launch.distributed import _global
+    from batchfit.train.measure.energy import RAPL, UNMEASURED, Energy
 
     def results(*energies: Energy | None) -> dict[int, dict]:
         base = RunResult(6, 144, 0.0, 1.0, 100, None, 0.5, energy=energies[0],

@@ -14,18 +14,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.train.test_loop import _fit, _flat_linear, _splits
-from tracking.metrics import (
+from batchfit.tracking.metrics import (
     DEVICE_UTILIZATION,
     ENERGY_J,
     ENERGY_PER_SAMPLE,
     MEAN_WATTS,
     joules_per,
 )
-from train import loop
-from train.config import TrainerConfig
-from train.measure import energy
-from train.measure.energy import (
+from batchfit.train import loop
+from batchfit.train.config import TrainerConfig
+from batchfit.train.measure import energy
+from batchfit.train.measure.energy import (
     NVML_COUNTER,
     NVML_SAMPLES,
     RAPL,
@@ -39,7 +38,8 @@ from train.measure.energy import (
     rapl_zones,
     time_weighted_mean,
 )
-from train.measure.throughput import ThroughputClock
+from batchfit.train.measure.throughput import ThroughputClock
+from tests.train.test_loop import _fit, _flat_linear, _splits
 
 CPU = torch.device("cpu")
 

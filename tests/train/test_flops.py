@@ -11,11 +11,16 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch import nn
 
-from search.core.record import Attr, TrialRecord
-from tests.conftest import FAST
-from tracking.metrics import ACHIEVED_FLOPS, FLOPS_PER_SAMPLE, MFU, PEAK_FLOPS, THROUGHPUT_SAMPLES
-from train.measure import flops as flops_module
-from train.measure.flops import (
+from batchfit.search.core.record import Attr, TrialRecord
+from batchfit.tracking.metrics import (
+    ACHIEVED_FLOPS,
+    FLOPS_PER_SAMPLE,
+    MFU,
+    PEAK_FLOPS,
+    THROUGHPUT_SAMPLES,
+)
+from batchfit.train.measure import flops as flops_module
+from batchfit.train.measure.flops import (
     PROBE_BURSTS,
     _cache_path,
     _machine_key,
@@ -25,7 +30,8 @@ from train.measure.flops import (
     mfu_metrics,
     perf_metrics,
 )
-from train.memory.predict import MemoryPredictor
+from batchfit.train.memory.predict import MemoryPredictor
+from tests.conftest import FAST
 
 CPU = torch.device("cpu")
 
@@ -47,8 +53,8 @@ def test_flops_per_sample_are_the_matmuls_of_forward_and_backward() -> None:
 
 
 def test_flops_grow_with_the_sequence_for_attention() -> None:
-    from train.language.text import GPT
-    from train.tasks import LanguageModel
+    from batchfit.train.language.text import GPT
+    from batchfit.train.tasks import LanguageModel
 
     def per_token(seq_len: int) -> float:
         ids = torch.zeros(2, seq_len, dtype=torch.int64)

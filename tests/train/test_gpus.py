@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.device.gpus import GB, GPUS, gpu, gpu_of_device_name
-from train.measure.flops import cuda_peak
+from batchfit.train.device.gpus import GB, GPUS, gpu, gpu_of_device_name
+from batchfit.train.measure.flops import cuda_peak
 
 
 @pytest.mark.parametrize("entry", GPUS, ids=lambda entry: entry.name)
@@ -104,7 +104,7 @@ def test_this_machines_card_offers_what_cuda_reports_free() -> None:
     table's 512 MiB context: what mem_get_info reported free plus what this process's
     caching allocator held, at the process's first plan (once: its plans agree). Since
     then the context can only have grown (kernels loaded, handles made)."""
-    from train.device.spec import device_spec
+    from batchfit.train.device.spec import device_spec
 
     device = torch.device("cuda", torch.cuda.current_device())
     held = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)  # the allocator holds some

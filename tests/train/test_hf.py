@@ -13,17 +13,23 @@ import torch
 import transformers
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from common.checks import ConfigError
-from train.build import build_data, build_model, build_optimizer, build_pipeline, build_task
-from train.checkpointing import hugging_face_checkpointed
-from train.language.hf import architectures, causal_lm
-from train.language.text import python_stdlib, stdlib_source, text_corpus
-from train.plan import plan
-from train.precision import Precision
-from train.run import check_builds, run
-from train.step import optimizer_step
-from train.tasks import CausalLM
-from train.workload import Workloads
+from batchfit.common.checks import ConfigError
+from batchfit.train.build import (
+    build_data,
+    build_model,
+    build_optimizer,
+    build_pipeline,
+    build_task,
+)
+from batchfit.train.checkpointing import hugging_face_checkpointed
+from batchfit.train.language.hf import architectures, causal_lm
+from batchfit.train.language.text import python_stdlib, stdlib_source, text_corpus
+from batchfit.train.plan import plan
+from batchfit.train.precision import Precision
+from batchfit.train.run import check_builds, run
+from batchfit.train.step import optimizer_step
+from batchfit.train.tasks import CausalLM
+from batchfit.train.workload import Workloads
 
 # The published parameter counts (the checkpoints' own model cards and config.json).
 PUBLISHED = {

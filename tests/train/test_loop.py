@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tracking.metrics import (
+from batchfit.tracking.metrics import (
     THROUGHPUT_SAMPLES,
     THROUGHPUT_SPREAD,
     TRAIN_LOSS,
@@ -19,17 +19,17 @@ from tracking.metrics import (
     VAL_ACC,
     VAL_LOSS,
 )
-from train import loop
-from train.batches import samples_planned, steps_plan
-from train.config import TrainerConfig
-from train.data import Splits, synthetic
-from train.loop import Run, fit
-from train.lr import constant
-from train.measure.evaluate import evaluate, probe_seconds_per_sample
-from train.measure.memory import MemoryMeter
-from train.models import small_cnn
-from train.precision import Precision
-from train.step import Diverged, Hooks, memory_steps, optimizer_step
+from batchfit.train import loop
+from batchfit.train.batches import samples_planned, steps_plan
+from batchfit.train.config import TrainerConfig
+from batchfit.train.data import Splits, synthetic
+from batchfit.train.loop import Run, fit
+from batchfit.train.lr import constant
+from batchfit.train.measure.evaluate import evaluate, probe_seconds_per_sample
+from batchfit.train.measure.memory import MemoryMeter
+from batchfit.train.models import small_cnn
+from batchfit.train.precision import Precision
+from batchfit.train.step import Diverged, Hooks, memory_steps, optimizer_step
 
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

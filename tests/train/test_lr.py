@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from train.lr import constant, rule_for, scaled_lr, warmup_cosine
-from train.plan import plan, with_lr_reference
+from batchfit.train.lr import constant, rule_for, scaled_lr, warmup_cosine
+from batchfit.train.plan import plan, with_lr_reference
 
 
 @pytest.mark.parametrize(

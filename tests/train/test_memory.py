@@ -9,17 +9,22 @@ import pytest
 import torch
 from torch import nn
 
-from train.batches import steps_plan
-from train.config import TrainerConfig
-from train.data import Splits, synthetic
-from train.device.sizes import device_total_bytes, format_bytes, parse_budget
-from train.loop import Run, fit
-from train.lr import constant
-from train.measure.memory import MemoryMeter, OutOfMemory, TensorMemoryTracker, is_oom_error
-from train.memory.reserve import live_peak_bytes
-from train.models import param_bytes, small_cnn
-from train.precision import Precision
-from train.step import optimizer_step
+from batchfit.train.batches import steps_plan
+from batchfit.train.config import TrainerConfig
+from batchfit.train.data import Splits, synthetic
+from batchfit.train.device.sizes import device_total_bytes, format_bytes, parse_budget
+from batchfit.train.loop import Run, fit
+from batchfit.train.lr import constant
+from batchfit.train.measure.memory import (
+    MemoryMeter,
+    OutOfMemory,
+    TensorMemoryTracker,
+    is_oom_error,
+)
+from batchfit.train.memory.reserve import live_peak_bytes
+from batchfit.train.models import param_bytes, small_cnn
+from batchfit.train.precision import Precision
+from batchfit.train.step import optimizer_step
 
 CPU = torch.device("cpu")
 GiB, MiB = 2**30, 2**20
@@ -631,7 +636,7 @@ def test_cuda_meter_does_not_need_the_tracker(cuda_clean):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_device_without_index_is_accepted_by_the_meter():
     # torch.device("cuda") has no index; set_per_process_memory_fraction needs one.
-    from train.plan import resolve_device
+    from batchfit.train.plan import resolve_device
 
     assert resolve_device("auto").index is not None
     meter = MemoryMeter(torch.device("cuda"), 2**30)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from tracking.metrics import (
+from batchfit.tracking.metrics import (
     GRAD_NOISE_SCALE,
     GRAD_NOISE_SCALE_HIGH,
     GRAD_NOISE_SCALE_LOW,
@@ -21,13 +21,13 @@ from tracking.metrics import (
     GRAD_SQ_NORM,
     GRAD_VARIANCE,
 )
-from train.batches import steps_plan
-from train.config import TrainerConfig
-from train.data import Splits, synthetic
-from train.loop import Run, fit
-from train.lr import constant
-from train.measure.memory import MemoryMeter
-from train.measure.noise import MIN_STEPS, NoiseReading, NoiseScale, t_975
+from batchfit.train.batches import steps_plan
+from batchfit.train.config import TrainerConfig
+from batchfit.train.data import Splits, synthetic
+from batchfit.train.loop import Run, fit
+from batchfit.train.lr import constant
+from batchfit.train.measure.memory import MemoryMeter
+from batchfit.train.measure.noise import MIN_STEPS, NoiseReading, NoiseScale, t_975
 
 CPU = torch.device("cpu")
 
@@ -62,7 +62,7 @@ def _fit_frozen(data: Splits, cfg: TrainerConfig):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the parameters stay put
     _, num_steps = steps_plan(len(data.train_y), cfg)
     logged = []
-    from train.step import Hooks
+    from batchfit.train.step import Hooks
 
     hooks = Hooks(on_log=lambda step, metrics: logged.append((step, metrics)))
     result = fit(Run(
@@ -248,7 +248,7 @@ def test_the_study_summary_says_what_its_noise_scale_rests_on():
     their measured steps together, and the completed trials without one. (Here beside the
     estimator for now; its place is tests/search/test_time_to_target.py, whose trials it
     borrows.) Broken on purpose (the steps summed over every trial), it fails."""
-    from search.results.time_to_target import plan
+    from batchfit.search.results.time_to_target import plan
     from tests.search.test_time_to_target import _on_model, _study, _trial
 
     trials = [

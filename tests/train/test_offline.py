@@ -47,7 +47,7 @@ builtins.__import__ = _avx512bf16
 """
 
 BUILD = """
-from train.language.hf import causal_lm
+from batchfit.train.language.hf import causal_lm
 model = causal_lm(config="llama3_tiny", lora={"r": 4}, vocab_size=256, block_size=64,
                   quantization=sys.argv[1])
 q_proj = model.base_model.model.model.layers[0].self_attn.q_proj

@@ -6,15 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-from train.precision import PRECISIONS, Precision, unsupported_reason
+from batchfit.train.precision import PRECISIONS, Precision, unsupported_reason
 
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def test_every_precision_is_accepted_and_an_unknown_one_is_refused_with_the_list():
-    from common.checks import ConfigError
-    from train.config import TrainerConfig
+    from batchfit.common.checks import ConfigError
+    from batchfit.train.config import TrainerConfig
 
     for name in PRECISIONS:  # each one a run may use, and each with autocast behind it
         assert TrainerConfig(precision=name, device="cpu").precision == name

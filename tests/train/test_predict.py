@@ -13,15 +13,21 @@ import pytest
 import torch
 from torch import nn
 
-from common.checks import ConfigError
-from train.build import build_data, build_model, build_optimizer, build_pipeline, build_task
-from train.config import TrainerConfig
-from train.memory.fitting import largest_fitting_batch
-from train.memory.predict import MemoryPredictor, PredictionUnsupported
-from train.plan import plan
-from train.run import run
-from train.step import memory_steps, step_micro_batch_sizes
-from train.workload import Workloads
+from batchfit.common.checks import ConfigError
+from batchfit.train.build import (
+    build_data,
+    build_model,
+    build_optimizer,
+    build_pipeline,
+    build_task,
+)
+from batchfit.train.config import TrainerConfig
+from batchfit.train.memory.fitting import largest_fitting_batch
+from batchfit.train.memory.predict import MemoryPredictor, PredictionUnsupported
+from batchfit.train.plan import plan
+from batchfit.train.run import run
+from batchfit.train.step import memory_steps, step_micro_batch_sizes
+from batchfit.train.workload import Workloads
 
 CPU = torch.device("cpu")
 KiB, MiB = 2**10, 2**20

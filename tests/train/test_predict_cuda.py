@@ -10,16 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from common.checks import ConfigError
-from tracking.metrics import PREDICTED_BYTES, PREDICTED_RESERVED_BYTES, PREDICTION_ERROR
-from train.config import TrainerConfig
-from train.device.allocator_settings import AllocatorSettings
-from train.device.gpus import gpu
-from train.device.spec import DeviceSpec
-from train.measure.memory import MemoryStats
-from train.memory.predict import MemoryPredictor, Prediction, PredictionUnsupported
-from train.plan import plan, planned_elsewhere
-from train.run import memory_figures
+from batchfit.common.checks import ConfigError
+from batchfit.tracking.metrics import PREDICTED_BYTES, PREDICTED_RESERVED_BYTES, PREDICTION_ERROR
+from batchfit.train.config import TrainerConfig
+from batchfit.train.device.allocator_settings import AllocatorSettings
+from batchfit.train.device.gpus import gpu
+from batchfit.train.device.spec import DeviceSpec
+from batchfit.train.measure.memory import MemoryStats
+from batchfit.train.memory.predict import MemoryPredictor, Prediction, PredictionUnsupported
+from batchfit.train.plan import plan, planned_elsewhere
+from batchfit.train.run import memory_figures
 
 CPU = torch.device("cpu")
 A100 = gpu("A100-40GB")

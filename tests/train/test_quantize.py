@@ -16,16 +16,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 pytest.importorskip("bitsandbytes")
 
-from train.device.gpus import GPUS, gpu  # noqa: E402
-from train.language.quantize import (  # noqa: E402
+from batchfit.train.device.gpus import GPUS, gpu  # noqa: E402
+from batchfit.train.language.quantize import (  # noqa: E402
     BLOCKSIZE,
     cuda_card,
     quant_state_tensors,
     quantize,
     unfused_gemm_4bit,
 )
-from train.measure.memory import TensorMemoryTracker  # noqa: E402
-from train.step import state_tensors  # noqa: E402
+from batchfit.train.measure.memory import TensorMemoryTracker  # noqa: E402
+from batchfit.train.step import state_tensors  # noqa: E402
 
 OUT, IN = 256, 128  # one layer's weight: 32,768 values, 512 blocks of 64
 
@@ -149,7 +149,7 @@ def test_a_quantized_model_trains_and_its_adapters_learn():
     """Four steps of QLoRA on a fixed batch lower its loss; the 4-bit weights stay as they
     were (frozen), the adapters change."""
     pytest.importorskip("peft")
-    from train.language.hf import causal_lm
+    from batchfit.train.language.hf import causal_lm
 
     torch.manual_seed(0)
     model = causal_lm(
@@ -179,8 +179,8 @@ def test_a_saved_quantized_model_rebuilds_with_its_own_4bit_weights(hydra_conf, 
     pytest.importorskip("peft")
     from omegaconf import OmegaConf
 
-    from train.language.hf import causal_lm
-    from train.model_file import load, rebuild, to_bytes
+    from batchfit.train.language.hf import causal_lm
+    from batchfit.train.model_file import load, rebuild, to_bytes
 
     cfg = hydra_conf(["+experiment=llm_qlora"])
     torch.manual_seed(123)  # not the config's seed: rebuild's fresh weights differ

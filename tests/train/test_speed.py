@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from train.launch import speed_probe as speed
-from train.launch.speed_probe import Speed, measure
-from train.plan import plan
+from batchfit.train.launch import speed_probe as speed
+from batchfit.train.launch.speed_probe import Speed, measure
+from batchfit.train.plan import plan
 
 SMALL = ["model=small_cnn", "model.width=4", "data=digits", "trainer.device=cpu"]
 

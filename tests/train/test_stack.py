@@ -14,10 +14,10 @@ import torch
 import yaml
 from torch import nn
 
-from train.memory.predict import _BESIDE, MemoryPredictor, replays_beside
-from train.memory.stack import Step, _Canon, _insertions, _regions, find_stack
-from train.plan import plan
-from train.workload import Workloads
+from batchfit.train.memory.predict import _BESIDE, MemoryPredictor, replays_beside
+from batchfit.train.memory.stack import Step, _Canon, _insertions, _regions, find_stack
+from batchfit.train.plan import plan
+from batchfit.train.workload import Workloads
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GPT = ["+experiment=gpt", "model.n_layer=6", "trainer.device=cpu"]
@@ -130,7 +130,7 @@ def test_a_stack_whose_steps_are_not_periodic_is_computed_whole():
         _Odd, lambda p: torch.optim.SGD(p, lr=0.1), example, torch.device("cpu"), whole=True
     )
     assert fast.depth == 6
-    from train.config import TrainerConfig
+    from batchfit.train.config import TrainerConfig
 
     trainer = TrainerConfig(batch_size=4, accum_steps=2)
     assert fast._built([4, 4], trainer) is None  # depth 4 does not come out of 2 and 3

@@ -13,17 +13,17 @@ from torch import nn
 from torchmetrics import MeanSquaredError, Metric
 from torchmetrics.classification import MulticlassAccuracy
 
-from tracking.metrics import THROUGHPUT_TOKENS, VAL_ACC, VAL_LOSS, VAL_PERPLEXITY
-from train.batches import StepSampler, steps_plan
-from train.config import TrainerConfig
-from train.data import Datasets, Splits, synthetic
-from train.loop import Run, fit
-from train.lr import constant
-from train.measure.evaluate import evaluate
-from train.measure.memory import MemoryMeter
-from train.precision import Precision
-from train.step import optimizer_step
-from train.tasks import (
+from batchfit.tracking.metrics import THROUGHPUT_TOKENS, VAL_ACC, VAL_LOSS, VAL_PERPLEXITY
+from batchfit.train.batches import StepSampler, steps_plan
+from batchfit.train.config import TrainerConfig
+from batchfit.train.data import Datasets, Splits, synthetic
+from batchfit.train.loop import Run, fit
+from batchfit.train.lr import constant
+from batchfit.train.measure.evaluate import evaluate
+from batchfit.train.measure.memory import MemoryMeter
+from batchfit.train.precision import Precision
+from batchfit.train.step import optimizer_step
+from batchfit.train.tasks import (
     MAXIMIZE,
     MINIMIZE,
     ArgmaxAccuracy,

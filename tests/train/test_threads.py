@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from common.checks import ConfigError
+from batchfit.common.checks import ConfigError
+from batchfit.train.parallel.threads import busy_cores, plan_threads, usable_cores
 from tests.sweeps import clean_env
-from train.parallel.threads import busy_cores, plan_threads, usable_cores
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_SAMPLES, THROUGHPUT_TOKENS
-from train.measure.throughput import Stopwatch, ThroughputClock, estimate_train_seconds
+from batchfit.tracking.metrics import DATA_WAIT_SHARE, THROUGHPUT_SAMPLES, THROUGHPUT_TOKENS
+from batchfit.train.measure.throughput import Stopwatch, ThroughputClock, estimate_train_seconds
 
 CPU = torch.device("cpu")
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from hydra.utils import get_object
 
-from train.data import Splits, synthetic
-from train.plan import plan
-from train.run import run
-from train.workload import Workloads
+from batchfit.train.data import Splits, synthetic
+from batchfit.train.plan import plan
+from batchfit.train.run import run
+from batchfit.train.workload import Workloads
 
 CPU = torch.device("cpu")
 HERE = "tests.train.test_workload"  # as Hydra imports this module (pytest may import it apart)
@@ -36,7 +36,7 @@ BUILDS: list[dict] = []  # one entry per data set built through counted_syntheti
 
 
 def counted_synthetic(**kwargs) -> Splits:  # noqa: ANN003
-    """train.data.synthetic, counting its calls."""
+    """batchfit.train.data.synthetic, counting its calls."""
     BUILDS.append(kwargs)
     return synthetic(**kwargs)
 

@@ -1,0 +1,54 @@
+"""batchfit: the batch size, accumulation, precision and learning rate to train with, under a
+device-memory budget, predicted before anything is paid.
+
+What this module exports is the supported surface (everything else in the package is
+private, and may change between releases):
+
+- bring your own training to a study: `Datasets` and `Splits` (data), `Task` and its bundled
+  subclasses (forward, loss, units and validation metrics);
+- from the command line: `batchfit search|fit|train` (`batchfit.cli`).
+
+Names are imported at first use (PEP 562), so `import batchfit` and `batchfit --help` do not
+pay for torch, Optuna and MLflow until something needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> the private module that defines it
+_EXPORTS = {
+    "Datasets": "batchfit.train.data",
+    "Splits": "batchfit.train.data",
+    "Task": "batchfit.train.tasks",
+    "Classification": "batchfit.train.tasks",
+    "Regression": "batchfit.train.tasks",
+    "LanguageModel": "batchfit.train.tasks",
+    "CausalLM": "batchfit.train.tasks",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+if TYPE_CHECKING:
+    from batchfit.train.data import Datasets as Datasets
+    from batchfit.train.data import Splits as Splits
+    from batchfit.train.tasks import CausalLM as CausalLM
+    from batchfit.train.tasks import Classification as Classification
+    from batchfit.train.tasks import LanguageModel as LanguageModel
+    from batchfit.train.tasks import Regression as Regression
+    from batchfit.train.tasks import Task as Task
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'batchfit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

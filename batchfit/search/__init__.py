@@ -1,0 +1,1 @@
+"""batchfit's study driver: search space, objective, study storage, MLflow tracking, report."""

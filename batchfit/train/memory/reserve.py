@@ -1,0 +1,267 @@
+"""What the CUDA caching allocator reserves for a step, from its events (`(key, nbytes)`
+allocations, `(key, -1)` frees) replayed through the model of train/memory/allocator.py:
+`replay`, the live peak, the smallest per-process limit the step runs in (a bisection that
+reuses the runs it shares, `_Runs`), `predict_reserved` (what the predictor calls: every figure
+of a prediction at once) and the cuBLAS workspaces a step holds. cudaMallocAsync, which the
+model does not apply to, is answered from the live peak. No torch: replays_beside
+(train/memory/predict.py) runs this in a forked process."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from batchfit.train.device.allocator_settings import (
+    LIMIT_RESOLUTION_BYTES,
+    AllocatorSettings,
+    KiB,
+    allocation_size,
+    round_up,
+)
+from batchfit.train.memory.allocator import AllocatorOutOfMemory, CachingAllocatorModel
+
+
+def replay(model: CachingAllocatorModel, events: Iterable[tuple[object, int]]) -> None:
+    """Runs `(key, nbytes)` allocations and `(key, -1)` frees; raises AllocatorOutOfMemory."""
+    _replay_rounded(model, _rounded(events, model.settings))
+
+
+def _rounded(
+    events: Iterable[tuple[object, int]], settings: AllocatorSettings
+) -> list[tuple[object, int]]:
+    """The events with each allocation's size rounded as the allocator rounds it (the
+    block's size): once for the several runs of a bisection."""
+    round_size = settings.round_size
+    return [(key, round_size(nbytes) if nbytes >= 0 else -1) for key, nbytes in events]
+
+
+def _replay_rounded(model: CachingAllocatorModel, events: list[tuple[object, int]]) -> None:
+    """replay of events _rounded gave."""
+    malloc, free = model.malloc_rounded, model.free
+    for key, size in events:
+        if size < 0:
+            free(key)
+        else:
+            malloc(key, size)
+
+
+def live_peak_bytes(
+    events: Iterable[tuple[object, int]],
+    round_size: Callable[[int], int] = int,
+    live_blocks: Iterable[tuple[object, int]] = (),
+) -> int:
+    """The peak of the live bytes of `(key, nbytes)` / `(key, -1)` events, each allocation
+    rounded by `round_size` (AllocatorSettings.round_size: the blocks' sizes, which no limit
+    below can hold; unrounded: the tracker's live tensor bytes), from `live_blocks` already
+    live."""
+    sizes = dict(live_blocks)
+    live = peak = sum(sizes.values())
+    for key, nbytes in events:
+        if nbytes < 0:
+            live -= sizes.pop(key)
+        else:
+            sizes[key] = round_size(nbytes)
+            live += sizes[key]
+            peak = max(peak, live)
+    return peak
+
+
+def smallest_fitting_limit(
+    fits: Callable[[int], bool | int | None], low_bytes: int, high_bytes: int
+) -> int:
+    """Bisection over multiples of LIMIT_RESOLUTION_BYTES (exact: every amount c10 compares
+    with the limit is one, so whether a step fits changes only there): the smallest limit in
+    (low_bytes, high_bytes] that `fits`, given that `high_bytes` does. Assumes fitting is
+    monotone in the limit, which c10's release-and-retry makes it nearly always. `fits` may
+    answer with the peak reserved under the limit instead of True: every limit from that
+    peak up runs the step the same way (see _peak_under), so the search continues below it."""
+    low = low_bytes // LIMIT_RESOLUTION_BYTES  # in units; fails (or is the floor)
+    high = round_up(high_bytes, LIMIT_RESOLUTION_BYTES) // LIMIT_RESOLUTION_BYTES
+    while high - low > 1:
+        middle = (low + high) // 2
+        found = fits(middle * LIMIT_RESOLUTION_BYTES)
+        if found is True:
+            high = middle
+        elif found:
+            high = min(middle, round_up(found, LIMIT_RESOLUTION_BYTES) // LIMIT_RESOLUTION_BYTES)
+            high = max(high, low + 1)
+        else:
+            low = middle
+    return high * LIMIT_RESOLUTION_BYTES
+
+
+class _Runs:
+    """One step's runs under several limits (a bisection's), each started from the latest
+    state it shares with the run without a limit rather than from the first event. A run
+    under a limit L is the unlimited run, event for event, until the first new segment c10
+    would refuse under L (alloc_block's check: reserved + segment > L; nothing else in
+    c10's malloc and free reads the limit, garbage collection aside, which then runs every
+    limit from the start): the unlimited run records every such check, and a run keeps a
+    copy of the state before the event where it diverges, for the runs under nearby limits
+    that diverge there too. A bisection's runs diverge near the step's peak, mostly past
+    half its events, and the runs that fail there stop soon after."""
+
+    def __init__(self, steps: list[tuple[object, int]], settings: AllocatorSettings) -> None:
+        self.steps, self.settings = steps, settings
+        unlimited = self.unlimited = CachingAllocatorModel(settings)
+        checks: list[tuple[int, int]] = []
+        unlimited.limit_checks = checks
+        malloc, free = unlimited.malloc_rounded, unlimited.free
+        for i, (key, size) in enumerate(steps):
+            if size < 0:
+                free(key)
+            else:
+                unlimited.event_index = i
+                malloc(key, size)
+        unlimited.limit_checks = None
+        self._events = [i for i, _ in checks]
+        # the largest reserve + segment checked up to each check: a run under L diverges at
+        # the first check where it passes L
+        self._needs = list(itertools.accumulate((need for _, need in checks), max))
+        self._shared = settings.garbage_collection_threshold == 0
+        self._states = {0: CachingAllocatorModel(settings)}  # event -> the state before it
+
+    def under(self, limit_bytes: int) -> CachingAllocatorModel | None:
+        """The state after the step under `limit_bytes`; None when it runs out of memory."""
+        if not self._shared:
+            start, model = 0, CachingAllocatorModel(self.settings, limit_bytes)
+        else:
+            found = bisect.bisect_right(self._needs, limit_bytes)
+            if found == len(self._needs):
+                return self.unlimited  # no check reaches the limit: the same run
+            diverges = self._events[found]
+            start = max(i for i in self._states if i <= diverges)
+            model = self._states[start].copy()
+            model.limit_bytes = limit_bytes
+            _replay_rounded(model, self.steps[start:diverges])  # no check fails before
+            if diverges not in self._states:
+                self._states[diverges] = model.copy()
+            start = diverges
+        try:
+            _replay_rounded(model, self.steps[start:])
+        except AllocatorOutOfMemory:
+            return None
+        return model
+
+    def peak_under(self, limit_bytes: int) -> bool | int:
+        """Whether the step runs under `limit_bytes`: False, or its peak reserve there when
+        every limit from that peak up runs it the same way, else True. A run under a limit
+        differs from one under another only where c10 compares `reserved + segment` with
+        it: a comparison that failed (> limit) fails under any smaller limit, one that
+        passed was at most the peak, so every limit from the peak up decides alike. Not so
+        with expandable segments (the comparison counts a whole segment, the reserve only
+        the pages mapped) or garbage collection (a share of the limit)."""
+        model = self.under(limit_bytes)
+        if model is None:
+            return False
+        if self.settings.expandable_segments or not self._shared:
+            return True
+        return model.peak_reserved_bytes
+
+    def smallest_limit(self) -> int:
+        """smallest_limit of these steps."""
+        high = self.unlimited.peak_reserved_bytes + expandable_slack_bytes(
+            self.steps, self.settings
+        )
+        return smallest_fitting_limit(self.peak_under, live_peak_bytes(self.steps) - 1, high)
+
+
+def _workspace_events(workspaces: Iterable[int]) -> list[tuple[object, int]]:
+    return [(("cublas-workspace", i), nbytes) for i, nbytes in enumerate(workspaces)]
+
+
+def smallest_limit(
+    events: list[tuple[object, int]],
+    settings: AllocatorSettings,
+    workspaces: Iterable[int] = (),
+) -> int:
+    """The smallest per-process limit (bytes, exact to 2 MiB, see smallest_fitting_limit)
+    under which the step, after the cuBLAS workspaces, runs without an out-of-memory error."""
+    steps = _workspace_events(workspaces) + list(events)
+    if settings.backend == "cudaMallocAsync":
+        return _async_reserved_bytes(steps)
+    return _Runs(_rounded(steps, settings), settings).smallest_limit()
+
+
+def expandable_slack_bytes(
+    events: Iterable[tuple[object, int]], settings: AllocatorSettings
+) -> int:
+    """With expandable segments alloc_block checks a whole get_allocation_size against the
+    limit but may map less: the unlimited peak plus the largest such size always fits."""
+    if not settings.expandable_segments:
+        return 0
+    return max((allocation_size(settings.round_size(n)) for _, n in events if n >= 0), default=0)
+
+
+def _async_reserved_bytes(events: Iterable[tuple[object, int]]) -> int:
+    """cudaMallocAsync: CUDA's pool, not c10's cache, so no segments to model; its reserve
+    grows in 2 MiB chunks of physical memory and, with torch's release threshold, gives
+    unused chunks back, so the live peak (512 B aligned) rounded to 2 MiB is the prediction
+    (a lower bound: fragmentation inside the driver's pool is not modelled)."""
+    peak = live_peak_bytes(events, AllocatorSettings().round_size)
+    return round_up(peak, LIMIT_RESOLUTION_BYTES)
+
+
+@dataclass(frozen=True)
+class CudaReserve:
+    """What the allocator reserves for a step: unlimited, the least limit it runs in, and
+    under the given limit (None: out of memory there)."""
+
+    peak_reserved_bytes_unlimited: int
+    smallest_limit_bytes: int
+    peak_reserved_under_limit_bytes: int | None
+
+
+def predict_reserved(
+    events: list[tuple[object, int]],
+    settings: AllocatorSettings,
+    workspaces: Iterable[int] = (),
+    limit_bytes: int | None = None,
+) -> CudaReserve:
+    """The predictor's figures for a tracked step (cuBLAS workspaces allocated first: they
+    live from the first matmul on). With cudaMallocAsync every figure is the live peak
+    rounded to 2 MiB (_async_reserved_bytes)."""
+    workspaces = list(workspaces)
+    steps = _workspace_events(workspaces) + list(events)
+    if settings.backend == "cudaMallocAsync":
+        peak = _async_reserved_bytes(steps)
+        under = peak if limit_bytes is None or peak <= limit_bytes else None
+        return CudaReserve(peak, peak, under)
+    runs = _Runs(_rounded(steps, settings), settings)
+    peak = under = runs.unlimited.peak_reserved_bytes
+    if limit_bytes is not None:
+        limited = runs.under(limit_bytes)
+        under = None if limited is None else limited.peak_reserved_bytes
+    least = runs.smallest_limit()
+    return CudaReserve(peak, least, under)
+
+
+# ------------------------------------------------------------------------------ cuBLAS
+
+
+def cublas_workspaces(
+    capability: tuple[int, int], training: bool, environ: Mapping[str, str] = os.environ
+) -> tuple[int, ...]:
+    """The cuBLAS workspaces the caching allocator holds for a step, one per (handle, stream)
+    (CublasHandlePool.cpp's setWorkspaceForHandle): the main thread's handle, and in training
+    the autograd device thread's own handle for the backward matmuls. Each is
+    getChosenWorkspaceSize: CUBLAS_WORKSPACE_CONFIG (`:SIZE_KiB:COUNT` pairs) if set, else
+    32 MiB on sm 9.0 and 4096 KiB x 2 + 16 KiB x 8 elsewhere. cuBLASLt's workspace is not
+    counted: it is 1 MiB, and none shows in the traces of tests/fixtures/cuda-traces."""
+    num_handles = 2 if training else 1
+    return (_chosen_workspace_bytes(capability, environ),) * num_handles
+
+
+def _chosen_workspace_bytes(capability: tuple[int, int], environ: Mapping[str, str]) -> int:
+    config = environ.get("CUBLAS_WORKSPACE_CONFIG")
+    default = 4096 * 8 * KiB if tuple(capability) == (9, 0) else (4096 * 2 + 16 * 8) * KiB
+    if config is None:
+        return default
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+    if not pairs:  # torch warns and uses the default
+        return default
+    return sum(int(size) * KiB * int(count) for size, count in pairs)
