@@ -4,6 +4,9 @@ device-memory budget, predicted before anything is paid.
 What this module exports is the supported surface (everything else in the package is
 private, and may change between releases):
 
+- predicting a training step of your own model before paying for it: `predict_peak`,
+  `largest_batch`, `fit_table` (and `StepPredictor` to ask many questions of one model),
+  answered as `Prediction`, `Breakdown` and `FitTable` for this machine or a named card;
 - bring your own training to a study: `Datasets` and `Splits` (data), `Task` and its bundled
   subclasses (forward, loss, units and validation metrics);
 - from the command line: `batchfit search|fit|train` (`batchfit.cli`).
@@ -21,6 +24,14 @@ __version__ = "0.1.0"
 
 # public name -> the private module that defines it
 _EXPORTS = {
+    "predict_peak": "batchfit.prediction",
+    "largest_batch": "batchfit.prediction",
+    "StepPredictor": "batchfit.prediction",
+    "Prediction": "batchfit.prediction",
+    "Breakdown": "batchfit.prediction",
+    "PredictionUnsupported": "batchfit.prediction",
+    "fit_table": "batchfit.table",
+    "FitTable": "batchfit.table",
     "Datasets": "batchfit.train.data",
     "Splits": "batchfit.train.data",
     "Task": "batchfit.train.tasks",
@@ -33,6 +44,14 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
+    from batchfit.prediction import Breakdown as Breakdown
+    from batchfit.prediction import Prediction as Prediction
+    from batchfit.prediction import PredictionUnsupported as PredictionUnsupported
+    from batchfit.prediction import StepPredictor as StepPredictor
+    from batchfit.prediction import largest_batch as largest_batch
+    from batchfit.prediction import predict_peak as predict_peak
+    from batchfit.table import FitTable as FitTable
+    from batchfit.table import fit_table as fit_table
     from batchfit.train.data import Datasets as Datasets
     from batchfit.train.data import Splits as Splits
     from batchfit.train.tasks import CausalLM as CausalLM
