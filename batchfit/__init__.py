@@ -7,6 +7,8 @@ private, and may change between releases):
 - predicting a training step of your own model before paying for it: `predict_peak`,
   `largest_batch`, `fit_table` (and `StepPredictor` to ask many questions of one model),
   answered as `Prediction`, `Breakdown` and `FitTable` for this machine or a named card;
+- a study from Python: `study(overrides)`, its answer a `StudyResult` holding the
+  `Recommendation` (configuration, learning rate, figures, the command that trains it);
 - bring your own training to a study: `Datasets` and `Splits` (data), `Task` and its bundled
   subclasses (forward, loss, units and validation metrics);
 - from the command line: `batchfit search|fit|train` (`batchfit.cli`).
@@ -31,10 +33,15 @@ _EXPORTS = {
     "Breakdown": "batchfit.prediction",
     "PredictionUnsupported": "batchfit.prediction",
     "fit_table": "batchfit.table",
+    "study": "batchfit.studies",
+    "StudyResult": "batchfit.studies",
+    "Recommendation": "batchfit.studies",
     "FitTable": "batchfit.table",
+    "ConfigError": "batchfit.common.checks",
     "Datasets": "batchfit.train.data",
     "Splits": "batchfit.train.data",
     "Task": "batchfit.train.tasks",
+    "ArgmaxAccuracy": "batchfit.train.tasks",
     "Classification": "batchfit.train.tasks",
     "Regression": "batchfit.train.tasks",
     "LanguageModel": "batchfit.train.tasks",
@@ -44,16 +51,21 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
+    from batchfit.common.checks import ConfigError as ConfigError
     from batchfit.prediction import Breakdown as Breakdown
     from batchfit.prediction import Prediction as Prediction
     from batchfit.prediction import PredictionUnsupported as PredictionUnsupported
     from batchfit.prediction import StepPredictor as StepPredictor
     from batchfit.prediction import largest_batch as largest_batch
     from batchfit.prediction import predict_peak as predict_peak
+    from batchfit.studies import Recommendation as Recommendation
+    from batchfit.studies import StudyResult as StudyResult
+    from batchfit.studies import study as study
     from batchfit.table import FitTable as FitTable
     from batchfit.table import fit_table as fit_table
     from batchfit.train.data import Datasets as Datasets
     from batchfit.train.data import Splits as Splits
+    from batchfit.train.tasks import ArgmaxAccuracy as ArgmaxAccuracy
     from batchfit.train.tasks import CausalLM as CausalLM
     from batchfit.train.tasks import Classification as Classification
     from batchfit.train.tasks import LanguageModel as LanguageModel

@@ -42,17 +42,29 @@ def lr_caption(trials: Sequence[FrozenTrial]) -> str | None:
     return None
 
 
-def lr_plan(trial: FrozenTrial, batch: int | None = None) -> str | None:
-    """The learning rate to use at the global batch one will train with: the study's rule
-    (train/lr.py) applied to the recommended trial's rate, at its global batch or `batch`
-    (a fit report cell no trial trained, which takes the trial's rate)."""
+def planned_lr(trial: FrozenTrial, batch: int | None = None) -> float | None:
+    """The learning rate at the global batch one will train with (the trial's, or `batch`):
+    the study's rule (train/lr.py) applied to the trial's rate; None where not recorded."""
     run = TrialRecord.of(trial).run
     rule, base, scaled = run.get(LR_RULE_PARAM), run.get("optimizer.lr"), run.get(LR_PARAM)
     batch, ref = batch or run.get(GLOBAL_PARAM), run.get(LR_REF_PARAM)
     if rule is None or base is None or scaled is None or not batch:
         return None
     if ref and rule != "none":
-        scaled = scaled_lr(base, batch, rule, ref)
+        return scaled_lr(base, batch, rule, ref)
+    return scaled
+
+
+def lr_plan(trial: FrozenTrial, batch: int | None = None) -> str | None:
+    """The learning rate to use at the global batch one will train with: the study's rule
+    (train/lr.py) applied to the recommended trial's rate, at its global batch or `batch`
+    (a fit report cell no trial trained, which takes the trial's rate)."""
+    run = TrialRecord.of(trial).run
+    rule, base = run.get(LR_RULE_PARAM), run.get("optimizer.lr")
+    batch, ref = batch or run.get(GLOBAL_PARAM), run.get(LR_REF_PARAM)
+    scaled = planned_lr(trial, batch)
+    if scaled is None:
+        return None
     if rule == "none" or not ref:
         return (
             f"Learning rate: {scaled:.3g} at any global batch (trainer.lr_scaling={rule}: the "

@@ -27,6 +27,7 @@ from batchfit.search.fit.render import summary_lines
 from batchfit.search.fit.report import FitReport
 from batchfit.search.results import recommend, speed_check, summary
 from batchfit.search.results.boundary import FIT_ATTR, fit_cells, frontier
+from batchfit.search.results.recommend import Recommendation
 from batchfit.search.sampling.levers import with_default_space
 from batchfit.search.sampling.sampler import FeasibilityFilter
 from batchfit.search.storage.opening import JOURNAL_PREFIX
@@ -353,6 +354,9 @@ class StudyDriver:
         self.configure = Configurer(compose, checked.space, checked.settings, workloads, self._note)
         self.loop = TrialLoop(study, checked.settings, self.budget, tracker)
         self.tracking = TrackingState(tracker)
+        # After run: the recommendation and the overrides that train it (None: no answer)
+        self.recommendation: Recommendation | None = None
+        self.rerun_overrides: list[str] | None = None
 
     @classmethod
     def prepare(
@@ -471,12 +475,13 @@ class StudyDriver:
         self.tracking.close(self.console, settings.outage_wait_s)
         self._say_where_to_browse()
         best_path = self.results.best_path
+        self.recommendation, self.rerun_overrides = rec, self.results.overrides(rec)
         summary.summary(
             self.console,
             self.study,
             settings.metrics,
             rec,
-            self.results.overrides(rec),
+            self.rerun_overrides,
             _shown(best_path) if rec and best_path else None,
         )
         return rec.trial.values[0] if rec else None
