@@ -509,8 +509,10 @@ def largest_batch(
     """The largest micro-batch per device whose step fits the budget with the margin.
 
     Args:
-        model, batch: as for predict_peak.
-        precision, accum_steps: the step's.
+        model: the model (any device, the meta device included); it is not changed.
+        batch: one example batch, as the step receives it (see StepPredictor).
+        precision: "fp32", "tf32", "bf16" or "fp16".
+        accum_steps: micro-batches per optimizer step.
         max_batch_size: the largest batch tried.
         **settings: StepPredictor's keywords (gpu, budget, optimizer, loss, ...).
 

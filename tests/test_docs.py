@@ -116,7 +116,8 @@ def _layout() -> list[str]:
 
 def test_the_layout_matches_the_tree() -> None:
     paths = _layout()
-    assert "batchfit/train/memory/predict.py" in paths and "batchfit/common/checks.py" in paths, paths
+    assert "batchfit/train/memory/predict.py" in paths, paths
+    assert "batchfit/common/checks.py" in paths, paths
     ignored = ("mlruns/",)  # run output, not in a fresh checkout
     missing = [p for p in paths if not (REPO / p).exists() and not p.startswith(ignored)]
     assert not missing, f"the Layout (docs/design.md) names what is not there: {missing}"

@@ -158,13 +158,13 @@ CASES = {
     ),
     "unknown scheduler setting": (
         ["+scheduler.warmup_steps=3"],
-        r"scheduler.warmup_steps is not a setting of batchfit.train.lr.warmup_cosine; known: optimizer, "
-        r"total_steps, warmup_fraction",
+        r"scheduler.warmup_steps is not a setting of batchfit.train.lr.warmup_cosine; known: "
+        r"optimizer, total_steps, warmup_fraction",
     ),
     "unknown task setting": (
         ["+task.label_smoothin=0.1"],
-        r"task.label_smoothin is not a setting of batchfit.train.tasks.Classification; known: .*; did "
-        r"you mean task.label_smoothing\?",
+        r"task.label_smoothin is not a setting of batchfit.train.tasks.Classification; known: "
+        r".*; did you mean task.label_smoothing\?",
     ),
     "tracking URI of no MLflow store": (
         ["mlflow.tracking_uri=foo://x"],
@@ -281,8 +281,8 @@ def test_a_searched_value_the_model_cannot_take_is_refused_with_the_models_line(
         StudyDriver.prepare(hydra_conf(overrides), overrides, {}, Console(record=True))
     assert raised.value.problems == [
         "search.params.data.seq_len: value 4096 is invalid: model "
-        "(batchfit.train.language.hf.causal_lm) cannot be built: data.seq_len=4096 is longer than the "
-        "model's max_position_embeddings=2048; lower data.seq_len"
+        "(batchfit.train.language.hf.causal_lm) cannot be built: data.seq_len=4096 is longer "
+        "than the model's max_position_embeddings=2048; lower data.seq_len"
     ]
 
 

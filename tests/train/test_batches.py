@@ -677,9 +677,7 @@ def test_build_data_reports_a_dataset_that_cannot_train_as_a_config_error(hydra_
             "val": {"_target_": "builtins.list"},
         },
     )
-    with pytest.raises(
-        ConfigError, match=r"data \(batchfit\.Datasets\) cannot be built: " + match
-    ):
+    with pytest.raises(ConfigError, match=r"data \(batchfit\.Datasets\) cannot be built: " + match):
         build_data(cfg)
 
 
