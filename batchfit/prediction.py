@@ -195,27 +195,62 @@ def budget_of(budget: int | str | None, target: DeviceSpec) -> int | None:
 
 
 def fake_copy(model: nn.Module, leave_out: Sequence[object] = ()) -> nn.Module:
-    """A copy of `model` in training mode whose parameters and buffers are meta tensors of
-    the same shapes, strides, dtypes and requires_grad: nothing of the model's size is
-    copied, and the model itself is left as it was (the predictor makes the copy's tensors
-    fake in place). A 4-bit weight keeps a copy of its quantization state. The copy's
-    references to `leave_out` (a Lightning Trainer) are None."""
-    memo: dict[int, Any] = {id(other): None for other in leave_out}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) in memo:
-            continue
-        meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
-        if isinstance(tensor, nn.Parameter):
-            meta = nn.Parameter(meta, tensor.requires_grad)
-            if getattr(tensor, "quant_state", None) is not None:
-                for name in ("blocksize", "compress_statistics", "quant_type",
-                             "quant_storage", "bnb_quantized", "module"):  # fmt: skip
-                    setattr(meta, name, getattr(tensor, name))
-                meta.quant_state = copy.deepcopy(tensor.quant_state)
-        memo[id(tensor)] = meta
-    copied = copy.deepcopy(model, memo)
+    """A copy of `model`'s modules in training mode whose parameters and buffers are meta
+    tensors of the same shapes, strides, dtypes and requires_grad: nothing of the model's
+    size is copied, and the model itself is left as it was (the predictor makes the copy's
+    tensors fake in place). Each module is copied with its own containers (hooks, the
+    tensors' dicts); its other attributes are the original's, not copies (a data set a
+    LightningModule holds is not copied), except references to `leave_out` (a Lightning
+    Trainer), which are None. A 4-bit weight keeps a copy of its quantization state."""
+    tensors: dict[int, torch.Tensor | None] = {}
+    modules: dict[int, nn.Module] = {}
+    left = {id(other) for other in leave_out}
+
+    def meta(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        if id(tensor) not in tensors:  # tied weights stay one tensor
+            empty = torch.empty_strided(
+                tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta"
+            )
+            tensors[id(tensor)] = (
+                _meta_param(tensor, empty) if isinstance(tensor, nn.Parameter) else empty
+            )
+        return tensors[id(tensor)]
+
+    def module_copy(module: nn.Module) -> nn.Module:
+        if id(module) not in modules:
+            new = modules[id(module)] = copy.copy(module)  # its own __dict__, values shared
+            for name, value in vars(module).items():
+                if id(value) in left:
+                    setattr(new, name, None)
+                elif isinstance(value, (dict, list, set)):  # hooks, buffer names: its own
+                    new.__dict__[name] = copy.copy(value)
+            new._parameters = {k: meta(v) for k, v in module._parameters.items()}
+            new._buffers = {k: meta(v) for k, v in module._buffers.items()}
+            new._modules = {
+                k: None if v is None else module_copy(v) for k, v in module._modules.items()
+            }
+            weight = new._parameters.get("weight")
+            if getattr(weight, "quant_state", None) is not None:  # it reads its own layer
+                weight.module = new
+                if getattr(new, "quant_state", None) is not None:
+                    new.quant_state = weight.quant_state
+        return modules[id(module)]
+
+    copied = module_copy(model)
     copied.train()
     return copied
+
+
+def _meta_param(param: nn.Parameter, empty: torch.Tensor) -> nn.Parameter:
+    new = nn.Parameter(empty, param.requires_grad)
+    if getattr(param, "quant_state", None) is not None:  # a 4-bit weight's settings
+        for name in ("blocksize", "compress_statistics", "quant_type", "quant_storage",
+                     "bnb_quantized", "module"):  # fmt: skip
+            setattr(new, name, getattr(param, name))
+        new.quant_state = copy.deepcopy(param.quant_state)
+    return new
 
 
 def optimizer_factory(optimizer: OptimizerArg | None) -> Callable[[list], torch.optim.Optimizer]:
