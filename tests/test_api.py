@@ -100,7 +100,9 @@ def test_a_prediction_leaves_the_model_and_the_optimizer_as_they_were() -> None:
     grads = {name: p.grad for name, p in model.named_parameters()}
     state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
     found = batchfit.predict_peak(model, batch, optimizer=optimizer, loss=_loss, batch_size=64)
-    assert found.peak_bytes > 0
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert found.breakdown.gradients_bytes == trainable  # the frozen conv weight has none
+    assert found.breakdown.optimizer_state_bytes == trainable  # SGD's momentum
     assert not model.training  # its mode as it was
     for name, (tensor, before) in tensors.items():
         now = model.state_dict(keep_vars=True)[name]
