@@ -129,6 +129,8 @@ class UserTask(Task):
     their `loss(output, batch)` (default: the output's own loss, e.g. a Hugging Face model's
     with labels in the batch). A batch's units are its samples."""
 
+    kind = "steps of a model of your own"  # what a margin's reason calls them
+
     def __init__(self, forward: Forward | None = None, loss: Loss | None = None):
         self._forward, self._loss = forward, loss
 

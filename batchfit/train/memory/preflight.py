@@ -85,7 +85,8 @@ def step_kind(predictor: MemoryPredictor) -> tuple[Measured | None, str]:
     if any(isinstance(module, _ConvNd) for module in model.modules()):
         return None, "steps with convolutions: not measured within it on a GPU"
     if not isinstance(predictor.task, LanguageModel):
-        return None, f"{type(predictor.task).__name__} steps: not measured on a GPU"
+        kind = getattr(predictor.task, "kind", f"{type(predictor.task).__name__} steps")
+        return None, f"{kind}: not measured on a GPU"
     if any("4bit" in type(module).__name__ for module in model.modules()):
         return None, "4-bit (QLoRA) steps: not measured on a GPU"
     if predictor.strategy != "none":
