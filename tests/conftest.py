@@ -58,6 +58,8 @@ LONGEST_FIRST = (
     "tests/search/test_driver.py",  # 5
     "tests/test_workers.py",  # 5
     "tests/test_end_to_end.py",  # 3.5
+    "tests/test_cli.py",  # 2: the quick start from a user's folder, the subcommands' help
+    "tests/test_python_guide.py",  # 1.5: docs/python.md as one script
     "tests/test_browser.py",  # 3.3
     "tests/test_guide.py",  # 3
 )
