@@ -96,11 +96,6 @@ class Prediction:
     seconds: float = 0.0  # how long the prediction took
 
     @property
-    def limit_bytes(self) -> int | None:
-        """What the step must fit: the budget (None when there is none)."""
-        return self.budget_bytes
-
-    @property
     def fits(self) -> bool | None:
         """Whether the step fits the budget with the margin to spare (None: no budget)."""
         if self.budget_bytes is None:
@@ -358,10 +353,9 @@ class StepPredictor:
             self.task,
             parallel,
         )
-        found = step_margin(margin, self.predictor)
-        self.margin, self.margin_why = found.value, "" if margin is None else "given"
-        if margin is None:
-            self.margin_why = found.why
+        found = step_margin(margin, self.predictor)  # given, else the kind of step's
+        self.margin = found.value
+        self.margin_why = "margin= given" if margin is not None else found.why
 
     def _trainer(self, batch_size: int, accum_steps: int, precision: str) -> TrainerConfig:
         return TrainerConfig(
