@@ -9,6 +9,7 @@ report of `python -m search.fit`, as data, for a model built in your own code.
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ class FitTable:
 
     def render(self, width: int = RENDER_WIDTH) -> str:
         """The table as `python -m search.fit` prints it, with its notes, as plain text."""
-        console = Console(width=width, record=True, file=_Discard())
+        console = Console(width=width, record=True, file=io.StringIO())  # kept, not shown
         console.print(render(self._report))
         for line in notes(self._report):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
@@ -80,16 +81,6 @@ class FitTable:
 
     def __str__(self) -> str:
         return self.render()
-
-
-class _Discard:
-    """A file that keeps nothing: the console records what it renders."""
-
-    def write(self, text: str) -> int:
-        return len(text)
-
-    def flush(self) -> None:
-        pass
 
 
 def fit_table(
