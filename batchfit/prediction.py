@@ -16,6 +16,7 @@ the same way (an 8B model in a notebook, its weights never in memory).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -27,11 +28,13 @@ from torch import nn
 
 from batchfit.train.config import TrainerConfig
 from batchfit.train.device.gpus import gpu as gpu_entry
-from batchfit.train.device.sizes import device_total_bytes, format_bytes
+from batchfit.train.device.sizes import format_bytes
 from batchfit.train.device.spec import DeviceSpec, device_spec
+from batchfit.train.language.quantize import fake_param
 from batchfit.train.memory.fakes import storage_bytes
-from batchfit.train.memory.fitting import fits_budget
+from batchfit.train.memory.fitting import fits_budget, largest_fitting_batch
 from batchfit.train.memory.predict import MemoryPredictor, PredictionUnsupported
+from batchfit.train.memory.predict import Prediction as StepPeak
 from batchfit.train.memory.preflight import step_margin
 from batchfit.train.memory.reserve import cublas_workspaces
 from batchfit.train.plan import USABLE, card_budget_bytes
@@ -169,11 +172,9 @@ def target_of(gpu: str | None) -> DeviceSpec:
             gpu_entry(gpu)
         except ValueError as error:
             raise ValueError(f"gpu={gpu!r}: {error}".replace("search.gpu", "gpu")) from None
-        return device_spec(torch.device("cpu"), gpu)
-    if torch.cuda.is_available():
-        return device_spec(torch.device("cuda", torch.cuda.current_device()), None)
-    cpu = torch.device("cpu")
-    return DeviceSpec(cpu.type, device_total_bytes(cpu))
+        return device_spec(torch.device("cpu"), gpu)  # planned: the card need not be here
+    here = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    return device_spec(here or torch.device("cpu"), None)
 
 
 def budget_of(budget: int | str | None, target: DeviceSpec) -> int | None:
@@ -181,10 +182,6 @@ def budget_of(budget: int | str | None, target: DeviceSpec) -> int | None:
     a CUDA device offers a process (its memory less the CUDA context), else None (CPU)."""
     if budget is None:
         return card_budget_bytes(USABLE, target) if target.gpu is not None else None
-    if isinstance(budget, int) and not isinstance(budget, bool):
-        if budget <= 0:
-            raise ValueError(f"budget={budget}: give a positive number of bytes, e.g. 8 * 2**30")
-        return budget
     try:
         return card_budget_bytes(budget, target)
     except ValueError as error:
@@ -241,11 +238,10 @@ def fake_copy(model: nn.Module, leave_out: Sequence[object] = ()) -> nn.Module:
 
 
 def _meta_param(param: nn.Parameter, empty: torch.Tensor) -> nn.Parameter:
-    new = nn.Parameter(empty, param.requires_grad)
-    if getattr(param, "quant_state", None) is not None:  # a 4-bit weight's settings
-        for name in ("blocksize", "compress_statistics", "quant_type", "quant_storage",
-                     "bnb_quantized", "module"):  # fmt: skip
-            setattr(new, name, getattr(param, name))
+    """fake_param's Parameter, a 4-bit weight's quantization state copied: the predictor
+    makes its tensors fake in place, which must not reach the user's model."""
+    new = fake_param(param, empty)
+    if getattr(param, "quant_state", None) is not None:
         new.quant_state = copy.deepcopy(param.quant_state)
     return new
 
@@ -391,14 +387,17 @@ class StepPredictor:
             raise ValueError(f"precision={precision!r}: {reason}")
         trainer = self._trainer(batch_size, accum_steps, precision)
         num_train = trainer.global_batch_size  # one full-size step
-        found = self.predictor.predict(trainer, num_train, self.budget_bytes)
+        return self._public(self.predictor.predict(trainer, num_train, self.budget_bytes), trainer)
+
+    def _public(self, found: StepPeak, trainer: TrainerConfig) -> Prediction:
+        """The predictor's answer for `trainer`'s step, as the API gives it."""
         return Prediction(
             found.peak_bytes,
             self._breakdown(found.peak_bytes, found.tensor_bytes),
             self.target.name,
-            batch_size,
-            accum_steps,
-            precision,
+            trainer.batch_size,
+            trainer.accum_steps,
+            trainer.precision,
             self.budget_bytes,
             self.margin,
             self.margin_why,
@@ -421,10 +420,7 @@ class StepPredictor:
         Raises:
             ValueError: no budget to fit (on the CPU, give `budget`).
         """
-        if self.budget_bytes is None:
-            raise ValueError(
-                "largest_batch needs a budget: give budget='8GiB' (or bytes), or gpu='A100-40GB'"
-            )
+        self._need_budget("largest_batch")
         _check_count("max_batch_size", max_batch_size)
 
         def fitting(b: int) -> Prediction | None:
@@ -452,20 +448,34 @@ class StepPredictor:
     def keeping(self, per_device: int, precision: str = "fp32") -> Prediction | None:
         """The largest micro-batch dividing `per_device` (samples per device per optimizer
         step) whose step fits, with the accumulation that keeps `per_device`: what to train
-        with to keep an effective batch. None when one sample does not fit. Peaks grow with
-        the micro-batch, so the divisors are bisected."""
+        with to keep an effective batch. None when one sample does not fit. The rule a
+        study's derived accumulation uses (train/memory/fitting.py largest_fitting_batch).
+
+        Raises:
+            ValueError: no budget to fit (on the CPU, give `budget`).
+        """
+        self._need_budget("keeping an effective batch")
         _check_count("per_device", per_device)
-        divisors = [b for b in range(1, per_device + 1) if per_device % b == 0]
-        best, low, high = None, 0, len(divisors) - 1
-        while low <= high:
-            mid = (low + high) // 2
-            size = divisors[mid]
-            found = self.predict(size, accum_steps=per_device // size, precision=precision)
-            if found.fits:
-                best, low = found, mid + 1
-            else:
-                high = mid - 1
-        return best
+        reason = self.unsupported(precision)
+        if reason is not None:
+            raise ValueError(f"precision={precision!r}: {reason}")
+        trainer = self._trainer(per_device, 1, precision)
+        assert self.budget_bytes is not None
+        found = largest_fitting_batch(
+            self.predictor, trainer, trainer.global_batch_size, self.budget_bytes, self.margin
+        )
+        if found is None:
+            return None
+        size, peak = found
+        return self._public(
+            peak, dataclasses.replace(trainer, batch_size=size, accum_steps=per_device // size)
+        )
+
+    def _need_budget(self, what: str) -> None:
+        if self.budget_bytes is None:
+            raise ValueError(
+                f"{what} needs a budget: give budget='8GiB' (or bytes), or gpu='A100-40GB'"
+            )
 
     def _breakdown(self, peak_bytes: int, tensor_bytes: int) -> Breakdown:
         model = self.predictor.model

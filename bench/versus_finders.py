@@ -100,13 +100,18 @@ class Outcome:
         return self.batch_size * self.accum_steps
 
 
+def _first_input(args: tuple, kwargs: dict) -> Any:
+    """A forward pass's first input: positional (the classifier's) or keyword (the LM's)."""
+    return args[0] if args else next(iter(kwargs.values()))
+
+
 @contextlib.contextmanager
 def counting_forwards(module: torch.nn.Module) -> Iterator[list[int]]:
     """[forward passes, the last one's batch size] while inside."""
     seen = [0, 0]
 
     def count(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        first = args[0] if args else next(iter(kwargs.values()))
+        first = _first_input(args, kwargs)
         if not isinstance(first, FakeTensor):  # a prediction runs the copy, hooks and all
             seen[:] = [seen[0] + 1, first.shape[0]]
 
@@ -127,8 +132,7 @@ def armed_in_steps(model: torch.nn.Module, budget: Budget) -> Iterator[None]:
     step = torch.optim.AdamW.step
 
     def arm(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        first = args[0] if args else next(iter(kwargs.values()))
-        if not isinstance(first, FakeTensor):
+        if not isinstance(_first_input(args, kwargs), FakeTensor):
             budget.armed = True
 
     def stepped(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:

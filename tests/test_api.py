@@ -201,6 +201,11 @@ def test_largest_batch_is_the_fit_boundary() -> None:
     again = batchfit.largest_batch(model, batch, loss=_loss, budget=600 * 1024, margin=0.0)
     assert (again.batch_size, again.peak_bytes) == (found.batch_size, found.peak_bytes)
     assert batchfit.largest_batch(model, batch, loss=_loss, budget=1024) is None
+    kept = step.keeping(96)  # the largest divisor of 96 that fits, its accumulation the rest
+    assert kept.fits and kept.batch_size * kept.accum_steps == 96 and 96 % kept.batch_size == 0
+    unbounded = batchfit.StepPredictor(model, batch, loss=_loss)  # the CPU: no budget
+    with pytest.raises(ValueError, match="keeping an effective batch needs a budget"):
+        unbounded.keeping(96)
 
 
 def test_a_fit_table_renders_as_the_fit_report() -> None:

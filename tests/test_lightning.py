@@ -49,7 +49,6 @@ def test_the_callbacks_step_is_one_ranks_ddp_step() -> None:
     step with the gradient buckets beside it."""
     module = Classifier()
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
-    trainer.strategy.connect(module)
     step = PredictedBatchSize(budget="64MiB").predictor(trainer, module)
     batch = next(iter(module.train_dataloader()))
     direct = batchfit.predict_peak(

@@ -76,7 +76,6 @@ from pathlib import Path
 # import at first use (a third of the time). `python -m search` runs the thin search/__main__.py,
 # which imports batchfit.search.__main__: preloaded, as a module `python -m` does not run itself.
 PRELOAD = ("batchfit.search.__main__", "mlflow.store.tracking.sqlalchemy_store", "sklearn.datasets")
-FORGET: tuple[str, ...] = ()  # preloaded modules that `python -m` runs itself (runpy warns)
 IMPORT_OUTPUT = ("imports.out", "imports.err")  # in the server's directory
 # Set by pytest for each test: a child takes the value of its request (nothing imports it).
 PER_RUN_ENV = ("PYTEST_CURRENT_TEST",)
@@ -107,11 +106,9 @@ def _capture_import_output() -> None:
 
 
 def import_preloaded() -> None:
-    """PRELOAD imported, FORGET forgotten: the modules a child starts with."""
+    """PRELOAD imported: the modules a child starts with."""
     for name in PRELOAD:
         importlib.import_module(name)
-    for name in FORGET:
-        _forget(name)
 
 
 def _forget(name: str) -> None:
