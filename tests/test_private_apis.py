@@ -7,6 +7,7 @@ Each of these has no public equivalent in the versions pinned (Optuna 5.0, torch
   (search/storage/heartbeat.py)
 - optuna.storages.journal._file.BaseJournalFileLock, get_lock_file (search/storage/journal.py)
 - JournalStorage._backend (search/study/driver.py, tests/faults/test_journal.py)
+- JournalFileBackend._log_number_offset (search/storage/journal.py: the bytes replayed)
 - Study._storage, Trial._trial_id, FrozenTrial._trial_id (search/storage/, search/study/worker.py)
 - BaseDistribution._contains (search/core/trial_count.py `_within`)
 - torch.amp.GradScaler._maybe_opt_step (train/memory/fakes.py `FakeGradScaler`)
@@ -189,6 +190,15 @@ def test_journal_storage_keeps_its_backend(tmp_path: Path) -> None:
     # search/study/driver.py prints the notes of the storage's SafeJournalFileBackend.
     backend = SafeJournalFileBackend(tmp_path / "optuna.journal")
     assert JournalStorage(backend)._backend is backend
+
+
+def test_journal_file_backend_maps_log_numbers_to_byte_offsets(tmp_path: Path) -> None:
+    # search/storage/journal.py: a journal shorter than the records replayed was truncated.
+    journal = tmp_path / "j"
+    backend = JournalFileBackend(str(journal))
+    backend.append_logs([{"op_code": 0, "worker_id": "w", "study_name": "s", "directions": [1]}])
+    assert len(list(backend.read_logs(0))) == 1
+    assert max(backend._log_number_offset.values()) == journal.stat().st_size
 
 
 # ---- Optuna: a study's storage and its trials' ids (search/storage/, search/study/worker.py)

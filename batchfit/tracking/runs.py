@@ -373,6 +373,21 @@ class Tracker:
         )
         return runs[0].info.run_id if runs else None
 
+    def earlier_study(self, study_name: str) -> str | None:
+        """The study run of this name already in the experiment, said in words ('parent run
+        R, started T, N trial runs'); None where there is none."""
+        run_id = retry_at_start(lambda: self._find_study_run(study_name), self.tracking_uri)
+        if run_id is None:
+            return None
+        run = self.client.get_run(run_id)
+        trials = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.`{PARENT_TAG}` = '{run_id}' and tags.`{ROLE_TAG}` = 'trial'",
+            max_results=1000,
+        )
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(run.info.start_time / 1000))
+        return f"parent run {run_id}, started {started}, {len(trials)} trial runs"
+
     def _experiment_is_fresh(self) -> bool:
         experiment = retry_at_start(
             lambda: self.client.get_experiment(self.experiment_id), self.tracking_uri

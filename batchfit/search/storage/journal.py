@@ -14,6 +14,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from optuna.storages.journal._file import BaseJournalFileLock, get_lock_file
 
 LOCK_SUFFIX = ".flock"  # beside the journal: the lock its appends hold
 TORN_SUFFIX = ".torn-"  # beside the journal: bytes of a record whose writer died mid-write
+RECOVERED_SUFFIX = ".recovered-"  # beside the journal: its records, kept when it vanished
 LOCK_WARN_S = 10.0  # say that the journal lock is taking long, this often
 _RECORD_START = b'{"op_code":'  # every record of Optuna's journal begins so
 _log = logging.getLogger(__name__)
@@ -35,6 +37,16 @@ _log = logging.getLogger(__name__)
 class JournalWriteError(OSError):
     """The journal could not be written (a full disk, a read-only or vanished filesystem).
     Nothing of the failed append is left in it: the study resumes once the cause is gone."""
+
+
+class JournalLost(JournalWriteError):
+    """The journal was deleted, replaced by another file or truncated while this process had
+    it open: its offsets no longer point at records, so nothing more is read or written. What
+    this process could still read of the old file is in `recovered` (None: nothing was)."""
+
+    def __init__(self, message: str, recovered: Path | None):
+        super().__init__(message)
+        self.recovered = recovered
 
 
 class FlockJournalLock(BaseJournalFileLock):
@@ -106,7 +118,10 @@ class SafeJournalFileBackend(JournalFileBackend):
       JournalWriteError;
     - bytes after the last complete record (a writer killed mid-write) are moved aside to
       `<journal>.torn-<time>` before the next append, and at open also a record that a
-      later append was glued onto (the next record is kept). `notes` says what was moved."""
+      later append was glued onto (the next record is kept). `notes` says what was moved;
+    - the journal deleted, replaced or truncated under a running study stops it (JournalLost)
+      instead of replaying records at offsets of another file: the old file, still open
+      here, is copied to `<journal>.recovered-<time>` first."""
 
     def __init__(self, path: str | Path):
         journal = Path(path).absolute()
@@ -124,14 +139,43 @@ class SafeJournalFileBackend(JournalFileBackend):
         _remove_dangling_link(Path(f"{journal}.lock"), self.notes)
         with get_lock_file(self.lock):
             self._repair()
+            self._hold()
         self._opened = True
+
+    def __getstate__(self) -> dict[str, Any]:  # a pickled storage (a launcher's worker)
+        return {k: v for k, v in self.__dict__.items() if k not in ("_held", "_identity", "_lost")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._hold()
+
+    def _hold(self) -> None:
+        """Keep the journal open: deleted or replaced, its bytes stay readable through this
+        descriptor until the process ends (O_CLOEXEC: no child inherits it)."""
+        self._lost: JournalLost | None = None
+        self._held = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        stat = os.fstat(self._held)
+        self._identity = (stat.st_dev, stat.st_ino)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):
+            os.close(self._held)
+
+    def read_logs(self, log_number_from: int) -> Any:
+        self._check_same_file()
+        return super().read_logs(log_number_from)
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
         data = ("\n".join(json.dumps(log, separators=(",", ":")) for log in logs) + "\n").encode()
         # Unbuffered: every byte the kernel took is one `_write` knows of, and none is left
         # in a buffer for closing the file to flush after the cut below (the tail of a
         # record, which a running worker then fails to parse).
-        with get_lock_file(self.lock), open(self.path, "a+b", buffering=0) as f:
+        with get_lock_file(self.lock):
+            self._check_same_file()
+            self._append(data)
+
+    def _append(self, data: bytes) -> None:
+        with open(self.path, "a+b", buffering=0) as f:
             end = f.seek(0, os.SEEK_END)
             try:
                 if end and _byte_at(f, end - 1) != b"\n":
@@ -146,6 +190,53 @@ class SafeJournalFileBackend(JournalFileBackend):
                     "but the record being written. Free the space (or fix the filesystem) and "
                     "run the same command again: the study resumes",
                 ) from None
+
+    def _check_same_file(self) -> None:
+        """Raise JournalLost where the path is no longer the file this process replayed:
+        deleted, another file in its place, or shorter than the records already read (a
+        torn tail cut by a writer is never that short)."""
+        if self._lost is not None:  # said once; its file recovered once
+            raise self._lost
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            what = "deleted"
+        else:
+            replayed = max(self._log_number_offset.values())  # bytes of records read here
+            if (stat.st_dev, stat.st_ino) != self._identity:
+                what = "replaced by another file"
+            elif stat.st_size < replayed:
+                what = f"truncated ({stat.st_size} bytes of the {replayed} already read)"
+            else:
+                return
+        recovered = self._recover() if not what.startswith("truncated") else None
+        kept = (
+            f"its records up to now are kept in {recovered}: to go on with this study, put "
+            f"them back (mv {recovered} {self.path}) and run the same command again"
+            if recovered is not None
+            else "its records before the cut are gone from it"
+        )
+        self._lost = JournalLost(
+            f"the study's journal {self.path} was {what} while the study ran; the study stops "
+            f"here, and every trial's MLflow run is kept. {kept[0].upper()}{kept[1:]}; to start "
+            "a new study instead, give a new search.study_name (or search.storage)",
+            recovered,
+        )
+        raise self._lost
+
+    def _recover(self) -> Path | None:
+        """The old file's bytes, read through the descriptor held since open, beside it."""
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        recovered = self.path.with_name(f"{self.path.name}{RECOVERED_SUFFIX}{stamp}-{os.getpid()}")
+        try:
+            with os.fdopen(os.dup(self._held), "rb") as old, open(recovered, "wb") as f:
+                old.seek(0)
+                shutil.copyfileobj(old, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            return None
+        return recovered
 
     @staticmethod
     def _write(f: Any, data: bytes) -> None:

@@ -30,6 +30,7 @@ from batchfit.search.results.boundary import FIT_ATTR, fit_cells, frontier
 from batchfit.search.results.recommend import Recommendation
 from batchfit.search.sampling.levers import with_default_space
 from batchfit.search.sampling.sampler import FeasibilityFilter
+from batchfit.search.storage.journal import RECOVERED_SUFFIX, SafeJournalFileBackend
 from batchfit.search.storage.opening import JOURNAL_PREFIX
 from batchfit.search.study import decision
 from batchfit.search.study.opening import flatten, open_study
@@ -194,6 +195,44 @@ def _show_fit_reports(
         raise ConfigError([*error.problems, elsewhere]) from None
 
 
+def _refuse_a_second_study_of_the_name(name: str, checked: Checked, tracker: Tracker) -> None:
+    """A study new to its storage whose name MLflow already holds (its journal deleted or
+    replaced, or another search.storage) would nest its trials, numbered from 0 again, under
+    the old one's parent run: refused, with the ways to resume the old one or start apart.
+    MLflow is asked first: a worker creating the study makes it in the storage before its
+    parent run, so a parent run seen here has its study in the storage already."""
+    earlier = tracker.earlier_study(name)
+    if earlier is None:
+        return
+    try:
+        checked.storage.get_study_id_from_name(name)
+        return
+    except KeyError:
+        pass
+    backend = getattr(checked.storage, "_backend", None)
+    recovered = sorted(
+        backend.path.parent.glob(f"{backend.path.name}{RECOVERED_SUFFIX}*")
+        if isinstance(backend, SafeJournalFileBackend)
+        else []
+    )
+    resume = (
+        f"put back the journal kept when it vanished (mv {recovered[-1]} {backend.path})"
+        if recovered
+        else "give the search.storage it was run with"
+    )
+    raise ConfigError(
+        [
+            f"search.study_name={name}: MLflow ({redact(located(tracker.tracking_uri))}) already "
+            f"holds a study of this name ({earlier}), but search.storage="
+            f"{redact(located(checked.settings.storage))} has no study {name} (its journal or "
+            "database was deleted or replaced, or it was run with another search.storage); a "
+            "new study would mix its trials into the old one's runs",
+            f"to resume the old study, {resume} and run the same command; to start a new study "
+            f"beside it, override search.study_name={name}-2",
+        ]
+    )
+
+
 def _open(name: str, checked: Checked, fixed: str) -> optuna.Study:
     """The study, created or resumed, named and seeded for this worker."""
     settings = checked.settings
@@ -301,12 +340,7 @@ def _say_where(console: Console, study: optuna.Study, checked: Checked, tracker:
         # (the fit report's first trials wait in a new study: enqueued at its setup)
         state = f"resumed: {done} of {settings.n_trials} trials trained"
     else:
-        state = (
-            f"new, {settings.n_trials} trial{'s' * (settings.n_trials != 1)} to train (no study "
-            f"{settings.study_name} was in "
-            "this store; one started from another directory is in that directory's store: run "
-            "there, or give its search.storage and mlflow.tracking_uri)"
-        )
+        state = f"new, {settings.n_trials} trial{'s' * (settings.n_trials != 1)} to train"
     console.print(
         f"Study [bold]{escape(settings.study_name)}[/bold] in "
         f"{escape(redact(located(settings.storage)))}: {state}; "
@@ -418,6 +452,7 @@ class StudyDriver:
         tracker = Tracker.from_config(cfg.mlflow, name)
         storage_clock = CallClock()
         storage_clock.time_methods(checked.storage, storage_methods(checked.storage))
+        _refuse_a_second_study_of_the_name(name, checked, tracker)
         study = _open(name, checked, fixed)
         _say_where(console, study, checked, tracker)
         parent, created = tracker.study_run(name, study.user_attrs.get(PARENT_ATTR))

@@ -42,6 +42,7 @@ from batchfit.search.core.record import (
 )
 from batchfit.search.core.study_config import TO_TARGET, SearchConfig
 from batchfit.search.core.trial_count import answer_for, study_records
+from batchfit.search.storage.journal import JournalWriteError
 from batchfit.search.trial.ending import end, ended, failed, log, run_metrics, trial_record, write
 from batchfit.search.trial.scaling import scaling_efficiency
 from batchfit.search.trial.stopping import (
@@ -229,7 +230,7 @@ class Objective:
             outcome = watch.stopped(DIVERGED, str(diverged))
         except Prune as prune:
             outcome = watch.stopped(prune.reason, str(prune), prune.projected_s)
-        except ConfigError:
+        except (ConfigError, JournalWriteError):  # the study's, not the trial's: it stops
             raise
         except Exception as error:  # noqa: BLE001 - one trial's error must not end the study
             outcome = failed(error, traceback.format_exc(), **watch.seen())
