@@ -282,3 +282,21 @@ def test_nothing_fitting_a_model_that_cannot_train_batch_1_is_advised_at_its_sma
     assert first.startswith("What would fit batch 2 (accum_steps 1, fp32; batch 1 cannot train:")
     assert "Expected more than 1 value per channel" in first
     assert not [line for line in advice.lines("x") if line.startswith("No advice")]
+
+
+# ---- a batch the training set cannot fill
+
+
+def test_a_run_batch_larger_than_the_training_set_is_refused(tmp_path: Path) -> None:
+    """It trained one step an epoch of digits' 1,438 samples at a rate scaled for 4,096
+    (lr 1.6) and reported val/loss 5197.5, exit 0."""
+    message = refused("train", [*FAST, "trainer.batch_size=4096"], tmp_path)
+    assert (
+        "trainer.batch_size=4096 is larger than the 1438 training samples of data=digits: every "
+        "epoch would be one step of 1438 samples, at a learning rate scaled for 4096; use at "
+        "most 1438 (e.g. trainer.batch_size=1024)"
+    ) in message
+    message = refused("train", [*FAST, "trainer.batch_size=512", "trainer.accum_steps=4"], tmp_path)
+    assert "trainer.batch_size=512 x trainer.accum_steps=4 = 2048 samples a step is larger" in (
+        message
+    )

@@ -67,6 +67,7 @@ from batchfit.tracking.tags import (
     TRIAL_TAG,
 )
 from batchfit.train import model_file
+from batchfit.train.batches import larger_than_data
 from batchfit.train.config import RunSpec
 from batchfit.train.device.sizes import format_bytes
 from batchfit.train.measure.energy import ENERGY_TAG
@@ -236,6 +237,10 @@ def _preflight(
     (train/memory/preflight.py, as search/trial/trial_config.py applies it), unless
     search.preflight=false. A model that cannot be predicted has its memory measured."""
     note = check_builds(cfg, spec, workloads)
+    workload = workloads.of(cfg)
+    larger = larger_than_data(spec.trainer, workload.num_train, workload.data_named)
+    if larger:
+        raise ConfigError([larger])
     planned = Planned.of(cfg, spec, workloads)
     if planned.unsupported is not None:
         note = (

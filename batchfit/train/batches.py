@@ -37,6 +37,35 @@ def steps_plan(num_train: int, cfg: TrainerConfig) -> tuple[int, int]:
     return steps_per_epoch, int(total)
 
 
+def larger_than_data(cfg: TrainerConfig, num_train: int, data: str) -> str | None:
+    """Why a step of `cfg`'s global batch cannot be filled by the `num_train` training
+    samples of `data`: every epoch would be one short step of all of them, trained as if it
+    were the batch asked for (its learning rate scaled for that batch). None where it can."""
+    step = cfg.global_batch_size
+    if step <= num_train:
+        return None
+    parts = [f"trainer.batch_size={cfg.batch_size}"]
+    if cfg.accum_steps > 1:
+        parts.append(f"trainer.accum_steps={cfg.accum_steps}")
+    if cfg.devices > 1:
+        parts.append(f"trainer.devices={cfg.devices}")
+    what = " x ".join(parts) + (f" = {step} samples a step" if len(parts) > 1 else "")
+    rate = "" if cfg.lr_scaling == "none" else ", at a learning rate scaled for " + str(step)
+    fix = (
+        f"e.g. trainer.batch_size={_power_of_two_below(num_train)}"
+        if len(parts) == 1
+        else "lower them so that their product is at most that"
+    )
+    return (
+        f"{what} is larger than the {num_train} training samples of {data}: every epoch would "
+        f"be one step of {num_train} samples{rate}; use at most {num_train} ({fix})"
+    )
+
+
+def _power_of_two_below(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
 class Padding:
     """A micro-batch that trains with weight 0: a rank whose share of a short last step
     is empty still runs as many forward and backward passes as the others (their

@@ -139,6 +139,18 @@ class Workload:
         data = self.data
         return len(data.train_y) if isinstance(data, Splits) else len(data.train)
 
+    @property
+    def data_named(self) -> str:
+        """The data as the command line chose it (`data=digits`); its `_target_` where no
+        Hydra app composed the config (a study's trials, the Python API)."""
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            choice = HydraConfig.get().runtime.choices.get("data")
+            if choice:
+                return f"data={choice}"
+        return f"data._target_={self.cfg.data.get('_target_')}"
+
     def data_params(self) -> dict[str, Any]:
         """What the data says of itself (`info`: num_classes, vocab_size, corpus_sha256,
         ...) as run params, `data_info.<name>`: which data a run saw, beside the config that

@@ -398,7 +398,7 @@ def test_a_study_says_its_space_and_boundary_in_a_few_lines_and_where_the_tables
     assert "┃" not in said and "largest that fits" not in said  # no table
     lines = said.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("Searching "))
-    assert lines[start].startswith("Searching trainer.batch_size=choice(16,64,256), ")
+    assert lines[start].startswith("Searching trainer.batch_size=choice(16, 64, 256), ")
     assert lines[start + 1].startswith("Fit report for cpu: the largest batch size predicted")
     assert "per precision at accum_steps 1/2 (predicted in" in lines[start + 1]
     assert lines[start + 2].startswith("  as configured: fp32 ")

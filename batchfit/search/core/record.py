@@ -28,6 +28,8 @@ from batchfit.train.params import ACCUM_KEY, BATCH_KEY, EFFECTIVE_PARAM, LR_PARA
 # as it trained) and DIVERGED (NaN or infinite loss) are a run's own (tracking/tags.py).
 PREDICTED_OOM = "oom_predicted"  # its step was predicted not to fit, before training
 OOM_REASONS = (OOM, PREDICTED_OOM)
+OVER_DATA = "over_data"  # its step was larger than the training set, before training
+UNTRAINED = (PREDICTED_OOM, OVER_DATA)  # pruned before training: not counted in n_trials
 SLOW = "slow"  # its measured speed cannot finish within search.trial_time_budget_s
 PRUNER = "pruner"  # search.pruner, on a validation metric
 MISSED_TARGET = "missed_target"  # pruned at the end of its budget short of search.target
@@ -268,9 +270,10 @@ class TrialRecord:
     @property
     def is_unbilled(self) -> bool:
         """A proposal answered without training: predicted not to fit (the fit report knew
-        it), or a configuration already trained, answered from its record. Optuna has it,
-        so the sampler learns from it; search.n_trials does not count it."""
-        return self.is_repeat or self.outcome.reason == PREDICTED_OOM
+        it) or larger than the training set, or a configuration already trained, answered
+        from its record. Optuna has it, so the sampler learns from it; search.n_trials does
+        not count it."""
+        return self.is_repeat or self.outcome.reason in UNTRAINED
 
     @property
     def is_trained(self) -> bool:

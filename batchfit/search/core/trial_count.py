@@ -25,7 +25,7 @@ import optuna
 from optuna.distributions import BaseDistribution
 from optuna.trial import TrialState
 
-from batchfit.search.core.record import PREDICTED_OOM, TrialRecord, records
+from batchfit.search.core.record import UNTRAINED, TrialRecord, records
 
 # A worker whose proposals go this many in a row without training (predicted not to fit, or
 # already trained) stops: the feasible part of search.params is spent or too small.
@@ -104,10 +104,11 @@ def known_configurations(
     trials: Iterable[TrialRecord], distributions: Mapping[str, BaseDistribution]
 ) -> set[Configuration]:
     """The distinct configurations of the space (sampled values within `distributions`) that
-    a new trial would not train: settled, or predicted not to fit."""
+    a new trial would not train: settled, or pruned before training (predicted not to fit,
+    larger than the data)."""
     known = set()
     for t in trials:
-        if not (t.is_settled or (t.state == "PRUNED" and t.outcome.reason == PREDICTED_OOM)):
+        if not (t.is_settled or (t.state == "PRUNED" and t.outcome.reason in UNTRAINED)):
             continue
         if set(t.params) != set(distributions) or not all(
             _within(distributions[k], v) for k, v in t.params.items()

@@ -68,6 +68,20 @@ class SearchSpace:
         values = {**self.fixed, **{k: override_value(v) for k, v in params.items()}}
         return [f"{key}={value}" for key, value in values.items()]
 
+    def describe(self, key: str) -> str:
+        """`key`'s distribution in the `params` grammar, as it is searched now (after any
+        values were dropped): choice(16, 32), range(16, 992, step=16), tag(log, interval(...))."""
+        dist = self.distributions[key]
+        if isinstance(dist, CategoricalDistribution):
+            return f"choice({', '.join(override_value(c) for c in dist.choices)})"
+        if isinstance(dist, IntDistribution) and not dist.log:
+            step = f", step={dist.step}" if dist.step != 1 else ""
+            return f"range({dist.low}, {dist.high}{step})"
+        if isinstance(dist, FloatDistribution) and dist.step is not None:
+            return f"range({dist.low:g}, {dist.high:g}, step={dist.step:g})"
+        interval = f"interval({dist.low:g}, {dist.high:g})"
+        return f"tag(log, {interval})" if dist.log else interval
+
     def restrict_choices(self, key: str, keep: Any) -> list[Any]:
         """Drop the choices of `key` for which `keep(choice)` is false; return the dropped."""
         dist = self.distributions.get(key)

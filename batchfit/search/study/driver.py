@@ -128,7 +128,12 @@ def _log_fit_report(
         where = f"{_shown(output_dir / FIT_REPORT_FILE)} (and {where})"
     say = {"soft_wrap": True, "markup": False, "highlight": False}
     if reports:
-        searched = ", ".join(f"{k}={v}" for k, v in (cfg.search.params or {}).items() if v)
+        space = checked.space
+        searched = ", ".join(
+            f"{k}={space.describe(k) if k in space.distributions else v}"
+            for k, v in (cfg.search.params or {}).items()
+            if v
+        )
         console.print(f"Searching {searched or 'nothing'}", **say)
         for line in summary_lines(reports):
             console.print(line, **say)

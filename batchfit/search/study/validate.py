@@ -42,6 +42,7 @@ from batchfit.search.core.study_config import (
 from batchfit.search.sampling.sampler import build_sampler
 from batchfit.search.sampling.space import SearchSpace, parse_space
 from batchfit.search.storage.opening import open_storage
+from batchfit.search.study.within_data import keep_within_data
 from batchfit.tracking.mlflow_config import MlflowConfig
 from batchfit.train.build import build_task
 from batchfit.train.config import RunSpec
@@ -194,6 +195,11 @@ def validate(
             )
         elif note:
             notes.append(note)
+        if space is not None and not problems:
+            workload = (workloads or Workloads()).of(cfg)
+            fitted = keep_within_data(space, spec.trainer, workload.num_train, workload.data_named)
+            notes += fitted[0]
+            problems += fitted[1]
     if settings is not None and spec is not None and open_store:  # it trains here
         energy_problems, energy_note = _check_energy(settings, spec.device)
         problems += energy_problems

@@ -17,6 +17,7 @@ from batchfit.search.core.record import (
     CONSTRAINT,
     ERROR,
     OOM_REASONS,
+    OVER_DATA,
     PREDICTED_OOM,
     PRUNER,
     Outcome,
@@ -112,6 +113,8 @@ def memory_violation(outcome: Outcome, budget_bytes: int, margin: float) -> floa
     margin that pruned it. A CUDA OOM stops the allocator before the peak, so an OOM's
     violation is at least 1%."""
     predicted = outcome.predicted_bytes
+    if outcome.reason == OVER_DATA:  # infeasible, whatever its memory: the sampler learns so
+        return 1.0
     if outcome.reason == PREDICTED_OOM and predicted is not None:
         return max(predicted * (1 + margin) / budget_bytes - 1, 0.01)
     if outcome.reason in OOM_REASONS:

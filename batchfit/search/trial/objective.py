@@ -35,6 +35,7 @@ from batchfit.search.core.record import (
     DIVERGED,
     MISSED_TARGET,
     OOM,
+    OVER_DATA,
     PREDICTED_OOM,
     PRUNER,
     Outcome,
@@ -57,7 +58,7 @@ from batchfit.tracking.metrics import SCALING_EFFICIENCY, TO_TARGET_J, VAL_LOSS
 from batchfit.tracking.metrics import throughput as throughput_metric
 from batchfit.tracking.runs import RunLog, Tracker
 from batchfit.tracking.tags import ROLE_TAG, STATE_TAG, STUDY_TAG, TRIAL_TAG
-from batchfit.train.batches import steps_plan
+from batchfit.train.batches import larger_than_data, steps_plan
 from batchfit.train.config import RunSpec
 from batchfit.train.measure.energy import ENERGY_TAG
 from batchfit.train.measure.flops import MFU_NOTE_TAG
@@ -158,7 +159,13 @@ class Objective:
                 begun = begun.replace(run_id=run_log.run_id)
                 write(trial, begun)
             self._log_config(run_log, begun, configured)
-            if configured.fits:
+            workload = configured.planned.workload
+            larger = larger_than_data(
+                configured.spec.trainer, workload.num_train, workload.data_named
+            )
+            if larger:
+                outcome = ended("PRUNED", OVER_DATA, larger)
+            elif configured.fits:
                 outcome = self._train(trial, configured, run_log)
             else:
                 message = configured.misfit_message(self.settings.preflight_margin)
