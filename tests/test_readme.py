@@ -744,6 +744,10 @@ def test_time_to_target(quick_starts: dict[str, Ran], workdir: Path) -> None:
             assert figures["val/acc"] >= target and figures["time/to_target_s"] > 0
         elif t.state == TrialState.PRUNED:
             assert t.user_attrs["reason"] in ("missed_target", "slow", "oom_predicted", "oom")
+    # The time to target is the user's: val/acc's, never a loss the trials happened to share.
+    assert "the loss every batch size reached" not in ran.out
+    if "Time to target, predicted:" in ran.out:
+        assert f"val/acc >= {target:g} (search.target)" in ran.out
 
 
 def test_pytest_markers() -> None:

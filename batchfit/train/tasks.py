@@ -82,6 +82,8 @@ class ArgmaxAccuracy(Metric):
 
     higher_is_better = True
     full_state_update = False
+    plot_lower_bound = 0.0  # torchmetrics' bounds of a metric's values: a share
+    plot_upper_bound = 1.0
 
     def __init__(self, ignore_index: int | None = None):
         super().__init__()
@@ -107,6 +109,11 @@ class Task:
     unit = "samples"
     target_key: str | int = "labels"  # the target's key in a dict batch; tuples: the last item
     derived: dict[str, str] = {}  # metrics computed by `derive`, with their directions
+    # The values each can take, (lowest, highest), None: unbounded: val/loss's (a user's loss
+    # may be negative: unbounded unless the task says), and the derived metrics'. A task
+    # metric's are its torchmetrics plot_lower_bound and plot_upper_bound.
+    loss_range: tuple[float | None, float | None] = (None, None)
+    derived_ranges: dict[str, tuple[float | None, float | None]] = {}
 
     def forward(self, model: nn.Module, batch: Any) -> Any:
         if isinstance(batch, Mapping):
@@ -157,6 +164,15 @@ class Task:
         """Metrics computed from the measured ones (`values` holds `loss` and `metrics()`)."""
         return {}
 
+    def ranges(self) -> dict[str, tuple[float | None, float | None]]:
+        """`val/<name>` -> (lowest, highest) value it can take, None where unbounded: what a
+        search.target beyond them can never reach."""
+        found: dict[str, tuple[float | None, float | None]] = {VAL_LOSS: self.loss_range}
+        for name, metric in self.metrics().items():
+            found[val(name)] = (metric.plot_lower_bound, metric.plot_upper_bound)
+        found.update({val(name): r for name, r in self.derived_ranges.items()})
+        return found
+
     def directions(self) -> dict[str, str]:
         """`val/<name>` -> maximize | minimize for everything validation reports."""
         found = {}
@@ -174,6 +190,8 @@ class Task:
 
 class Classification(Task):
     """Cross-entropy over class logits (N, C) against integer labels (N,); val/acc."""
+
+    loss_range = (0.0, None)  # a cross-entropy
 
     def __init__(self, target_key: str = "labels", label_smoothing: float = 0.0):
         self.target_key = target_key
@@ -195,6 +213,8 @@ class LanguageModel(Task):
 
     unit = "tokens"
     derived = {"perplexity": MINIMIZE}
+    loss_range = (0.0, None)  # a cross-entropy
+    derived_ranges = {"perplexity": (1.0, None)}  # exp(loss)
 
     def __init__(self, target_key: str = "labels", ignore_index: int = -100):
         self.target_key = target_key
@@ -236,6 +256,8 @@ class CausalLM(LanguageModel):
 class Regression(Task):
     """Mean squared error between the output and a float target of the same shape (a
     trailing dimension of 1 is squeezed); val/mse and val/mae."""
+
+    loss_range = (0.0, None)  # a squared error
 
     def __init__(self, target_key: str = "labels"):
         self.target_key = target_key

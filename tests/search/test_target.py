@@ -20,6 +20,7 @@ from batchfit.train.loop import Run, fit
 from batchfit.train.lr import constant
 from batchfit.train.measure.memory import MemoryMeter
 from batchfit.train.step import Hooks
+from batchfit.train.tasks import Classification, LanguageModel
 
 CPU = torch.device("cpu")
 
@@ -37,6 +38,38 @@ def test_a_target_is_parsed_and_checked_against_the_task() -> None:
         Target.parse("val/acc>=high", OBJECTIVE_METRICS)
     with pytest.raises(ConfigError, match="is not METRIC>=VALUE or METRIC<=VALUE"):
         Target.parse("val/acc=0.9", OBJECTIVE_METRICS)
+
+
+@pytest.mark.parametrize(
+    ("task", "text", "said"),
+    [
+        (Classification(), "val/acc>=2", "val/acc is at most 1, so no trial can reach 2; give a "
+         "value between 0 and 1"),
+        (Classification(), "val/loss<=-0.5", "val/loss is at least 0, so no trial can reach "
+         "-0.5; give a value of 0 or more"),
+        (LanguageModel(), "val/perplexity<=0.9", "val/perplexity is at least 1"),
+    ],
+)  # fmt: skip
+def test_a_target_beyond_the_metrics_range_is_refused(task, text: str, said: str) -> None:
+    """`val/acc>=2` trained two trials and exited 0 with no answer, advising more epochs."""
+    with pytest.raises(ConfigError) as refused:
+        Target.parse(text, task.directions(), task.ranges())
+    assert said in refused.value.problems[0]
+
+
+def test_a_target_at_the_edge_of_the_range_and_a_users_unbounded_loss_are_accepted() -> None:
+    task = Classification()
+    assert Target.parse("val/acc>=1", task.directions(), task.ranges()).value == 1.0
+
+    class Elbo(Classification):
+        loss_range = (None, None)  # a loss of one's own may be negative
+
+    assert Target.parse("val/loss<=-3", task.directions(), Elbo().ranges()).value == -3.0
+
+
+def test_a_study_refuses_a_target_beyond_its_range_before_trial_0(prepare_study) -> None:
+    with pytest.raises(ConfigError, match="val/acc is at most 1"):
+        prepare_study(["search.target='val/acc>=2'", "search.objectives=[time/to_target_s]"])
 
 
 def test_time_to_target_as_an_objective_needs_a_target() -> None:

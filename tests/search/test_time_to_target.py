@@ -10,7 +10,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from batchfit.search.core.record import Attr
-from batchfit.search.core.study_config import TARGET_METRICS, RecommendRule
+from batchfit.search.core.study_config import TARGET_METRICS, RecommendRule, Target
 from batchfit.search.results.plots import time_to_target_plot
 from batchfit.search.results.recommend import best_document, recommend
 from batchfit.search.results.summary import lr_plan
@@ -119,14 +119,14 @@ def test_the_model_is_fitted_and_the_fastest_geometry_is_recommended():
     assert p.source == "fitted over 4 batch sizes"
     assert [x.batch for x in p.predicted] == [128, 64, 32, 256]
     assert p.best.seconds == pytest.approx(_on_model(128) * 0.08, rel=0.02)
-    rec = recommend(trials, RecommendRule(ACC, 0.01, SPEED), loss_target=1.0)
+    rec = recommend(trials, RecommendRule(ACC, 0.01, SPEED), target=1.0)
     assert rec.by_time is not None and rec.trial.number == 2
     assert "predicted to reach the target soonest: 128x1 fp32, 150 steps" in rec.describe()
     # Without the prediction (one validation each: no crossing between two), the rule.
     flat = [_trial(b, _on_model(b), ms[b], acc=0.95 if b == 32 else 0.9) for b in ms]
     for t in flat:
         t.user_attrs[Attr.VAL_CURVE] = [[400, 0.5]]
-    by_rule = recommend(_study(flat), RecommendRule(ACC, 0.01, SPEED), loss_target=1.0)
+    by_rule = recommend(_study(flat), RecommendRule(ACC, 0.01, SPEED), target=1.0)
     assert by_rule.by_time is None and by_rule.trial.number == 0
     assert "crossed val/loss 1 between two validations" in by_rule.by_time_note
 
@@ -235,7 +235,7 @@ def test_fit_report_cells_no_trial_trained_are_predicted_and_recommended():
         "trainer.activation_checkpointing": "none", "trainer.batch_size": 128,
     }  # fmt: skip
 
-    rec = recommend(trials, RecommendRule(ACC, 0.01, SPEED), loss_target=1.0, cells=cells)
+    rec = recommend(trials, RecommendRule(ACC, 0.01, SPEED), target=1.0, cells=cells)
     assert rec.untrained is cell or rec.untrained == cell
     # its learning rate from the trial that reached the target at the nearest batch (64 and
     # 256 are as near: 256, in fewer steps)
@@ -375,7 +375,7 @@ def test_without_energy_figures_no_joules_and_no_energy_column():
     header, rows = table(p)
     assert "energy" not in header and all(len(r) == len(header) for r in rows)
     # preferring energy then has nothing to go by: the soonest, said as such
-    rec = recommend(trials, RecommendRule(ACC, 0.01, ENERGY_J), loss_target=1.0)
+    rec = recommend(trials, RecommendRule(ACC, 0.01, ENERGY_J), target=1.0)
     assert rec.planned == p.best
     assert not rec.by_energy and "reach the target soonest" in rec.describe()
 
@@ -410,11 +410,11 @@ def test_preferring_energy_recommends_the_fewest_joules_to_the_target(prefer: st
     metric 64x1, 2 s slower but 1960 J: its first trial (1), all as accurate."""
     trials = _frugal_study()
     known = {**RecommendRule().known, **TARGET_METRICS}
-    fastest = recommend(trials, RecommendRule(ACC, 0.01, SPEED, known), loss_target=1.0)
+    fastest = recommend(trials, RecommendRule(ACC, 0.01, SPEED, known), target=1.0)
     assert fastest.trial.number == 4 and not fastest.by_energy
     assert "predicted to reach the target soonest: 128x1 fp32, 150 steps" in fastest.describe()
     assert "predicted" not in yaml.safe_load(best_document(fastest, "s", []))
-    rec = recommend(trials, RecommendRule(ACC, 0.01, prefer, known), loss_target=1.0)
+    rec = recommend(trials, RecommendRule(ACC, 0.01, prefer, known), target=1.0)
     assert rec.by_energy and rec.trial.number == 1
     assert rec.planned.geometry == "64x1 fp32"
     assert rec.describe().startswith(
@@ -452,7 +452,7 @@ def test_a_cell_no_trial_trained_takes_its_familys_interpolated_joules():
     assert by["64x2 fp32"].step_j == pytest.approx(28.0)
     assert p.least_energy is cell
     rule = RecommendRule(ACC, 0.01, ENERGY_PER_SAMPLE)
-    rec = recommend(trials, rule, loss_target=1.0, cells=cells)
+    rec = recommend(trials, rule, target=1.0, cells=cells)
     assert rec.untrained == cell and rec.by_energy
     assert rec.describe().startswith(
         "128x1 fp32, the configuration predicted to reach the target with the fewest "
@@ -470,3 +470,32 @@ def test_a_cell_no_trial_trained_takes_its_familys_interpolated_joules():
     assert by["64x2 fp32"].step_j == pytest.approx(28.0)
     header, rows = table(unmeasured)
     assert {r[0]: r[header.index("energy")] for r in rows}["128x1 fp32"] == "-"
+
+
+def _acc_curve(steps_to_target: float, every: float) -> list:
+    """val/acc rising linearly through 0.9 at `steps_to_target` (0.5 at step 0)."""
+    slope = 0.4 / steps_to_target
+    return [
+        [s, round(0.5 + slope * s, 6)]
+        for s in range(int(every), int(steps_to_target * 1.5), int(every))
+    ]
+
+
+def test_a_target_on_accuracy_is_read_from_the_trials_accuracy_curves():
+    """search.target='val/acc>=0.9': the steps to it come from each trial's val/acc curve
+    (`target_curve`), not from val/loss's, and the plan says the user's target. The loss
+    curves here cross 1.0 at other steps (on the model's double), which must not be read."""
+    ms = {32: 80.0, 64: 70.0, 128: 80.0, 256: 200.0}
+    trials = []
+    for b in ms:
+        t = _trial(b, 2 * _on_model(b), ms[b])
+        t.user_attrs["target_curve"] = _acc_curve(_on_model(b), every=10)
+        trials.append(t)
+    p = plan(_study(trials), Target(VAL_ACC, ">=", 0.9))
+    assert (p.metric, p.op, p.target, p.target_source) == (VAL_ACC, ">=", 0.9, "search.target")
+    assert p.model.b_crit == pytest.approx(B_CRIT, rel=0.02)
+    assert p.model.s_min == pytest.approx(S_MIN, rel=0.02)
+    assert p.describe().startswith("val/acc >= 0.9 (search.target): S_min")
+    # Trials recorded before the accuracy curve (or of another target) cannot say.
+    with pytest.raises(Untrusted, match="0 completed trial"):
+        plan(_study([_trial(b, _on_model(b), ms[b]) for b in ms]), Target(VAL_ACC, ">=", 0.9))

@@ -60,6 +60,7 @@ class Attr:
     UNIT = "unit"
     METRICS = "metrics"
     VAL_CURVE = "val_curve"
+    TARGET_CURVE = "target_curve"
     TIMED_STEPS = "timed_steps"
     TIMED_SAMPLES = "timed_samples"
     MFU_NOTE = "mfu_note"
@@ -108,6 +109,8 @@ class Outcome:
     # [optimizer step, val/loss] at each validation: time to target
     # (search/results/time_to_target.py)
     val_curve: list | None = _attr(Attr.VAL_CURVE)
+    # [optimizer step, value] of search.target's metric where it is not val/loss
+    target_curve: list | None = _attr(Attr.TARGET_CURVE)
     # what the throughput clock timed (warm-up and memory-measured steps out)
     timed_steps: int | None = _attr(Attr.TIMED_STEPS)
     timed_samples: int | None = _attr(Attr.TIMED_SAMPLES)

@@ -85,7 +85,14 @@ class Target:
     value: float
 
     @classmethod
-    def parse(cls, text: str, known: Mapping[str, str]) -> Target:
+    def parse(
+        cls,
+        text: str,
+        known: Mapping[str, str],
+        ranges: Mapping[str, tuple[float | None, float | None]] | None = None,
+    ) -> Target:
+        """From `text`; `known`: metric -> direction; `ranges`: metric -> the (lowest,
+        highest) values it can take (Task.ranges), beyond which a target is never met."""
         for op in (">=", "<="):
             if op in str(text):
                 metric, _, value = str(text).partition(op)
@@ -116,6 +123,8 @@ class Target:
         except ValueError:
             problems.append(f"search.target={text!r}: {value.strip()!r} is not a number")
             number = math.nan
+        if not problems:
+            problems += _beyond_range(text, metric, op, number, (ranges or {}).get(metric))
         if problems:
             raise ConfigError(problems)
         return cls(metric, op, number)
@@ -131,6 +140,28 @@ class Target:
 
     def __str__(self) -> str:
         return f"{self.metric}{self.op}{self.value:g}"
+
+
+def _beyond_range(
+    text: str, metric: str, op: str, number: float, bounds: tuple[float | None, float | None] | None
+) -> list[str]:
+    """A target the metric can never reach: above its highest value (>=), below its lowest
+    (<=)."""
+    low, high = bounds or (None, None)
+    if op == ">=" and high is not None and number > high:
+        edge = f"at most {high:g}"
+    elif op == "<=" and low is not None and number < low:
+        edge = f"at least {low:g}"
+    else:
+        return []
+    if low is not None and high is not None:
+        within = f"between {low:g} and {high:g}"
+    else:
+        within = f"of {low:g} or more" if low is not None else f"of {high:g} or less"
+    return [
+        f"search.target={text!r}: {metric} is {edge}, so no trial can reach {number:g}; give "
+        f"a value {within}"
+    ]
 
 
 # The metrics of the default task (classification).

@@ -30,7 +30,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from batchfit.common.overrides import BEST_KEY, override_key
 from batchfit.search.core.record import TrialRecord
-from batchfit.search.core.study_config import RecommendRule
+from batchfit.search.core.study_config import RecommendRule, Target
 from batchfit.search.results import speed_check, time_to_target
 from batchfit.search.sampling.space import override_value
 from batchfit.tracking.metrics import ENERGY_PREFIX
@@ -302,11 +302,11 @@ def recommend(
     trials: Sequence[FrozenTrial],
     rule: RecommendRule,
     speeds: Mapping[str, Speed] | None = None,
-    loss_target: float | None = None,
+    target: Target | float | None = None,
     cells: Sequence[Mapping[str, Any]] = (),
 ) -> Recommendation | None:
     """By the predicted time to target (`by_time`) where the trials support a prediction
-    (to search.target's val/loss, `loss_target`, or the loss every batch size reached),
+    (to search.target, `target`: a Target or a val/loss; or the loss every batch size reached),
     over the trained geometries and the fit report's fitting `cells`: the soonest, or with
     an energy `prefer` the fewest joules (`planned`); else by the rule (`by_rule`), saying
     why not. A cell no trial trained takes the rest of its configuration from the trial
@@ -315,7 +315,7 @@ def recommend(
     if rec is None:
         return None
     try:
-        plan = time_to_target.plan(trials, loss_target, cells)
+        plan = time_to_target.plan(trials, target, cells)
     except time_to_target.Untrusted as why:
         return replace(rec, by_time_note=f"time to target not predicted: {why}")
     best = planned(plan, rule)

@@ -3,10 +3,12 @@ times the seconds a step of that geometry takes.
 
 The steps come from McCandlish et al. 2018's model (search/results/critical_batch.py): S(B) =
 S_min (1 + B_crit / B) for the global batch B. Its constants come from the study's trials:
-- the target is search.target's val/loss where it has one, else the loss every batch
-  size reached (the highest of the batch sizes' best losses);
+- the target is search.target where it is set (any validation metric: val/acc>=0.9 is read
+  from the trials' val/acc curves), else the loss every batch size reached (the highest of
+  the batch sizes' best losses);
 - each trial's steps to it are read from its validation curve (the `val_curve` it
-  records: optimizer step and val/loss at each validation), interpolated linearly between
+  records: optimizer step and val/loss at each validation; `target_curve`, search.target's
+  metric where it is another), interpolated linearly between
   the validations around the first crossing; at each batch size the fewest steps count
   (its best learning rate);
 - with 3 or more batch sizes, S_min and B_crit are fitted, and trusted when the fit is
@@ -54,6 +56,7 @@ from typing import Any
 from optuna.trial import FrozenTrial, TrialState
 
 from batchfit.search.core.record import TrialRecord
+from batchfit.search.core.study_config import Target
 from batchfit.search.results import speed_check
 from batchfit.search.results.critical_batch import NoFit, StepsModel, fit_samples, fit_steps
 from batchfit.tracking.metrics import GRAD_NOISE_SCALE, GRAD_NOISE_STEPS, MEAN_WATTS, VAL_LOSS
@@ -110,7 +113,7 @@ class Predicted:
 
 @dataclass(frozen=True)
 class Plan:
-    target: float  # the val/loss to reach
+    target: float  # the value of `metric` to reach
     target_source: str  # where it comes from, in words
     model: StepsModel
     source: str  # how B_crit was found, in words
@@ -123,6 +126,8 @@ class Plan:
     noise_trials: int = 0
     noise_steps: int = 0
     noise_without: int = 0
+    metric: str = VAL_LOSS  # search.target's metric, or val/loss
+    op: str = "<="  # reached at or below (a loss) or at or above (an accuracy)
 
     @property
     def best(self) -> Predicted:
@@ -160,7 +165,7 @@ class Plan:
             constants = f"E_min {m.e_min:.4g} samples, B_crit unbounded"
         else:
             constants = f"S_min {m.s_min:.3g} steps, B_crit {m.b_crit:.3g} samples"
-        target = f"{VAL_LOSS} <= {self.target:.4g} ({self.target_source})"
+        target = f"{self.metric} {self.op} {self.target:.4g} ({self.target_source})"
         return f"{target}: {constants} ({self.source}{noise})"
 
     def noise_basis(self) -> str:
@@ -173,15 +178,20 @@ class Plan:
         return f"B_simple {self.noise_scale:.3g}, the median of {trials}{steps}{without}"
 
 
-def steps_to(curve: Sequence[Sequence[float]], target: float) -> float | None:
-    """Optimizer steps at which a validation curve [(step, val/loss), ...] first reaches
-    `target`, interpolated between the validations around the crossing; None if never, or
-    if its first validation already had (a run validated once, at its end, says nothing of
-    when it got there)."""
+def steps_to(curve: Sequence[Sequence[float]], target: float, op: str = "<=") -> float | None:
+    """Optimizer steps at which a validation curve [(step, value), ...] first reaches
+    `target` (from above for `op` '<=', a loss; from below for '>=', an accuracy),
+    interpolated between the validations around the crossing; None if never, or if its
+    first validation already had (a run validated once, at its end, says nothing of when it
+    got there)."""
+
+    def reached(value: float) -> bool:
+        return value <= target if op == "<=" else value >= target
+
     previous = None
     for step, loss in curve:
-        if math.isfinite(loss) and loss <= target:
-            if previous is None or not previous[1] > target:
+        if math.isfinite(loss) and reached(loss):
+            if previous is None or reached(previous[1]):
                 return None  # reached by its first validation: when, the curve cannot say
             (s0, l0) = previous
             return s0 + (step - s0) * (l0 - target) / (l0 - loss)
@@ -249,7 +259,7 @@ def _batch(record: TrialRecord) -> int | None:
 
 
 def _target(records: Sequence[TrialRecord], target: float | None) -> tuple[float, str]:
-    """search.target's val/loss, or the loss every batch size reached: the highest of the
+    """search.target's value, or the loss every batch size reached: the highest of the
     batch sizes' best losses (each batch size's best trial then gives the model a point)."""
     if target is not None:
         return target, "search.target"
@@ -266,25 +276,36 @@ def _target(records: Sequence[TrialRecord], target: float | None) -> tuple[float
 
 def plan(
     trials: Sequence[FrozenTrial],
-    target: float | None = None,
+    target: Target | float | None = None,
     cells: Sequence[Mapping[str, Any]] = (),
 ) -> Plan:
-    """Predicted time to `target` (search.target's val/loss, or None) for each geometry
-    the completed trials trained and each fit report cell that fits (`cells`, the study's
-    `fit_report`); raises Untrusted when the trials do not support a prediction."""
+    """Predicted time to `target` (search.target: a val/loss as a number, or any validation
+    metric's Target, read from the trials' curves of it; None: the loss every batch size
+    reached) for each geometry the completed trials trained and each fit report cell that
+    fits (`cells`, the study's `fit_report`); raises Untrusted when the trials do not
+    support a prediction."""
+    if isinstance(target, Target):
+        metric, op, value = target.metric, target.op, target.value
+    else:
+        metric, op, value = VAL_LOSS, "<=", target
+
+    def curve(record: TrialRecord) -> list | None:
+        outcome = record.outcome
+        return outcome.val_curve if metric == VAL_LOSS else outcome.target_curve
+
     done = [
         (t, record)
         for t in trials
         if t.state == TrialState.COMPLETE
         and not (record := TrialRecord.of(t)).is_repeat
-        and record.outcome.val_curve
+        and curve(record)
     ]
     if len(done) < 2:
         raise Untrusted(f"{len(done)} completed trial(s) with a validation curve: 2 or more needed")
-    loss, target_source = _target([record for _, record in done], target)
+    loss, target_source = _target([record for _, record in done], value)
     points = []
     for t, record in done:
-        steps = steps_to(record.outcome.val_curve, loss)
+        steps = steps_to(curve(record), loss, op)
         batch = _batch(record)
         if steps is None or not batch or not record.outcome.step_ms:
             continue
@@ -292,7 +313,7 @@ def plan(
         points.append(Point(t.number, label, batch, steps, record.outcome.step_ms / 1000))
     if len(points) < 2:
         raise Untrusted(
-            f"{len(points)} trial(s) crossed val/loss {loss:.4g} between two validations: 2 or "
+            f"{len(points)} trial(s) crossed {metric} {loss:.4g} between two validations: 2 or "
             "more needed (validate more often: trainer.val_every_steps, or search.target)"
         )
     best_steps: dict[int, float] = {}
@@ -324,7 +345,7 @@ def plan(
     predicted.sort(key=lambda p: p.seconds)
     return Plan(
         loss, target_source, model, source, noise, tuple(points), tuple(predicted),
-        len(noises), noise_steps, len(done) - len(noises),
+        len(noises), noise_steps, len(done) - len(noises), metric, op,
     )  # fmt: skip
 
 

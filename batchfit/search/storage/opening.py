@@ -80,3 +80,14 @@ def open_storage(url: str, heartbeat_interval_s: int | None) -> BaseStorage:
                 f"folder that can be written, e.g. {store_examples()[0]}"
             ]
         ) from None
+
+
+def located(uri: str) -> str:
+    """A store's URI as given, with its absolute path where the path is relative: a study
+    started in another directory is in that directory's store, not this one's."""
+    for prefix in (JOURNAL_PREFIX, "sqlite:///"):
+        if uri.startswith(prefix):
+            path = Path(uri[len(prefix) :])
+            if not path.is_absolute():
+                return f"{uri} ({path.resolve()})"
+    return uri

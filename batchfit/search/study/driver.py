@@ -19,7 +19,6 @@ from batchfit.common.checks import ConfigError
 from batchfit.common.overrides import override_key
 from batchfit.common.redact import redact
 from batchfit.search.core.record import TrialRecord
-from batchfit.search.core.study_config import Target
 from batchfit.search.core.trial_count import TrialBudget, num_trained, study_records
 from batchfit.search.fit.advice import what_would_fit
 from batchfit.search.fit.layouts import COMMAND, NOTHING_FITS, nothing_fits, show_fit_reports
@@ -30,17 +29,16 @@ from batchfit.search.results.boundary import FIT_ATTR, fit_cells, frontier
 from batchfit.search.results.recommend import Recommendation
 from batchfit.search.sampling.levers import with_default_space
 from batchfit.search.sampling.sampler import FeasibilityFilter
-from batchfit.search.storage.journal import RECOVERED_SUFFIX, SafeJournalFileBackend
-from batchfit.search.storage.opening import JOURNAL_PREFIX
+from batchfit.search.storage.opening import located
 from batchfit.search.study import decision
-from batchfit.search.study.opening import flatten, open_study
+from batchfit.search.study.opening import flatten, open_study, refuse_a_second_study_of_the_name
 from batchfit.search.study.publish import Results, StudyRun
 from batchfit.search.study.tracking_state import TrackingState
 from batchfit.search.study.validate import Checked, validate
 from batchfit.search.study.worker import TrialLoop
 from batchfit.search.trial.objective import Objective
 from batchfit.search.trial.trial_config import Configurer
-from batchfit.tracking.metrics import STORAGE_S, TRACKING_S, VAL_LOSS
+from batchfit.tracking.metrics import STORAGE_S, TRACKING_S
 from batchfit.tracking.mlflow_ui import ui_link
 from batchfit.tracking.overhead import CallClock, Lap, storage_methods
 from batchfit.tracking.runs import RunLog, Tracker
@@ -200,44 +198,6 @@ def _show_fit_reports(
         raise ConfigError([*error.problems, elsewhere]) from None
 
 
-def _refuse_a_second_study_of_the_name(name: str, checked: Checked, tracker: Tracker) -> None:
-    """A study new to its storage whose name MLflow already holds (its journal deleted or
-    replaced, or another search.storage) would nest its trials, numbered from 0 again, under
-    the old one's parent run: refused, with the ways to resume the old one or start apart.
-    MLflow is asked first: a worker creating the study makes it in the storage before its
-    parent run, so a parent run seen here has its study in the storage already."""
-    earlier = tracker.earlier_study(name)
-    if earlier is None:
-        return
-    try:
-        checked.storage.get_study_id_from_name(name)
-        return
-    except KeyError:
-        pass
-    backend = getattr(checked.storage, "_backend", None)
-    recovered = sorted(
-        backend.path.parent.glob(f"{backend.path.name}{RECOVERED_SUFFIX}*")
-        if isinstance(backend, SafeJournalFileBackend)
-        else []
-    )
-    resume = (
-        f"put back the journal kept when it vanished (mv {recovered[-1]} {backend.path})"
-        if recovered
-        else "give the search.storage it was run with"
-    )
-    raise ConfigError(
-        [
-            f"search.study_name={name}: MLflow ({redact(located(tracker.tracking_uri))}) already "
-            f"holds a study of this name ({earlier}), but search.storage="
-            f"{redact(located(checked.settings.storage))} has no study {name} (its journal or "
-            "database was deleted or replaced, or it was run with another search.storage); a "
-            "new study would mix its trials into the old one's runs",
-            f"to resume the old study, {resume} and run the same command; to start a new study "
-            f"beside it, override search.study_name={name}-2",
-        ]
-    )
-
-
 def _open(name: str, checked: Checked, fixed: str) -> optuna.Study:
     """The study, created or resumed, named and seeded for this worker."""
     settings = checked.settings
@@ -294,13 +254,6 @@ def _set_up(
 SETUP_TAG = "batchfit.setup"  # on the parent run once its params and reports are logged
 
 
-def _loss_target(target: Target | None) -> float | None:
-    """search.target's val/loss to reach (time to target), if it is one."""
-    if target is not None and target.metric == VAL_LOSS and target.op == "<=":
-        return float(target.value)
-    return None
-
-
 def setup_done(tracker: Tracker, parent: RunLog) -> bool:
     """Whether the parent run has its params, search space, fixed config and fit report."""
     tracker.outbox.drain()
@@ -317,17 +270,6 @@ def _shown(path: Path) -> str:
         return str(path.resolve().relative_to(Path.cwd()))
     except ValueError:
         return str(path)
-
-
-def located(uri: str) -> str:
-    """A store's URI as given, with its absolute path where the path is relative: a study
-    started in another directory is in that directory's store, not this one's."""
-    for prefix in (JOURNAL_PREFIX, "sqlite:///"):
-        if uri.startswith(prefix):
-            path = Path(uri[len(prefix) :])
-            if not path.is_absolute():
-                return f"{uri} ({path.resolve()})"
-    return uri
 
 
 def _say_where(console: Console, study: optuna.Study, checked: Checked, tracker: Tracker) -> None:
@@ -385,7 +327,7 @@ class StudyDriver:
             lambda trial: summary.rerun_overrides(trial, base_overrides, checked.space.fixed),
             output_dir,
             margin=checked.settings.preflight_margin,
-            loss_target=_loss_target(checked.settings.target),
+            target=checked.settings.target,
         )
         self.budget = TrialBudget(
             checked.settings.n_trials, checked.space.size(), checked.space.distributions
@@ -457,7 +399,7 @@ class StudyDriver:
         tracker = Tracker.from_config(cfg.mlflow, name)
         storage_clock = CallClock()
         storage_clock.time_methods(checked.storage, storage_methods(checked.storage))
-        _refuse_a_second_study_of_the_name(name, checked, tracker)
+        refuse_a_second_study_of_the_name(name, checked.storage, checked.settings, tracker)
         study = _open(name, checked, fixed)
         _say_where(console, study, checked, tracker)
         parent, created = tracker.study_run(name, study.user_attrs.get(PARENT_ATTR))

@@ -16,6 +16,11 @@ from omegaconf import OmegaConf
 from optuna.storages import BaseStorage
 
 from batchfit.common.checks import ConfigError
+from batchfit.common.redact import redact
+from batchfit.search.core.study_config import SearchConfig
+from batchfit.search.storage.journal import RECOVERED_SUFFIX, SafeJournalFileBackend
+from batchfit.search.storage.opening import located
+from batchfit.tracking.runs import Tracker
 
 CONFIG_ATTR = "batchfit.config"  # the study's fixed config, to refuse a resume that changes it
 
@@ -97,6 +102,46 @@ def _check_same_study(study: optuna.Study, directions: list[str], fixed_config: 
             "this one, run it with its original settings"
         )
         raise ConfigError(problems)
+
+
+def refuse_a_second_study_of_the_name(
+    name: str, storage: BaseStorage, settings: SearchConfig, tracker: Tracker
+) -> None:
+    """A study new to its storage whose name MLflow already holds (its journal deleted or
+    replaced, or another search.storage) would nest its trials, numbered from 0 again, under
+    the old one's parent run: refused, with the ways to resume the old one or start apart.
+    MLflow is asked first: a worker creating the study makes it in the storage before its
+    parent run, so a parent run seen here has its study in the storage already."""
+    earlier = tracker.earlier_study(name)
+    if earlier is None:
+        return
+    try:
+        storage.get_study_id_from_name(name)
+        return
+    except KeyError:
+        pass
+    backend = getattr(storage, "_backend", None)
+    recovered = sorted(
+        backend.path.parent.glob(f"{backend.path.name}{RECOVERED_SUFFIX}*")
+        if isinstance(backend, SafeJournalFileBackend)
+        else []
+    )
+    resume = (
+        f"put back the journal kept when it vanished (mv {recovered[-1]} {backend.path})"
+        if recovered
+        else "give the search.storage it was run with"
+    )
+    raise ConfigError(
+        [
+            f"search.study_name={name}: MLflow ({redact(located(tracker.tracking_uri))}) already "
+            f"holds a study of this name ({earlier}), but search.storage="
+            f"{redact(located(settings.storage))} has no study {name} (its journal or "
+            "database was deleted or replaced, or it was run with another search.storage); a "
+            "new study would mix its trials into the old one's runs",
+            f"to resume the old study, {resume} and run the same command; to start a new study "
+            f"beside it, override search.study_name={name}-2",
+        ]
+    )
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:

@@ -23,7 +23,7 @@ from optuna.trial import FrozenTrial, TrialState
 from batchfit.common.overrides import BEST_FILE
 from batchfit.common.redact import redact
 from batchfit.search.core.record import records
-from batchfit.search.core.study_config import RecommendRule
+from batchfit.search.core.study_config import RecommendRule, Target
 from batchfit.search.core.trial_count import num_trained
 from batchfit.search.results import plots, speed_check, summary
 from batchfit.search.results.boundary import FIT_ATTR
@@ -57,10 +57,10 @@ class Results:
         overrides_of: Callable[[FrozenTrial], list[str]],
         output_dir: Path | None,
         margin: float | None = None,
-        loss_target: float | None = None,
+        target: Target | None = None,
     ):
         self.parent = parent
-        self.loss_target = loss_target  # search.target's val/loss, for the time to target
+        self.target = target  # search.target, for the time to target
         self.margin = margin  # search.preflight_margin, for memory_vs_batch.png
         self.metrics = list(metrics)
         self.rule = rule
@@ -77,7 +77,7 @@ class Results:
     def recommendation(self, study: optuna.Study) -> Recommendation | None:
         trials = study.get_trials(deepcopy=False)
         cells = study.user_attrs.get(FIT_ATTR) or ()
-        return recommend(trials, self.rule, speed_check.stored(study), self.loss_target, cells)
+        return recommend(trials, self.rule, speed_check.stored(study), self.target, cells)
 
     def overrides(self, rec: Recommendation | None) -> list[str]:
         """The overrides that train `rec`'s configuration again."""

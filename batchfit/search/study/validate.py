@@ -76,11 +76,12 @@ class Checked:
 
 def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
     search = cfg.search
-    known = known_metrics(build_task(cfg))
+    task = build_task(cfg)
+    known = known_metrics(task)
     target, target_problems = None, []
     if search.get("target") is not None:
         try:
-            target = Target.parse(search.target, known)
+            target = Target.parse(search.target, known, task.ranges())
         except ConfigError as error:
             target_problems = error.problems
         known = {**known, **TARGET_METRICS}

@@ -64,13 +64,15 @@ def ended(
     oom_peak_bytes: int | None = None,
     prediction: Prediction | None = None,
     extra: Mapping[str, float] | None = None,
+    target_metric: str | None = None,
     **known: Any,
 ) -> Outcome:
     """The outcome of a trial that ended in `state`, from what it left, each figure worked
     out here once: a completed run's figures (`trained`, train/run.py's, worked out before the
     run returned; with the `extra` ones: perf/*, time/to_target_s), or what a stopped one
     measured past its memory check (`memory`) or when it ran out (`oom_peak_bytes`), and the
-    memory `prediction` it was configured with.
+    memory `prediction` it was configured with; `target_metric`: search.target's, whose
+    validation curve is kept beside val/loss's for the time to target.
     `known`: the rest of Outcome's fields by name (probe_s_per_sample, projected_s,
     mfu_note, error_traceback)."""
     result = trained.result if trained else None
@@ -98,7 +100,8 @@ def ended(
         prediction_error=error,
         unit=result.unit if result else None,
         metrics={**trained.figures, **(extra or {})} if trained else {},
-        val_curve=_val_curve(result),
+        val_curve=_curve(result, VAL_LOSS),
+        target_curve=_curve(result, target_metric) if target_metric != VAL_LOSS else None,
         timed_steps=result.timed_steps if result else None,
         timed_samples=result.timed_samples if result else None,
         num_steps=result.num_steps if result else 0,
@@ -155,14 +158,14 @@ def trial_record(
     )
 
 
-def _val_curve(result: RunResult | None) -> list[list[float]] | None:
-    """[step, val/loss] of each validation with a finite loss."""
-    if result is None:
+def _curve(result: RunResult | None, metric: str | None) -> list[list[float]] | None:
+    """[step, value of `metric`] of each validation with a finite value."""
+    if result is None or metric is None:
         return None
     curve = [
-        [int(e["step"]), round(float(e[VAL_LOSS]), 6)]
+        [int(e["step"]), round(float(e[metric]), 6)]
         for e in result.evals
-        if "step" in e and math.isfinite(e.get(VAL_LOSS, math.nan))
+        if "step" in e and math.isfinite(e.get(metric, math.nan))
     ]
     return curve or None
 

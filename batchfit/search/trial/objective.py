@@ -274,7 +274,11 @@ class Objective:
         elif failure is not None:  # counted and shown, never recommended nor on the front
             state, reason, message = "PRUNED", DIVERGED, failure
         seen = {**watch.seen(), "memory": None}  # the whole run's, in `result`
-        return ended(state, reason, message, trained=trained, extra=extra, mfu_note=note, **seen)
+        target = self.settings.target.metric if self.settings.target else None
+        return ended(
+            state, reason, message, trained=trained, extra=extra, mfu_note=note,
+            target_metric=target, **seen,
+        )  # fmt: skip
 
     def _say_mfu(self, note: str | None, log: RunLog) -> None:
         """An MFU above 1 (train/measure/flops.py) comes with a note of why: tagged on the
