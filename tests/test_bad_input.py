@@ -300,3 +300,36 @@ def test_a_run_batch_larger_than_the_training_set_is_refused(tmp_path: Path) -> 
     assert "trainer.batch_size=512 x trainer.accum_steps=4 = 2048 samples a step is larger" in (
         message
     )
+
+
+# ---- a project's own _target_ modules, run from another directory
+
+
+def test_a_best_yaml_of_ones_own_modules_run_elsewhere_names_where_it_ran(tmp_path: Path) -> None:
+    """A study of one's own modules wrote best.yaml; `python -m train +best=...` from another
+    folder ended in a 94-line traceback (`Error locating target 'myproject...'`)."""
+    project = tmp_path / "project"
+    (project / "myproject").mkdir(parents=True)
+    (project / "myproject" / "__init__.py").write_text("")
+    (project / "myproject" / "sets.py").write_text(
+        "from batchfit.train.data import digits\n\n\n"
+        "def small_digits(val_fraction, seed):\n"
+        "    return digits(val_fraction=val_fraction, seed=seed)\n"
+    )
+    best = project / "best.yaml"
+    best.write_text(
+        "study: mine\ntrial: 0\noverrides:\n"
+        + "".join(f"- {o}\n" for o in [*FAST, "data._target_=myproject.sets.small_digits"])
+        + f"working_dir: {project}\n"
+    )
+    run_module("train", [f"+best={best}"], project)  # trains where the study ran
+    (tmp_path / "elsewhere").mkdir()
+    message = refused("train", [f"+best={best}"], tmp_path / "elsewhere")
+    assert (
+        "data._target_=myproject.sets.small_digits: no module named 'myproject' can be imported "
+        f"from here ({tmp_path / 'elsewhere'})"
+    ) in message
+    assert f"the study that wrote it ran in {project}: run there (cd {project} &&" in message
+    for module in ("search", "search.fit"):
+        message = refused(module, [*FAST, "data._target_=myproject.sets.small_digits"], tmp_path)
+        assert "no module named 'myproject' can be imported from here" in message

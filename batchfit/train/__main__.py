@@ -17,6 +17,7 @@ train/model_file.py reads it back).
 from __future__ import annotations
 
 import contextlib
+import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ from batchfit.tracking.tags import (
 )
 from batchfit.train import model_file
 from batchfit.train.batches import larger_than_data
+from batchfit.train.build import unimportable_targets
 from batchfit.train.config import RunSpec
 from batchfit.train.device.sizes import format_bytes
 from batchfit.train.measure.energy import ENERGY_TAG
@@ -272,6 +274,16 @@ def _recommended(cfg: DictConfig, console: Console) -> tuple[DictConfig, list[st
     except HydraException as error:
         raise ConfigError([f"{BEST_KEY}={path}: its overrides do not compose: {error}"]) from None
     document = yaml.safe_load(Path(path).expanduser().read_text())  # load_overrides read it
+    unimportable = unimportable_targets(composed)
+    if unimportable:  # a study of one's own modules, retrained from another directory
+        ran_in = document.get("working_dir")
+        where = (
+            f"the study that wrote it ran in {ran_in}: run there (cd {shlex.quote(ran_in)} && "
+            f"python -m train +{BEST_KEY}={shlex.quote(str(Path(path).expanduser().resolve()))})"
+            if isinstance(ran_in, str)
+            else "run it from the directory the study ran in"
+        )
+        raise ConfigError([*unimportable, f"{BEST_KEY}={path}: {where}"])
     study, trial = document.get("study"), document.get("trial")
     if not isinstance(study, str) or isinstance(trial, bool) or not isinstance(trial, int):
         console.print(

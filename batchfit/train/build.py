@@ -8,10 +8,12 @@ shares what it built through train/workload.py.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import itertools
 from collections.abc import Iterable
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -233,6 +235,26 @@ def build_optimizer(
 def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
     """The learning-rate schedule of `cfg.scheduler` (partial) over `total_steps`."""
     return instantiate(cfg.scheduler)(optimizer, total_steps=total_steps)
+
+
+def unimportable_targets(cfg: DictConfig) -> list[str]:
+    """The components whose `_target_`'s package cannot be imported from here (a project's
+    own module, run from another directory than the one that holds it), each named by its
+    key with the ways to make it importable."""
+    problems = []
+    for group in COMPONENTS:
+        node = cfg.get(group)
+        target = node.get("_target_") if isinstance(node, DictConfig) else None
+        if not isinstance(target, str) or not target:
+            continue
+        package = target.split(".")[0]
+        if importlib.util.find_spec(package) is None:
+            problems.append(
+                f"{group}._target_={target}: no module named {package!r} can be imported from "
+                f"here ({Path.cwd()}); run from the directory that holds {package}/, install "
+                f"its project (pip install -e DIR), or put that directory on PYTHONPATH"
+            )
+    return problems
 
 
 def unknown_settings(group: str, node: Any) -> list[str]:

@@ -34,6 +34,7 @@ from batchfit.train.build import (
     build_model,
     build_optimizer,
     build_scheduler,
+    unimportable_targets,
     unknown_settings,
 )
 from batchfit.train.config import RunSpec
@@ -78,7 +79,9 @@ def check_model_builds(
     """The data, the model (on fake tensors), optimizer and schedule build as a run builds
     them; the user's builder-argument errors (the model's own line, e.g. a data.seq_len
     beyond its max_position_embeddings) as ConfigErrors naming the group."""
-    problems = [p for group in COMPONENTS for p in unknown_settings(group, cfg.get(group))]
+    problems = unimportable_targets(cfg) or [
+        p for group in COMPONENTS for p in unknown_settings(group, cfg.get(group))
+    ]
     if problems:
         raise ConfigError(problems)
     workload = (workloads or Workloads()).of(cfg)

@@ -18,6 +18,7 @@ from batchfit.search.core.compose import task_overrides
 from batchfit.search.fit.advice import what_would_fit
 from batchfit.search.fit.layouts import COMMAND, NOTHING_FITS, nothing_fits, show_fit_reports
 from batchfit.search.sampling.levers import with_default_space
+from batchfit.train.build import unimportable_targets
 from batchfit.train.memory.predict import PredictionUnsupported
 from batchfit.train.plan import with_gpu_budget
 from batchfit.train.run import OverBudget
@@ -42,7 +43,7 @@ def main(cfg: DictConfig) -> None:
     given = task_overrides(hydra_cfg)  # the command line, which the advice's commands extend
     workloads = Workloads()  # one data set and predictor for the checks and the report
     try:
-        problems = unknown_top_level(cfg, given)
+        problems = unknown_top_level(cfg, given) or unimportable_targets(cfg)
         if problems:
             raise ConfigError(problems)
         base = with_gpu_budget(cfg, given)  # search.gpu=CARD: the card's budget

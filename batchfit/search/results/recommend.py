@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -375,6 +376,8 @@ def best_document(rec: Recommendation, study_name: str, overrides: Sequence[str]
         "rule": rec.rule.describe(),
         "values": figures,
         "overrides": list(overrides),
+        # where the study ran: a project's own _target_ modules are importable from there
+        "working_dir": str(Path.cwd()),
     }
     cell = rec.untrained
     if cell is not None:  # trial's figures are not this configuration's: its prediction is

@@ -42,6 +42,7 @@ from batchfit.tracking.metrics import STORAGE_S, TRACKING_S
 from batchfit.tracking.mlflow_ui import ui_link
 from batchfit.tracking.overhead import CallClock, Lap, storage_methods
 from batchfit.tracking.runs import RunLog, Tracker
+from batchfit.train.build import unimportable_targets
 from batchfit.train.config import RunSpec
 from batchfit.train.memory.predict import PredictionUnsupported
 from batchfit.train.plan import (
@@ -357,6 +358,9 @@ class StudyDriver:
         # The data and memory predictors of the study: the checks, the fit report and the
         # trials build each once.
         workloads = Workloads()
+        unimportable = unimportable_targets(cfg)  # a project's modules, from elsewhere
+        if unimportable:
+            raise ConfigError(unimportable)
         space_note = with_default_space(cfg, workloads)
         if space_note:
             console.print(f"[yellow]note[/yellow] {escape(space_note)}", soft_wrap=True)
