@@ -333,3 +333,31 @@ def test_a_best_yaml_of_ones_own_modules_run_elsewhere_names_where_it_ran(tmp_pa
     for module in ("search", "search.fit"):
         message = refused(module, [*FAST, "data._target_=myproject.sets.small_digits"], tmp_path)
         assert "no module named 'myproject' can be imported from here" in message
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ('{"model_type": "llama", "hidden_size": "big"', "is not valid JSON (Expecting ','"),
+        ('{"model_type": "llama", "hidden_size": 30}', "The hidden size (30) is not a multiple"),
+    ],
+)
+def test_a_malformed_model_config_is_said_once_under_its_own_key(
+    tmp_path: Path, text: str, said: str
+) -> None:
+    """It was blamed on search.params.data.seq_len and search.params.model.lora.r, twice
+    (and a config transformers' validators refuse crashed python -m train)."""
+    (tmp_path / "bad_arch.json").write_text(text)
+    for module in ("search.fit", "train"):
+        done = run_module(
+            module, ["+experiment=llm_lora", "model.config=bad_arch.json"], tmp_path, 2
+        )
+        output = done.stdout + done.stderr
+        assert "Traceback" not in output
+        problems = [line for line in done.stderr.splitlines() if line.startswith("- ")]
+        assert len(problems) == 1, done.stderr
+        assert problems[0].startswith(
+            "- model (batchfit.train.language.hf.causal_lm) cannot be built: "
+            "model.config='bad_arch.json': "
+        ), done.stderr
+        assert said in problems[0] and problems[0].endswith("; fix the file")

@@ -130,8 +130,14 @@ def architecture(config: str | Mapping[str, Any], vocab_size: int | None = None)
         )
     try:
         return AutoConfig.for_model(model_type, **settings)
-    except (KeyError, ValueError) as error:
-        raise ValueError(f"model.config={config!r}: {error}") from None
+    except Exception as error:  # noqa: BLE001 - KeyError, ValueError, hf_hub's StrictDataclassError
+        lines = str(error).splitlines()
+        if not isinstance(error, KeyError | ValueError):
+            if "Strict" not in type(error).__name__:
+                raise
+            lines = lines[1:]  # its validators' errors under a header ("Class validation ...")
+        reason = " ".join(line.strip() for line in lines).rstrip(".")
+        raise ValueError(f"model.config={config!r}: {reason}; fix the file") from None
 
 
 def _fake_mode() -> FakeTensorMode | None:
