@@ -173,10 +173,15 @@ def test_without_a_target_the_loss_every_batch_size_reached_is_one():
 
 def test_the_learning_rate_plan_scales_by_the_studys_rule():
     text = lr_plan(_trial(64, 100, 50))
+    # The rate the run trains at, and that optimizer.lr stays as it is: "optimizer.lr scaled
+    # linear from 128: 16 -> 0.00295" read as "set optimizer.lr=0.00295 at batch 16", which
+    # then trained 8x too slowly (batchfit scaled it again).
     assert text.startswith(
-        "Learning rate: 0.02 at this global batch of 64 (optimizer.lr=0.01 at 32"
+        "Learning rate: the run trains at 0.02 at this global batch of 64: batchfit scales "
+        "optimizer.lr=0.01, the rate at a global batch of 32 (trainer.lr_ref_batch_size), "
+        "linear with the batch, so leave optimizer.lr as it is."
     )
-    assert "32 -> 0.01, 128 -> 0.04" in text
+    assert text.endswith("it trains at that batch's scaled rate: 32 -> 0.01, 128 -> 0.04.")
     sqrt = _trial(16, 100, 50)
     sqrt.user_attrs.update({"lr_rule": "sqrt", "lr_reference": 16, "optimizer.lr": 2e-5})
     sqrt.user_attrs[LR_PARAM] = 2e-5
@@ -250,7 +255,8 @@ def test_fit_report_cells_no_trial_trained_are_predicted_and_recommended():
     ]  # fmt: skip
     # at 128, optimizer.lr=0.01 at 32 scaled linearly: 0.04
     assert lr_plan(rec.trial, rec.untrained.batch).startswith(
-        "Learning rate: 0.04 at this global batch of 128 (optimizer.lr=0.01 at 32"
+        "Learning rate: the run trains at 0.04 at this global batch of 128: batchfit scales "
+        "optimizer.lr=0.01, the rate at a global batch of 32"
     )
     document = best_document(rec, "s", rec.overrides(base))
     body = yaml.safe_load(document)

@@ -75,9 +75,9 @@ def lr_plan(trial: FrozenTrial, batch: int | None = None) -> str | None:
         for b in sorted({max(1, batch // 2), batch * 2})
     )
     return (
-        f"Learning rate: {scaled:.3g} at this global batch of {batch} (optimizer.lr={base:.3g} "
-        f"at {ref}, scaled {rule}); at another global batch, optimizer.lr scaled {rule} from "
-        f"{ref}: {examples}. The commands above keep the rule and "
-        f"trainer.lr_ref_batch_size={ref}: a batch or accumulation given after them trains "
-        "at its scaled rate."
+        f"Learning rate: the run trains at {scaled:.3g} at this global batch of {batch}: "
+        f"batchfit scales optimizer.lr={base:.3g}, the rate at a global batch of {ref} "
+        f"(trainer.lr_ref_batch_size), {rule} with the batch, so leave optimizer.lr as it is. "
+        f"At another global batch (trainer.batch_size or trainer.accum_steps given after the "
+        f"commands below) it trains at that batch's scaled rate: {examples}."
     )
