@@ -45,6 +45,10 @@ def test_a_study_times_its_candidates_and_recommends_by_that(prepare_study, stor
     assert all(len(g["samples_per_sec"]) == 3 for g in checked["geometries"].values())
     said = driver.console.export_text()
     assert "Speed check: timing 2 candidate configurations side by side" in said
+    # Said once: in the summary's table (and the recommendation), not also as lines while
+    # it timed them.
+    assert "Speed check (the candidates timed side by side)" in said
+    assert len([line for line in said.splitlines() if "over 3 rounds, spread" in line]) == 1
     # 512 samples a step against 16: faster in every round, so it wins whatever the accuracy.
     rec = driver.results.recommendation(driver.study)
     assert rec.trial.params["trainer.batch_size"] == 512

@@ -379,6 +379,12 @@ def mib(num_bytes: float | None) -> str:
     return "-" if num_bytes is None else f"{num_bytes / 2**20:.1f}"
 
 
+def figure_text(value: float) -> str:
+    """A figure in 4 significant digits, never in exponent notation from 10,000 up
+    (14040 samples/s, not 1.404e+04)."""
+    return f"{value:.0f}" if 1e4 <= abs(value) < 1e15 else f"{value:.4g}"
+
+
 def _figure_words(metric: str, value: float) -> str:
     """'acc 0.951', 'loss 2.310', '412/s' (samples), '9120 tokens/s', 'mfu 0.412'."""
     name = metric.rsplit("/", 1)[-1]
@@ -387,7 +393,7 @@ def _figure_words(metric: str, value: float) -> str:
         return f"{value:.0f}/s" if unit == "samples" else f"{value:.0f} {unit}/s"
     if metric.startswith(VAL_PREFIX):
         return f"{name} {value:.3f}"
-    return f"{name} {value:.4g}"
+    return f"{name} {figure_text(value)}"
 
 
 def records(trials: Sequence[FrozenTrial]) -> list[TrialRecord]:

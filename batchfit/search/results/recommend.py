@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
 from batchfit.common.overrides import BEST_KEY, override_key
-from batchfit.search.core.record import TrialRecord
+from batchfit.search.core.record import TrialRecord, figure_text
 from batchfit.search.core.study_config import RecommendRule, Target
 from batchfit.search.results import speed_check, time_to_target
 from batchfit.search.sampling.space import override_value
@@ -71,19 +71,33 @@ class SpeedVerdict:
         return self.speed.beats(self.runner_up_speed, self.unit)
 
     def describe(self) -> str:
-        spread = max(self.speed.spread(self.unit), self.runner_up_speed.spread(self.unit))
-        faster = (
-            f"{self.ratio:.2f}x the runner-up {self.runner_up} "
-            f"({self.runner_up_speed.median(self.unit):.0f} {self.unit}/s)"
-        )
+        """What the check measured, in the words of what it decided: the chosen is faster
+        than the runner-up in every round, or the two are within the measured spread (the
+        faster by the median named first, so that '0.67x' never reads as a verdict)."""
+        unit, spread = self.unit, self.spread
+        chosen = f"{self.chosen} {speed_check.describe(self.speed, unit)}"
         if self.beyond_noise:
-            verdict = f"faster in every round: beyond the measured spread ({spread:.0%})"
-        else:
-            verdict = f"within the measured spread ({spread:.0%}): not faster beyond the noise"
+            return (
+                f"speed check: {chosen}, {self.ratio:.2f}x the runner-up {self.runner_up} "
+                f"({self.runner_up_speed.median(unit):.0f} {unit}/s), faster in every "
+                f"round: beyond the measured spread ({spread:.0%})"
+            )
+        if self.ratio < 1:  # the runner-up's median is higher, its rounds overlapping
+            return (
+                f"speed check: {self.runner_up}'s median, "
+                f"{speed_check.describe(self.runner_up_speed, unit)}, is {1 / self.ratio:.2f}x "
+                f"{self.chosen}'s, {speed_check.describe(self.speed, unit)}, but it was not "
+                f"faster in every round: within the measured spread ({spread:.0%})"
+            )
         return (
-            f"speed check: {self.chosen} {speed_check.describe(self.speed, self.unit)}, "
-            f"{faster}, {verdict}"
+            f"speed check: {chosen}, {self.ratio:.2f}x the runner-up {self.runner_up} "
+            f"({self.runner_up_speed.median(unit):.0f} {unit}/s), not in every round: within "
+            f"the measured spread ({spread:.0%})"
         )
+
+    @property
+    def spread(self) -> float:
+        return max(self.speed.spread(self.unit), self.runner_up_speed.spread(self.unit))
 
 
 @dataclass(frozen=True)
@@ -152,20 +166,25 @@ class Recommendation:
                 + ("" if self.by_energy else _against_measured(self.by_time, chosen))
             )
         if rule.metric == rule.prefer or not rule.tolerance or self.preferred is None:
-            return f"trial {n}, the best {rule.metric} ({self.value:.4g})"
+            return f"trial {n}, the best {rule.metric} ({figure_text(self.value)})"
         among = f"{self.num_candidates} trial" + ("s" if self.num_candidates > 1 else "")
         whose = (
             f"among the {among} whose {rule.metric} is within {rule.tolerance:.0%} of the best "
-            f"({self.best_value:.4g}; this one {self.value:.4g})"
+            f"({figure_text(self.best_value)}; this one {figure_text(self.value)})"
         )
         if self.verdict is None:
             best = "lowest" if prefers_energy(rule) else "best"
-            return f"trial {n}, the {best} {rule.prefer} ({self.preferred:.4g}) {whose}"
+            return f"trial {n}, the {best} {rule.prefer} ({figure_text(self.preferred)}) {whose}"
         if self.verdict.faster:
             return f"trial {n}, the fastest configuration {whose}; {self.verdict.describe()}"
+        if self.verdict.beyond_noise:  # the most accurate is the fastest too
+            return (
+                f"trial {n}, the most accurate {whose}, and the fastest of them in every round; "
+                f"{self.verdict.describe()}"
+            )
         return (
-            f"trial {n}, the most accurate {whose}, as no configuration among them is faster "
-            f"beyond the noise; {self.verdict.describe()}"
+            f"trial {n}, the most accurate {whose}: no other configuration among them was "
+            f"faster in every round; {self.verdict.describe()}"
         )
 
     def _how(self, p: time_to_target.Predicted, basis: str = "", name: str = "") -> str:

@@ -143,9 +143,7 @@ def check(
             },
         },
     )
-    for name, speed in speeds.items():
-        say(f"  {name:<28} {describe(speed, speed.unit)}")
-    return speeds
+    return speeds  # the summary's table shows them (once)
 
 
 def describe(speed: Speed, unit: str) -> str:

@@ -28,7 +28,7 @@ from rich.table import Table
 
 from batchfit.common.overrides import BEST_KEY, override_key
 from batchfit.common.redact import redact
-from batchfit.search.core.record import PRUNER, TrialRecord, mib, records
+from batchfit.search.core.record import PRUNER, TrialRecord, figure_text, mib, records
 from batchfit.search.core.trial_count import num_trained
 from batchfit.search.results import boundary, speed_check, time_to_target
 from batchfit.search.results.rates import LR_KEY, lr_caption, lr_plan, trained_lr
@@ -89,7 +89,9 @@ def _param_words(t: TrialRecord, key: str, value: object) -> str:
 def objective_words(metric: str, value: float) -> str:
     """'val loss 2.310', 'val acc 0.951': an objective as a trial line says it."""
     return (
-        f"{metric.replace('/', ' ')} {value:.3f}" if abs(value) < 100 else f"{metric} {value:.4g}"
+        f"{metric.replace('/', ' ')} {value:.3f}"
+        if abs(value) < 100
+        else f"{metric} {figure_text(value)}"
     )
 
 
