@@ -342,6 +342,33 @@ def test_progress_of_a_resumed_study_counts_only_new_trials_for_time_left(
     ]
 
 
+def test_time_left_is_capped_by_the_time_box(clock: list[float]) -> None:
+    """Under search.timeout_s=20 the bar showed '~1620:40:57 left' (the pace of the trials
+    times the many still to go): what is left is the time box's at most."""
+    trials = _trials()
+    study = optuna.create_study(directions=["maximize", "maximize"])
+    console = _plain()
+    progress = StudyProgress(console, n_trials=1000, done=0, metric=VAL_ACC, timeout_s=20)
+    for trial, at in zip([trials[0], trials[1]], [8, 25], strict=True):
+        study.add_trial(trial)
+        clock[0] = 1000.0 + at
+        progress.trial_finished(study, study.get_trials()[-1])
+    assert _progress_lines(console) == [
+        "progress: 1/1000 trials, 0:08 elapsed, ~0:12 left (search.timeout_s); best val/acc "
+        "0.93 (#0)",
+        "progress: 2/1000 trials, 0:25 elapsed, search.timeout_s reached: no new trial starts; "
+        "best val/acc 0.945 (#1)",
+    ]
+    live = Console(file=io.StringIO(), force_terminal=True, width=200)
+    with StudyProgress(live, n_trials=1000, done=0, metric=VAL_ACC, timeout_s=20) as bar:
+        clock[0] += 5
+        study.add_trial(trials[2])
+        bar.trial_finished(study, study.get_trials()[-1])
+        text = Console(file=io.StringIO(), width=200, record=True)
+        text.print(bar._progress.get_renderable())
+        assert "~0:15 left (search.timeout_s)" in text.export_text()
+
+
 def test_epoch_lines_only_for_a_trial_running_long(clock: list[float]) -> None:
     console = _plain()
     progress = StudyProgress(console, n_trials=4, done=0, metric=VAL_ACC)

@@ -22,7 +22,6 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Table
 
@@ -152,8 +151,10 @@ class StudyProgress:
         done: int,
         metric: str,
         objectives: Sequence[str] = (),
+        timeout_s: float | None = None,
     ):
         self.console = console
+        self.timeout_s = timeout_s  # search.timeout_s: no trial starts after it
         self.live = console.is_terminal
         self.n_trials = n_trials
         self.metric = metric
@@ -166,15 +167,14 @@ class StudyProgress:
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
-            TextColumn("left"),
-            TimeRemainingColumn(),
+            TextColumn("{task.fields[left]}"),
             TextColumn("{task.fields[best]}"),
             console=console,
             transient=True,
             disable=not self.live,
         )
         self._trials = self._progress.add_task(
-            "[bold]trials", total=n_trials, completed=done, best=""
+            "[bold]trials", total=n_trials, completed=done, best="", left=""
         )
         self._epochs = None
 
@@ -199,17 +199,31 @@ class StudyProgress:
         best = best_trials(study, limit=1)
         if best:
             self.best = f"best {self.metric} {_fmt(best[0].values[0])} (#{best[0].number})"
-        self._progress.update(self._trials, completed=done, best=self.best)
+        left = self._left(done)
+        self._progress.update(self._trials, completed=done, best=self.best, left=left)
         if not self.live:
-            self.print(self._plain_line(done))
+            self.print(self._plain_line(done, left))
 
-    def _plain_line(self, done: int) -> str:
+    def _plain_line(self, done: int, left: str) -> str:
         elapsed = time.monotonic() - self.started
         line = f"progress: {done}/{self.n_trials} trials, {_clock(elapsed)} elapsed"
+        return line + (f", {left}" if left else "") + (f"; {self.best}" if self.best else "")
+
+    def _left(self, done: int) -> str:
+        """The time left: the trials to go at the pace of this run's, capped by what is
+        left of search.timeout_s (after which no trial starts)."""
+        elapsed = time.monotonic() - self.started
         new = done - self.done_at_start
+        estimate = None
         if new > 0 and done < self.n_trials:
-            line += f", ~{_clock(elapsed / new * (self.n_trials - done))} left"
-        return line + (f"; {self.best}" if self.best else "")
+            estimate = elapsed / new * (self.n_trials - done)
+        if self.timeout_s is not None and done < self.n_trials:
+            box = self.timeout_s - elapsed
+            if box <= 0:
+                return "search.timeout_s reached: no new trial starts"
+            if estimate is None or box < estimate:
+                return f"~{_clock(box)} left (search.timeout_s)"
+        return f"~{_clock(estimate)} left" if estimate is not None else ""
 
     def epoch(self, number: int, metrics: Mapping[str, float], elapsed_s: float) -> None:
         """A trial validated: show its epoch once it has run EPOCH_LINES_AFTER_S."""
@@ -225,7 +239,7 @@ class StudyProgress:
             self.print(f"  {text}")
         elif self._epochs is None:
             self._epochs = self._progress.add_task(
-                escape(text), total=total or None, completed=epoch, best=""
+                escape(text), total=total or None, completed=epoch, best="", left=""
             )
         else:
             self._progress.update(self._epochs, description=escape(text), completed=epoch)

@@ -433,8 +433,9 @@ class StudyDriver:
         storage_lap, tracking_lap = Lap(self.storage_clock), Lap(self.tracker.outbox.clock)
         done = num_trained(study_records(self.study))
         progress = summary.StudyProgress(
-            self.console, settings.n_trials, done, settings.metrics[0], settings.metrics
-        )
+            self.console, settings.n_trials, done, settings.metrics[0], settings.metrics,
+            settings.timeout_s,
+        )  # fmt: skip
         objective = Objective(
             self.configure,
             settings,
