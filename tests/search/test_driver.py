@@ -275,6 +275,10 @@ def test_resume_runs_to_n_trials_without_duplicates(hydra_conf, stores) -> None:
     again.run()  # already finished: runs nothing
     trials = again.study.get_trials()
     assert [t.number for t in trials] == [0, 1, 2, 3, 4]
+    # Its reused decision counts the trials as the summary does (it said 17 against 12).
+    said = again.console.export_text()
+    assert "from the same 5 finished trials: its speed check" in said
+    assert "5 finished trials: 5 COMPLETE" in said
     runs = _mlflow_runs(stores, "resume")
     parents = [r for r in runs if r.data.tags.get("batchfit.role") == "study"]
     assert len(parents) == 1

@@ -192,4 +192,7 @@ def test_a_decision_reused_says_whether_an_earlier_run_or_another_worker_made_it
         f"The recommendation was made by another worker of this study ({made.made_by}) from "
         "the same 1 finished trials: its speed check and best.yaml are this worker's too"
     )
+    assert "from the same 12 finished trials (and 5 not counted in search.n_trials): its" in (
+        made.reused(after, 12, 5)
+    )
     assert Decision.stored(study) == made  # the time is kept in the study

@@ -56,10 +56,11 @@ class Decision:
             found.get("made_at"),
         )
 
-    def reused(self, started_at: float, num_finished: int) -> str:
+    def reused(self, started_at: float, num_finished: int, num_uncounted: int = 0) -> str:
         """What a process that reuses this decision says of it: made by an earlier run of
         the study (before `started_at`, this process's start: the same command run again)
-        or by another worker running with this one."""
+        or by another worker running with this one; from `num_finished` trials counted as the
+        summary counts them, and `num_uncounted` answered without training."""
         if self.made_at is not None and self.made_at < started_at:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.made_at))
             who, mine = f"an earlier run of this study ({when}, {self.made_by})", "run"
@@ -67,9 +68,12 @@ class Decision:
             who, mine = f"another worker of this study ({self.made_by})", "worker"
         else:
             who, mine = f"another worker or an earlier run of this study ({self.made_by})", "run"
+        uncounted = (
+            f" (and {num_uncounted} not counted in search.n_trials)" if num_uncounted else ""
+        )
         return (
             f"The recommendation was made by {who} from the same {num_finished} finished "
-            f"trials: its speed check and best.yaml are this {mine}'s too"
+            f"trials{uncounted}: its speed check and best.yaml are this {mine}'s too"
         )
 
     def store(self, study: optuna.Study) -> None:

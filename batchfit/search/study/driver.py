@@ -490,7 +490,10 @@ class StudyDriver:
 
         decided, made_here = decision.decide(self.study, storage, make)
         if not made_here:
-            self._say(decided.reused(self.started_at, len(decided.finished)))
+            # counted as the summary counts them (search/results/summary.py counts_line)
+            finished = [t for t in study_records(self.study) if t.number in decided.finished]
+            free = sum(t.is_unbilled for t in finished)
+            self._say(decided.reused(self.started_at, len(finished) - free, free))
         return decided
 
     def _speed_check(self) -> None:
