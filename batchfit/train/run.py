@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from batchfit.common.checks import ConfigError
@@ -140,6 +140,9 @@ def _budget_note(
         what = "the parameters, gradients and optimizer state alone (predicted)"
     if spec.budget_bytes < needed:
         smallest = _smallest_step(predictor, spec, workload.num_train) if note is None else None
+        seq_len = OmegaConf.select(cfg, "data.seq_len", default=None)
+        if smallest and seq_len is not None:  # the step's length too: the advice's may differ
+            smallest = (f"{smallest[0]}, data.seq_len={seq_len}", smallest[1])
         step = (
             f"; the smallest step ({smallest[0]}) needs {format_bytes(smallest[1])}"
             if smallest

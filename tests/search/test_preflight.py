@@ -466,3 +466,20 @@ def test_the_margin_is_a_number_in_0_to_1_or_null() -> None:
     with pytest.raises(ConfigError, match=r"search.preflight_margin must be a number in "
                        r"\[0, 1\) or null, got 1.5"):  # fmt: skip
         PreflightConfig(True, 1.5)
+
+
+def test_the_smallest_step_of_a_language_model_is_named_with_its_sequence_length(
+    hydra_conf,
+) -> None:
+    """'the smallest step (batch size 1 in fp32) needs 150.1 GiB' beside the advice's
+    'batch 1 (..., data.seq_len=128): it needs 150.0 GiB' read as one step with two figures:
+    they are steps of two lengths (the command's and the space's shortest)."""
+    from batchfit.train.run import OverBudget, check_builds
+
+    cfg = hydra_conf(["+experiment=gpt", "data.seq_len=96", "search.memory_budget=4KiB"])
+    with pytest.raises(OverBudget) as raised:
+        check_builds(cfg, plan(cfg, cfg.search.memory_budget), Workloads())
+    assert (
+        "the smallest step (batch size 1 in fp32, data.seq_len=96) needs "
+        in (raised.value.problems[0])
+    )
