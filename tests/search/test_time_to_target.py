@@ -365,7 +365,9 @@ def test_joules_to_target_are_the_median_joules_per_step_times_the_steps():
     assert [x.geometry for x in p.by_energy] == ["64x1 fp32", "32x1 fp32", "128x1 fp32",
                                                  "256x1 fp32"]  # fmt: skip
     header, rows = table(p)
-    assert header[5:8] == ["time", "energy", "samples"]
+    assert header[5:9] == ["time", "energy", "samples", "trained by"]
+    # trial numbers, not counts: '#0, #4', or a cell no trial trained
+    assert [row[-1] for row in rows] == ["#4", "#1, #2, #3", "#0", "#5"]
     assert [(r[0], r[6]) for r in rows] == [
         ("128x1 fp32", "3 kJ"), ("64x1 fp32", "1.96 kJ"), ("32x1 fp32", "2.4 kJ"),
         ("256x1 fp32", "3.25 kJ"),

@@ -233,7 +233,7 @@ def table(plan: Plan) -> tuple[list[str], list[list[str]]]:
     energy = any(p.joules is not None for p in plan.predicted)
     header = [
         "configuration", "global batch", "steps", "s/step", "s/step from", "time",
-        *(["energy"] if energy else []), "samples", "trials",
+        *(["energy"] if energy else []), "samples", "trained by",
     ]  # fmt: skip
     rows = [
         [
@@ -245,7 +245,7 @@ def table(plan: Plan) -> tuple[list[str], list[list[str]]]:
             f"{p.seconds:.3g} s",
             *([format_joules(p.joules) if p.joules is not None else "-"] if energy else []),
             f"{p.samples:.0f}",
-            ", ".join(map(str, p.trials)) or "-",
+            ", ".join(f"#{n}" for n in p.trials) or "none: predicted",
         ]
         for p in plan.predicted
     ]
