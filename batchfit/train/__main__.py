@@ -80,6 +80,7 @@ from batchfit.train.memory.predict import Prediction
 from batchfit.train.memory.preflight import PreflightConfig
 from batchfit.train.parallel.threads import KEY as THREADS_KEY
 from batchfit.train.parallel.threads import Threads, plan_threads
+from batchfit.train.params import lever_params, lever_words
 from batchfit.train.plan import plan, planned_elsewhere, with_gpu_budget
 from batchfit.train.run import Planned, Trained, check_builds
 from batchfit.train.step import Diverged, Hooks
@@ -312,14 +313,17 @@ def _save_path(cfg: DictConfig) -> Path | None:
     return path
 
 
-def _geometry(spec: RunSpec) -> str:
+def _geometry(spec: RunSpec, cfg: DictConfig) -> str:
+    """'4x1 fp32 · seq 256 · LoRA r16 · nf4': the batch geometry and the levers it has."""
     t = spec.trainer
-    return f"{t.batch_size}x{t.accum_steps} {t.precision}"
+    return " · ".join(
+        [f"{t.batch_size}x{t.accum_steps} {t.precision}", *lever_words(lever_params(cfg))]
+    )
 
 
 def _start_run(ready: Prepared) -> RunLog:
     tags: dict[str, object] = {ROLE_TAG: "train"}
-    name = _geometry(ready.spec)
+    name = _geometry(ready.spec, ready.cfg)
     retrain = ready.retrain
     if retrain is not None:
         tags.update({STUDY_TAG: retrain.study, TRIAL_TAG: retrain.trial})
@@ -330,7 +334,7 @@ def _start_run(ready: Prepared) -> RunLog:
             f"Trains trial {retrain.trial} of study `{retrain.study}` again, from "
             f"`{retrain.path}` (`python -m train +{BEST_KEY}={retrain.path}`)."
         )
-    log.params({**ready.spec.params(), **ready.workload.data_params()})
+    log.params({**ready.spec.params(), **lever_params(ready.cfg), **ready.workload.data_params()})
     log.text(OmegaConf.to_yaml(ready.cfg, resolve=True), "config.yaml")
     return log
 

@@ -503,3 +503,30 @@ def test_a_long_summary_becomes_a_description_cut_at_a_whole_line() -> None:
     kept = text.removesuffix(CUT_NOTE)
     assert summary.startswith(kept) and kept.endswith("oom_predicted |")  # a whole row
     assert description("# short\n") == "# short\n"
+
+
+@pytest.mark.parametrize(
+    ("experiment", "words"),
+    [
+        ("llm_lora", " · seq 256 · LoRA r8"),
+        ("llm_qlora", " · seq 256 · LoRA r8 · nf4"),
+        ("llm_full", " · seq 256 · full"),
+        ("resnet", ""),  # a model and data without these levers: the geometry alone
+    ],
+)
+def test_a_run_name_and_params_tell_lora_qlora_and_full_fine_tuning_apart(
+    hydra_conf, experiment: str, words: str
+) -> None:
+    """A QLoRA run was named '4x1 fp32', its params without the quantization, sequence
+    length and LoRA rank: LoRA and QLoRA runs looked alike in MLflow's table."""
+    from batchfit.train.__main__ import _geometry
+    from batchfit.train.params import lever_params
+    from batchfit.train.plan import plan
+
+    cfg = hydra_conf([f"+experiment={experiment}", "trainer.batch_size=4"])
+    levers = lever_params(cfg)
+    record = TrialRecord.from_attrs(3, {**CONFIG, **levers})
+    assert record.run_name() == f"trial-3 · 64x2 bf16{words}"
+    assert _geometry(plan(cfg, None), cfg).endswith(f"4x1 {cfg.trainer.precision}{words}")
+    if experiment != "resnet":
+        assert set(levers) == {"data.seq_len", "model.lora.r", "model.quantization"}

@@ -22,7 +22,14 @@ from optuna.trial import FrozenTrial
 from batchfit.tracking.metrics import PEAK_BYTES, STEP_MS, THROUGHPUT_PREFIX, VAL_ACC, VAL_PREFIX
 from batchfit.tracking.metrics import throughput as throughput_metric
 from batchfit.tracking.tags import DIVERGED, OOM
-from batchfit.train.params import ACCUM_KEY, BATCH_KEY, EFFECTIVE_PARAM, LR_PARAM, PRECISION_KEY
+from batchfit.train.params import (
+    ACCUM_KEY,
+    BATCH_KEY,
+    EFFECTIVE_PARAM,
+    LR_PARAM,
+    PRECISION_KEY,
+    lever_words,
+)
 
 # Why a trial was pruned (`reason`), besides the study pruner's "pruner"; OOM (over the budget
 # as it trained) and DIVERGED (NaN or infinite loss) are a run's own (tracking/tags.py).
@@ -322,7 +329,13 @@ class TrialRecord:
         and once it has ended its outcome (pruned and failed ones say so, a slow one with
         its projection) and key figures: the study's objectives, its throughput in its
         unit and its peak memory."""
-        name = f"trial-{self.number} · {self.batch_size}x{self.accum_steps} {self.precision}"
+        name = " · ".join(
+            [
+                f"trial-{self.number}",
+                f"{self.batch_size}x{self.accum_steps} {self.precision}",
+                *lever_words({**self.run, **self.params}),
+            ]
+        )
         outcome = self.outcome
         if outcome.state == "COMPLETE":
             throughput = throughput_metric(outcome.unit or "samples")

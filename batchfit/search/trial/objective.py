@@ -65,6 +65,7 @@ from batchfit.train.measure.flops import MFU_NOTE_TAG
 from batchfit.train.measure.memory import MemoryStats, OutOfMemory, release_memory
 from batchfit.train.measure.noise import NOISE_TAG
 from batchfit.train.memory.predict import Prediction
+from batchfit.train.params import lever_params
 from batchfit.train.run import Trained
 from batchfit.train.step import Diverged, Hooks, RunResult
 
@@ -151,7 +152,8 @@ class Objective:
         if earlier is not None:
             return answer_from_record(trial, earlier)
         configured = self.configure(params)
-        begun = TrialRecord(trial.number, "RUNNING", params=params, run=configured.spec.params())
+        run = {**configured.spec.params(), **lever_params(configured.cfg)}
+        begun = TrialRecord(trial.number, "RUNNING", params=params, run=run)
         write(trial, begun)  # what it trains with, first: a trial that dies still shows it
         run_log = self._start_run(begun)
         try:  # from the run's start: a stop while its id is written ends it KILLED too
