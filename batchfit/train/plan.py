@@ -69,6 +69,9 @@ def plan(cfg: DictConfig, budget: Any) -> RunSpec:
         except ValueError as error:
             problems.append(f"search.memory_budget: {error}")
         problems += _budget_problems(budget, budget_bytes, target)
+        if trainer is not None and _ranks_share_the_host(budget, target, trainer.devices):
+            whole = budget_bytes if budget_bytes is not None else target.total_bytes
+            budget_bytes = whole // trainer.devices  # each rank's share of the host's memory
     base_lr = cfg.optimizer.get("lr")
     problems += number_problems(
         "optimizer.lr", base_lr, "a number > 0", above=0, hint="e.g. optimizer.lr=0.05"
@@ -187,6 +190,12 @@ def with_lr_reference(
     return [*overrides, f"{LR_REF_KEY}={reference}"]
 
 
+def _ranks_share_the_host(budget: Any, target: DeviceSpec, devices: int) -> bool:
+    """Data-parallel ranks on this machine's CPU share its memory: a budget that follows
+    the device (all of it, a share) is split between them."""
+    return target.type != "cuda" and devices > 1 and follows_card(budget) and budget != USABLE
+
+
 def budget_source(budget: Any, spec: RunSpec) -> str:
     """Where a run's budget comes from, as a report's title says it: "A100-40GB's 39.4 GiB
     less 512.0 MiB CUDA context" (usable, search.gpu_budget's default when only the card was
@@ -194,6 +203,10 @@ def budget_source(budget: Any, spec: RunSpec) -> str:
     H100's nvidia-smi total), "90% of H100-80GB" (a share of the card), "all of H100-80GB"
     (none), or "search.memory_budget" (a size)."""
     where = spec.target.name if spec.target.type == "cuda" else "this machine's memory"
+    ranks = spec.trainer.devices
+    if _ranks_share_the_host(budget, spec.target, ranks):
+        of = f"{budget.strip()} of" if is_share(budget) else "all of"
+        return f"{of} {where}, shared by its {ranks} ranks"
     if spec.budget_bytes is None:
         return f"all of {where}"
     if budget == USABLE and spec.target.gpu is not None:

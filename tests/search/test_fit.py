@@ -749,3 +749,25 @@ def test_8b_qlora_fits_a_24gb_card_at_2048_tokens(hydra_conf) -> None:
     expected = four_bit + 4 * embeddings + 16 * adapters
     # the rest: fp32 norms (1 MiB), second-level scales (1.7 MB) and codes, rotary buffer
     assert expected < state < expected + 4 * MiB, (state, expected)
+
+
+@pytest.mark.parametrize(("budget", "share"), [("null", 1.0), ("50%", 0.5)])
+def test_ranks_on_this_machine_share_its_memory(hydra_conf, budget: str, share: float) -> None:
+    """Two data-parallel ranks on one machine's CPU were each given '23.5 GiB (all of this
+    machine's memory) per rank': they share it, each with its part."""
+    from batchfit.train.plan import budget_source
+
+    cfg = hydra_conf(
+        ["model=small_cnn", "data=digits", "trainer.device=cpu", "trainer.strategy=ddp",
+         "trainer.devices=2", f"search.memory_budget={budget}"]
+    )  # fmt: skip
+    spec = plan(cfg, cfg.search.memory_budget)
+    whole = spec.target.total_bytes
+    assert spec.budget_bytes == int(whole * share) // 2
+    assert budget_source(cfg.search.memory_budget, spec) == (
+        f"{'all' if budget == 'null' else budget} of this machine's memory, shared by its 2 ranks"
+    )
+    alone = hydra_conf(
+        ["model=small_cnn", "data=digits", "trainer.device=cpu", "search.memory_budget=null"]
+    )
+    assert plan(alone, None).budget_bytes is None  # one process: all of it, as before
