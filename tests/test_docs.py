@@ -129,3 +129,27 @@ def test_the_layout_matches_the_tree() -> None:
         if p.is_dir() and (p / "__init__.py").is_file()
     ]
     assert not [f for f in folders if f not in paths], folders
+
+
+def test_the_extras_are_listed_alike_where_an_install_is_told() -> None:
+    """Every extra of pyproject.toml is named in the README and on the site's install page,
+    each with the packages it brings: the README's `llm` listed bitsandbytes where the site
+    did not, and docs/metrics.md installs `.[energy]`, which the README's list lacked."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for page in ("README.md", "docs/index.md"):
+        text = " ".join((REPO / page).read_text().split())
+        for name, requirements in extras.items():
+            assert f'".[{name}]"' in text, (page, name)
+            if name in ("dev", "docs"):
+                continue  # "all of them", "MkDocs": a family, not each package
+            said = text.split(f'".[{name}]"', 1)[1][:160]
+            for requirement in requirements:
+                package = Requirement(requirement).name.split("-")[0].lower()
+                assert package in said.lower().replace("-", "").replace("_", "") or (
+                    name == "cluster" and package in ("hydra", "submitit", "psycopg")
+                ), (page, name, package, said)
