@@ -136,11 +136,32 @@ def number_problems(
 
 
 def choice_problems(key: str, value: Any, choices: Iterable[Any], fix: Any) -> list[str]:
-    """`key` must be one of `choices`, suggesting `key=fix`."""
+    """`key` must be one of `choices`, suggesting the choice `value` meant (`closest_choice`),
+    else `key=fix`."""
     choices = tuple(choices)
     if value in choices:
         return []
-    return [must_be(key, f"one of {', '.join(map(str, choices))}", value, fix)]
+    meant = closest_choice(value, choices)
+    what = f"one of {', '.join(map(str, choices))}"
+    return [must_be(key, what, value, fix if meant is None else meant)]
+
+
+# difflib's ratio a choice must reach to be offered: a swap or a letter off in 4+ letters
+# (bf61 -> bf16: 0.75; cda -> cuda: 0.86), not another short word (gpu -> cpu: 0.67).
+_CLOSE_CHOICE = 0.7
+
+
+def closest_choice(value: Any, choices: Iterable[Any]) -> Any:
+    """The choice a string `value` was meant to be: the one it is but for case (`FP32` ->
+    `fp32`), else the closest by difflib (`bf61` -> `bf16`); None when none is close."""
+    if not isinstance(value, str):
+        return None
+    by_name = {str(choice).casefold(): choice for choice in choices}
+    folded = value.casefold()
+    if folded in by_name:
+        return by_name[folded]
+    close = difflib.get_close_matches(folded, list(by_name), n=1, cutoff=_CLOSE_CHOICE)
+    return by_name[close[0]] if close else None
 
 
 def flag_problems(key: str, value: Any, fix: bool = True) -> list[str]:

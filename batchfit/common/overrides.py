@@ -11,6 +11,7 @@ import functools
 import gc
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ import hydra
 import yaml
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
 from hydra.errors import (
     ConfigCompositionException,
     HydraException,
@@ -27,7 +29,7 @@ from hydra.errors import (
     OverrideParseException,
 )
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 from rich.console import Console
 
@@ -164,6 +166,9 @@ def run_checked(main: Callable[[], object]) -> None:
     try:
         main()
     except HydraException as error:
+        swept = _swept_in_one_run(error, _entry_point(main))
+        if swept:
+            raise ConfigError(swept) from None
         problem = _missing_key(error) or _missing_option(error) or _unparsable(error)
         if problem is not None:
             raise ConfigError([problem]) from None
@@ -256,6 +261,97 @@ def _missing_key(error: HydraException) -> str | None:
     else:
         fix = "check its spelling (`--cfg job` prints the config)"
     return f"{override}: {key} is not a key of the config; {fix}"
+
+
+def _entry_point(main: Callable[[], object]) -> str:
+    """The `python -m` name of an entry point's main: `batchfit.search.fit.__main__` (where
+    @hydra.main's wrapper keeps its function's module) -> `search.fit`."""
+    module = getattr(main, "__module__", "") or ""
+    return module.removeprefix("batchfit.").removesuffix(".__main__") or "train"
+
+
+def _swept_in_one_run(error: HydraException, entry: str) -> list[str]:
+    """batchfit's message for Hydra's "Ambiguous value for argument 'trainer.batch_size=
+    32,64'" (or "Sweep parameters ... requires --multirun", of choice(...) or range(...)):
+    a key given several values in a command that runs once. Hydra's advice is Hydra's
+    (`key=[value1,value2]`, `--multirun`); batchfit's says what each reading is here: a key
+    that holds a list takes brackets, and for any other, a search is search.params and
+    several runs are `python -m train --multirun`. No problem for any other failure."""
+    if not isinstance(error, ConfigCompositionException) or not str(error).startswith(
+        ("Ambiguous value for argument", "Sweep parameters")
+    ):
+        return []
+    overrides = _command_line()
+    swept = _sweeps(overrides)
+    if not swept:
+        return []
+    lists = _list_keys([key for key, _ in swept.values()], [o for o in overrides if o not in swept])
+    # a comma list for a key that holds a list: the brackets were left out
+    bracketed = {
+        o: f"{key}=[{o.split('=', 1)[1]}]"
+        for o, (key, comma) in swept.items()
+        if comma and key in lists
+    }
+    problems = [
+        f"{o}: {swept[o][0]} holds a list, which Hydra reads in brackets (without them, a comma "
+        f"list is several runs' values); write {fixed}"
+        for o, fixed in bracketed.items()
+    ]
+    several = {o: swept[o] for o in swept if o not in bracketed}
+    if several:
+        problems.append(_several_values(several, bracketed, entry))
+    return problems
+
+
+def _sweeps(overrides: list[str]) -> dict[str, tuple[str, bool]]:
+    """The overrides Hydra reads as a sweep (`k=1,2`, `k=choice(1,2)`, `k=range(1,4)`), each
+    with its key and whether it is a plain comma list."""
+    parser = OverridesParser.create()
+    swept = {}
+    for override in overrides:
+        try:
+            parsed = parser.parse_override(override)
+        except HydraException:
+            continue
+        if parsed.is_sweep_override() and not parsed.is_hydra_override():
+            comma = parsed.value_type == ValueType.SIMPLE_CHOICE_SWEEP
+            swept[override] = (override_key(override), comma)
+    return swept
+
+
+def _several_values(
+    swept: dict[str, tuple[str, bool]], bracketed: dict[str, str], entry: str
+) -> str:
+    """`trainer.batch_size=32,64 gives a key several values ...: python -m search ...
+    '++search.params={trainer.batch_size:"choice(32,64)"}'; ... python -m train --multirun
+    ...`: the commands are the user's, the rest of it as typed (`bracketed`: as fixed)."""
+    args = [bracketed.get(arg, arg) for arg in sys.argv[1:]]
+    space = []
+    for override, (key, comma) in swept.items():
+        value = override.split("=", 1)[1]
+        value = f"choice({value})" if comma else value
+        quote = "'" if '"' in value else '"'
+        space.append(f"{key}:{quote}{value}{quote}")
+    searched = [a for a in args if a not in swept] + [f"++search.params={{{','.join(space)}}}"]
+    search = "search.fit" if entry == "search.fit" else "search"
+    keys = "a key" if len(swept) == 1 else "keys"
+    return (
+        f"{', '.join(swept)} gives {keys} several values, which python -m {entry} takes only "
+        f"in search.params or with --multirun: to search over them, give them to "
+        f"search.params (this space alone): python -m {search} {shlex.join(searched)}; to "
+        f"train once with each, use --multirun: python -m train --multirun {shlex.join(args)}"
+    )
+
+
+def _list_keys(keys: list[str], rest: list[str]) -> set[str]:
+    """Which of `keys` hold a list in the config composed from the `rest` of the command
+    line (none when it does not compose)."""
+    try:  # Hydra has let go of its config search path: the entry points' conf/ again
+        with hydra.initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = hydra.compose("config", overrides=rest)
+    except HydraException:
+        return set()
+    return {key for key in keys if isinstance(OmegaConf.select(cfg, key, default=None), ListConfig)}
 
 
 def _missing_option(error: HydraException) -> str | None:

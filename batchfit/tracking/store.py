@@ -8,9 +8,11 @@ stays said as a ConfigError that names mlflow.tracking_uri and what to do (`_can
 - `open_client`: a new SQLite store is a copy of an empty one that MLflow made once per MLflow
   version (`_from_template`: its schema migrations take seconds, every time); a SQLite store
   whose creation a full disk cut short is made anew if it holds nothing, and left as it is,
-  with advice, if it holds something.
+  with advice, if it holds something; a corrupt one (not a SQLite database) is said so, with
+  how to move it aside.
 - `retry_at_start`: passing failures (a server still starting, a peer creating the schema)
-  are tried again for START_RETRY_S.
+  are tried again for START_RETRY_S; a server that does not answer is said at once to be
+  waited for.
 tracking/runs.py's Tracker opens its store through these.
 """
 
@@ -20,8 +22,10 @@ import contextlib
 import logging
 import os
 import re
+import shlex
 import shutil
 import sqlite3
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,6 +50,9 @@ START_RETRY_S = 30.0  # reaching the store at start (SQLite schema being created
 # What MLflow's schema migrations meet in a SQLite store whose creation stopped part-way:
 # they are not transactional, and the next run trips on what the last one left.
 _HALF_MADE = re.compile(r"already exists|duplicate column|no such (table|column)", re.IGNORECASE)
+# What SQLite says of a file that is not a whole database (overwritten, or truncated): no
+# retry or migration reads it.
+_CORRUPT = re.compile(r"is not a database|disk image is malformed", re.IGNORECASE)
 # Tables a new MLflow store fills itself: the schema's version and the default workspace
 # (and the Default experiment, id 0, which _empty_if_it_holds_nothing passes over).
 _SEEDED_TABLES = ("alembic_version", "workspaces")
@@ -54,6 +61,12 @@ _SEEDED_TABLES = ("alembic_version", "workspaces")
 _PERMANENT = re.compile(
     r'database "[^"]*" does not exist|role "[^"]*" does not exist|password authentication '
     r"failed|no pg_hba\.conf entry|Unknown database|Access denied for user",
+    re.IGNORECASE,
+)
+# A store that does not answer, in the words of the line that says it is waited for.
+_NO_ANSWER = re.compile(
+    r"connection refused|name or service not known|timed out|connection reset|connection "
+    r"aborted|remote end closed|\b50[234]\b",
     re.IGNORECASE,
 )
 CONNECT_TIMEOUT_S = 10  # the check of a database server's answer: no longer than this
@@ -154,7 +167,9 @@ def open_client(uri: str) -> MlflowClient:
     call; a new one is copied from `_template`). A SQLite store whose creation a full disk
     cut short fails every later run ("table _alembic_tmp_runs already exists"): holding
     nothing, it is emptied and made anew; holding something, it is left as it is and the
-    error says what to do."""
+    error says what to do. A file that is no SQLite database (overwritten, truncated) is
+    left as it is, and the error says how to move it aside (otherwise it would read as a
+    store to start a server for)."""
     _from_template(uri)
     try:
         client = MlflowClient(uri)
@@ -162,6 +177,8 @@ def open_client(uri: str) -> MlflowClient:
         return client
     except Exception as error:
         path = _sqlite_path(uri)
+        if path is not None and _CORRUPT.search(str(error)):
+            raise ConfigError([_corrupt_advice(uri, path, error)]) from None
         if path is None or not _HALF_MADE.search(str(error)):
             raise
         reason = str(error).splitlines()[0]
@@ -207,6 +224,17 @@ def _empty_if_it_holds_nothing(path: Path) -> bool:
     return True
 
 
+def _corrupt_advice(uri: str, path: Path, error: BaseException) -> str:
+    reason = redact(str(error).splitlines()[0].removeprefix("(sqlite3.DatabaseError) "))
+    aside = shlex.quote(f"{path}.corrupt")
+    return (
+        f"mlflow.tracking_uri={redact(uri)!r}: the store {path} is corrupt, not a SQLite "
+        f"database that can be read ({reason}); no wait or server helps. Move it aside and run "
+        f"again, which makes a new, empty store there: mv {shlex.quote(str(path))} {aside}; "
+        "or restore it from a backup"
+    )
+
+
 def _half_made_advice(uri: str, path: Path, reason: str, kept_because: str) -> str:
     return (
         f"mlflow.tracking_uri={redact(uri)!r}: the store {path} was left half-made (MLflow's "
@@ -241,17 +269,28 @@ def schema_lock(uri: str) -> Iterator[None]:
 def retry_at_start(call: Callable[[], Any], tracking_uri: str) -> Any:
     """`call`, retried on passing failures for START_RETRY_S, 0.05 s apart doubling up to 2 s
     (tenacity): workers starting together on one new SQLite store race to create its schema,
-    and a server may be starting. Anything else is said at once, as the store's problem."""
+    and a server may be starting. A store other than SQLite's that fails so says at the
+    first failure, in one line on stderr, that it is waited for and how long at most.
+    Anything else is said at once, as the store's problem."""
 
     def passing(error: BaseException) -> bool:
         if isinstance(error, ConfigError) or not isinstance(error, Exception):
             return False  # already says what to do; or a Ctrl-C
         return is_transient(error) or "already exists" in str(error)
 
+    def say_waiting(state: tenacity.RetryCallState) -> None:
+        # A server or database that does not answer is waited for, out loud: the user sees
+        # at once why nothing happens for up to START_RETRY_S, and can stop it. A SQLite
+        # store's peer creating the schema takes a moment: nothing to say.
+        if state.attempt_number == 1 and _sqlite_path(tracking_uri) is None and state.outcome:
+            sys.stderr.write(_waiting_line(tracking_uri, state.outcome.exception()) + "\n")
+            sys.stderr.flush()
+
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception(passing),
         wait=tenacity.wait_exponential(multiplier=RETRY_MIN_S, min=RETRY_MIN_S, max=2.0),
         stop=tenacity.stop_after_delay(START_RETRY_S),
+        before_sleep=say_waiting,
         reraise=True,  # the last error itself, not tenacity's RetryError
     )
     try:
@@ -260,6 +299,17 @@ def retry_at_start(call: Callable[[], Any], tracking_uri: str) -> Any:
         raise
     except Exception as error:
         raise _cannot_use(tracking_uri, error) from None
+
+
+def _waiting_line(tracking_uri: str, error: BaseException | None) -> str:
+    """`MLflow at URI does not answer (connection refused); retrying for up to 30 s`."""
+    found = _NO_ANSWER.search(str(error))
+    why = found.group(0).lower() if found else type(error).__name__
+    why = f"HTTP {why}" if why.isdigit() else why
+    return (
+        f"MLflow at {redact(tracking_uri)} does not answer ({why}); retrying for up to "
+        f"{START_RETRY_S:g} s"
+    )
 
 
 def _deferred(call: Callable[[], Any]) -> Any:

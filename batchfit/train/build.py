@@ -259,15 +259,34 @@ def unimportable_targets(cfg: DictConfig) -> list[str]:
 
 def unknown_settings(group: str, node: Any) -> list[str]:
     """The keys of a `_target_` node that its builder does not take (none when it takes
-    **kwargs or cannot be looked up: building it then says what is wrong)."""
+    **kwargs or cannot be looked up: building it then says what is wrong); when it takes
+    them all, what its `settings_problems` says of their values (`_value_problems`)."""
     if not isinstance(node, DictConfig) or not node.get("_target_"):
         return []
     try:
-        params = inspect.signature(get_object(node._target_)).parameters
+        builder = get_object(node._target_)
+        params = inspect.signature(builder).parameters
     except (ValueError, TypeError, ImportError, AttributeError):
         return []
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return []
+        return _value_problems(builder, node)
     keys = [k for k in node if k not in _HYDRA_KEYS]
     known = [p for p in params if p != "self"]
-    return unknown_keys(group, keys, known, owner=f"a setting of {node._target_}")
+    return unknown_keys(group, keys, known, owner=f"a setting of {node._target_}") or (
+        _value_problems(builder, node)
+    )
+
+
+def _value_problems(builder: Any, node: DictConfig) -> list[str]:
+    """A builder's `settings_problems` attribute, when it has one: a function of its node's
+    settings (resolved) returning their problems, each naming its key (hf.py's causal_lm:
+    a LoRA rank of 0). Said before the first build, with the config's other problems,
+    rather than as the build's error. Settings that do not resolve: the build says why."""
+    check = getattr(builder, "settings_problems", None)
+    if check is None:
+        return []
+    try:
+        settings = OmegaConf.to_container(node, resolve=True)
+    except Exception:  # noqa: BLE001 - a missing or broken interpolation: the build's to say
+        return []
+    return list(check(settings))

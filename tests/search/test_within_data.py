@@ -84,7 +84,8 @@ def test_a_trial_beyond_the_data_is_pruned_before_it_trains_and_not_counted(
     hydra_conf, stores
 ) -> None:
     overrides = [
-        *FAST, *stores["overrides"], "search.study_name=over", "search.n_trials=2", "search.memory_budget=1GiB",
+        *FAST, *stores["overrides"], "search.study_name=over", "search.n_trials=2",
+        "search.memory_budget=1GiB",
         "search.sampler._target_=optuna.samplers.GridSampler",
         "++search.params={trainer.batch_size:'choice(1024)',trainer.accum_steps:'choice(2,1)'}",
     ]  # fmt: skip

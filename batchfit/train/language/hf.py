@@ -26,10 +26,10 @@ import difflib
 import json
 import sys
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import yaml
@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import (
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from batchfit.common.checks import not_yaml
+from batchfit.common.checks import is_integer, is_number, not_yaml
 from batchfit.train.language import quantize
 
 ARCHITECTURES = Path(__file__).resolve().parents[3] / "conf" / "architecture"
@@ -196,10 +196,62 @@ def _dtype(dtype: str, checkpoint_dtype: Any) -> torch.dtype:
     return DTYPES[dtype]
 
 
+class _LoraBound(NamedTuple):
+    holds: Callable[[Any], bool]
+    what: str  # what the key is
+    must: str  # what it must be
+    example: str
+
+
+# model.lora's values that peft refuses at the build (r; its sentence names no key) or that
+# train nothing (an alpha of 0 scales the adapters to nothing; a dropout of 1 drops all), by
+# peft's names.
+_LORA_BOUNDS = {
+    "r": _LoraBound(
+        lambda v: is_integer(v, 1), "the rank of the LoRA adapters (their inner width)",
+        "a positive integer", "8",
+    ),
+    "lora_alpha": _LoraBound(
+        lambda v: is_number(v) and v > 0, "the adapters' output is scaled by alpha / r",
+        "a number > 0", "16 (2 x r)",
+    ),
+    "lora_dropout": _LoraBound(
+        lambda v: is_number(v) and 0 <= v < 1, "the probability that an adapter's input is "
+        "dropped", "a number in [0, 1)", "0.05 (0.0: none)",
+    ),
+}  # fmt: skip
+
+
+def lora_problems(lora: Mapping[str, Any]) -> list[str]:
+    """`model.lora`'s values out of `_LORA_BOUNDS`, each named by its key as written (short,
+    or peft's own: alpha or lora_alpha), with what it must be and a value that works."""
+    problems = []
+    for key, value in lora.items():
+        bound = _LORA_BOUNDS.get(LORA_KEYS.get(key, key))
+        if bound is None or bound.holds(value):
+            continue
+        shown = "null" if value is None else repr(value)
+        problems.append(
+            f"model.lora.{key}={shown}: {bound.what}; it must be {bound.must}, e.g. "
+            f"model.lora.{key}={bound.example}"
+        )
+    return problems
+
+
+def settings_problems(settings: Mapping[str, Any]) -> list[str]:
+    """What is wrong in `causal_lm`'s settings (the model node's, resolved) that no build is
+    needed to see: train/build.py's check before the first build calls it."""
+    lora = settings.get("lora")
+    return lora_problems(lora) if isinstance(lora, Mapping) else []
+
+
 def lora_config(lora: Mapping[str, Any]):  # noqa: ANN201
     """peft's LoraConfig for `model.lora` (short keys r, alpha, dropout, target_modules)."""
     from peft import LoraConfig
 
+    problems = lora_problems(lora)
+    if problems:
+        raise ValueError("; ".join(problems))
     settings = {LORA_KEYS.get(key, key): value for key, value in lora.items()}
     settings.setdefault("task_type", "CAUSAL_LM")
     try:
@@ -281,6 +333,9 @@ def causal_lm(
     # peft imports bitsandbytes wherever it is installed: not for a model without 4-bit layers
     with quantize.without_bitsandbytes() if quantization == "none" else nullcontext():
         return _with_adapters(model, lora)
+
+
+causal_lm.settings_problems = settings_problems  # type: ignore[attr-defined]  # train/build.py
 
 
 def _with_adapters(model: nn.Module, lora: Mapping[str, Any]) -> nn.Module:
