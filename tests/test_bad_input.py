@@ -361,3 +361,10 @@ def test_a_malformed_model_config_is_said_once_under_its_own_key(
             "model.config='bad_arch.json': "
         ), done.stderr
         assert said in problems[0] and problems[0].endswith("; fix the file")
+
+
+def test_a_mistyped_key_beside_a_value_still_to_give_gets_the_close_match(tmp_path: Path) -> None:
+    """`data=imagefolder data.root=DIR` (its keys are data.train.root and data.val.root, both
+    ???) ended in a 48-line MissingMandatoryValue traceback while looking for a close key."""
+    message = refused("train", ["model=small_cnn", "data=imagefolder", "data.root=/x"], tmp_path)
+    assert "data.root is not a key of the config; did you mean data.val.root?" in message

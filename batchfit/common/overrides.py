@@ -395,7 +395,10 @@ def _unparsable(error: HydraException) -> str | None:
 
 
 def _all_keys(cfg: Mapping, prefix: str = "") -> list[str]:
-    """Every key of `cfg`, dotted: `search.memory_budget`."""
+    """Every key of `cfg`, dotted: `search.memory_budget` (a value still to give, `???`,
+    is a key too: reading it would raise)."""
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=False)
     keys = []
     for name, value in cfg.items():
         keys.append(f"{prefix}{name}")

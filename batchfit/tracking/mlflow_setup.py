@@ -21,9 +21,12 @@ SYSTEM_METRICS_LOGGER = "mlflow.system_metrics.system_metrics_monitor"
 def http_defaults() -> None:
     """MLflow's REST client retries a failed request 7 times over ~4 minutes, inside the
     call; the outbox retries instead, so a trial never blocks on a down server. MLflow also
-    prints each run's URL, password included, to stdout; the study prints its own lines.
-    A user's own setting of these variables wins."""
+    prints each run's URL, password included, to stdout; the study prints its own lines; and
+    it draws a tqdm bar for each artifact download (a resumed study's plots, a worker's
+    summary), which leaks into a worker's console and a SLURM log. A user's own setting of
+    these variables wins."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 

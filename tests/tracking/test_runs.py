@@ -122,6 +122,22 @@ def test_an_experiment_made_before_the_saved_view_gets_it(tmp_path: Path) -> Non
     assert tags["mlflow.experimentKind"] == "custom_model_development"
 
 
+def test_artifact_downloads_draw_no_progress_bar(monkeypatch, tmp_path: Path, capfd) -> None:
+    """MLflow's 'Downloading artifacts' bars leaked into a worker's console."""
+    monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
+    http_defaults()
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.create_experiment("e", artifact_location=(tmp_path / "a").as_uri())
+    run = client.create_run(experiment).info.run_id
+    for name in ("one.txt", "two.txt"):
+        client.log_text(run, "x" * 1000, f"plots/{name}")
+    capfd.readouterr()
+    client.download_artifacts(run, "plots", str(tmp_path))
+    said = capfd.readouterr()
+    assert "Downloading artifacts" not in said.out + said.err
+    assert (tmp_path / "plots" / "two.txt").read_text() == "x" * 1000
+
+
 def test_a_queued_upload_takes_the_newest_files_instead_of_queueing_again(
     monkeypatch, tmp_path: Path
 ) -> None:
