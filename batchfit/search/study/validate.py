@@ -112,8 +112,9 @@ def search_config(cfg: DictConfig, study_name: str) -> SearchConfig:
             gpu=search.gpu,
             gpu_budget=search.gpu_budget,
         )
-    except ConfigError as error:
-        raise ConfigError(error.problems + rule_problems) from None
+    except ConfigError as error:  # (a target given but refused is not said to be missing)
+        own = [p for p in error.problems if not (target_problems and "needs search.target" in p)]
+        raise ConfigError(own + rule_problems) from None
     if rule_problems:
         raise ConfigError(rule_problems)
     return settings
