@@ -169,7 +169,10 @@ def test_the_derived_report_shows_each_effective_batch_and_tf32(hydra_conf) -> N
     )
     rows = report.rows()
     keys = list(zip(rows["precision"], rows["effective_batch_size"], strict=True))
-    assert sorted(keys) == sorted(itertools.product(PRECISIONS, EFFECTIVE))
+    # digits' 1438 training samples: 2048 and 4096 are dropped from the space before trial 0
+    # (search/study/within_data.py), and the report is of the space as searched
+    within = [e for e in EFFECTIVE if e <= 1438]
+    assert sorted(keys) == sorted(itertools.product(PRECISIONS, within))
     for precision, batch, accum, effective, fits in zip(
         rows["precision"],
         rows["batch_size"],
@@ -183,8 +186,8 @@ def test_the_derived_report_shows_each_effective_batch_and_tf32(hydra_conf) -> N
         elif fits:
             assert batch * accum == effective
     # small_cnn(width=4) peaks at ~0.66 MB at batch 64 (test_preflight): within 1 MiB, so
-    # even 4096 trains, accumulating micro-batches of 64 or more.
-    assert report.largest("fp32") == 4096
+    # even the largest effective batch the data holds trains, accumulating micro-batches.
+    assert report.largest("fp32") == 1024
     text = _text(report)
     assert "accum_steps" not in text and f"n/a: {TF32_ON_CPU}" in " ".join(text.split())
 

@@ -401,6 +401,7 @@ def test_proposals_predicted_not_to_fit_take_no_trial_slot(hydra_conf, stores) -
             "search.memory_budget=1MiB",
             f"+search.params={{trainer.batch_size:'choice(16,64,256,512)',{LR}}}",
         ],
+        name="slots",  # its own experiment in the module's MLflow store, as each study's
     )
     driver.run()
     trials = driver.study.get_trials()
@@ -412,7 +413,7 @@ def test_proposals_predicted_not_to_fit_take_no_trial_slot(hydra_conf, stores) -
     assert unbilled, "the seed gives no proposal over the budget: the test shows nothing"
     for t in unbilled:
         assert t.params["trainer.batch_size"] >= 256 and t.constraints["memory"] > 0
-    parent = _runs(stores, "t")["t"]
+    parent = _runs(stores, "slots")["slots"]
     assert parent.data.metrics["trials/trained"] == 5
     assert parent.data.metrics["trials/unbilled"] == len(unbilled)
     shown = driver.console.export_text()
@@ -432,6 +433,7 @@ def test_a_space_where_nothing_fits_ends_with_a_message(hydra_conf, stores, monk
             "search.memory_budget=1MiB",
             f"+search.params={{trainer.batch_size:'choice(256,512)',{LR}}}",
         ],
+        name="nothing",
     )
     driver.run()
     trials = driver.study.get_trials()

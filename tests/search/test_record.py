@@ -35,6 +35,7 @@ def _full(number: int) -> TrialRecord:
         unit="tokens",
         metrics={VAL_ACC: 0.9, THROUGHPUT_TOKENS: 912.4, STEP_MS: 40.0},
         val_curve=[[10, 0.5]],
+        target_curve=[[10, 0.8]],
         timed_steps=10,
         timed_samples=640,
         mfu_note="peak below the truth",

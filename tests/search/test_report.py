@@ -166,8 +166,8 @@ def test_summaries_show_the_energy_to_target_where_measured() -> None:
     study = _energy_study(1234.0)
     text = summary_markdown(study, [VAL_ACC], _rec(study))
     assert "| configuration | global batch | steps | s/step | s/step from | time | energy |" in text
-    assert "| 64x1 fp32 | 64 | 200 | 0.06 | measured | 12 s | 1.96 kJ | 12800 | 0 |" in text
-    assert "| 16x1 fp32 | 16 | 500 | 0.03 | measured | 15 s | - | 8000 | 1 |" in text
+    assert "| 64x1 fp32 | 64 | 200 | 0.06 | measured | 12 s | 1.96 kJ | 12800 | #0 |" in text
+    assert "| 16x1 fp32 | 16 | 500 | 0.03 | measured | 15 s | - | 8000 | #1 |" in text
     best = text.split("## Best trials")[1]
     assert best.splitlines()[2].endswith("| predicted MiB | energy to target |")
     rows = [
