@@ -22,16 +22,22 @@ from batchfit.train.device.allocator_settings import AllocatorSettings
 from batchfit.train.device.cudnn_workspaces import (
     WSCAP_ENV,
     CudnnWorkspaces,
+    ElasticKey,
     MeasureOnDevice,
     MiB,
     apply_cap,
     cap_problems,
+    operands,
+    run_call,
+    transient_bytes,
 )
 from batchfit.train.device.gpus import gpu
 from batchfit.train.device.spec import DeviceSpec
 from batchfit.train.measure.memory import TensorMemoryTracker
+from batchfit.train.memory.allocator import CachingAllocatorModel
 from batchfit.train.memory.cudnn import conv_composites
-from batchfit.train.memory.predict import MemoryPredictor
+from batchfit.train.memory.predict import CudnnBenchmarkOn, MemoryPredictor
+from batchfit.train.memory.reserve import predict_reserved, replay
 from batchfit.train.plan import plan
 from batchfit.train.run import memory_figures
 from batchfit.train.workload import Workloads
@@ -137,6 +143,131 @@ def test_the_order_matches_a_real_cudnn_training_trace() -> None:
     assert len(at_once) == 100 and len(after_an_allocation) == 91
 
 
+def test_a_workspace_gives_way_under_a_limit_as_pytorch_runs_another_engine() -> None:
+    """A workspace the allocator cannot serve under the limit, even after releasing its
+    cache, is left out with its free (Conv_v8.cpp runs the next engine config): the step
+    runs, the smallest limit is the step's without it; a plain allocation of the same size
+    in its place runs out of memory. With room it is counted."""
+    step = [(1, 100 * MiB), (ElasticKey(2), 64 * MiB), (2, -1), (3, 10 * MiB), (1, -1), (3, -1)]
+    rigid = [(int(key), nbytes) for key, nbytes in step]
+    settings = AllocatorSettings()
+    # 100 MiB held, no room for 64 more under 120: the workspace is left out, then 10 MiB
+    tight = predict_reserved(step, settings, limit_bytes=120 * MiB)
+    assert tight.peak_reserved_under_limit_bytes == tight.smallest_limit_bytes == 110 * MiB
+    roomy = predict_reserved(step, settings, limit_bytes=1024 * MiB)
+    assert roomy.peak_reserved_under_limit_bytes == 164 * MiB  # its own segment; 10 MiB reuses it
+    plain = predict_reserved(rigid, settings, limit_bytes=120 * MiB)
+    assert plain.peak_reserved_under_limit_bytes is None and plain.smallest_limit_bytes == 164 * MiB
+    model = CachingAllocatorModel(settings, limit_bytes=120 * MiB)
+    replay(model, step)  # no AllocatorOutOfMemory
+    assert not model.live and model.peak_reserved_bytes == 110 * MiB
+
+
+def test_cudnn_benchmark_on_is_refused_for_a_prediction() -> None:
+    """torch.backends.cudnn.benchmark set by a model's code: a CUDA step with convolutions
+    is not predicted (its first call of each shape may take nearly all free memory), with a
+    line that says how it changes memory and what to do; one without convolutions is."""
+    example = (torch.zeros(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))
+    trainer = TrainerConfig(batch_size=4, accum_steps=1, precision="fp32")
+
+    def benchmarking() -> nn.Module:
+        torch.backends.cudnn.benchmark = True  # as much CNN code does
+        return _small_cnn()
+
+    try:
+        predictor = MemoryPredictor(benchmarking, _sgd, example, _planned(64 * MiB))
+        with pytest.raises(CudnnBenchmarkOn) as raised:
+            predictor.predict(trainer, 64)
+        assert "largest workspace that fits the free memory" in raised.value.because()
+        assert "torch.backends.cudnn.benchmark = False" in raised.value.because()
+        linear = MemoryPredictor(
+            lambda: nn.Sequential(nn.Linear(32, 10)),
+            _sgd,
+            (torch.zeros(4, 32), torch.zeros(4, dtype=torch.long)),
+            _planned(64 * MiB),
+        )
+        assert linear.predict(trainer, 64).peak_bytes > 0
+    finally:
+        torch.backends.cudnn.benchmark = False
+
+
+def test_a_measured_call_has_the_signatures_shapes_and_strides() -> None:
+    """The signature holds the weight's strides; the call measured on the card is built
+    with them (a channels-last weight stays channels-last), the input's likewise."""
+    model = nn.Conv2d(3, 8, 3, padding=1).to(memory_format=torch.channels_last)
+    x = torch.zeros(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    calls: dict = {}
+    _step(model, x, CudnnWorkspaces(cap_bytes=None), calls)
+    forward = next(s for s in calls if s[0] == "forward")
+    x2, w2, grad = operands(forward, "cpu")
+    assert (x2.shape, x2.stride()) == (forward[1], forward[2])
+    assert (w2.shape, w2.stride()) == (forward[3], forward[4])
+    assert w2.is_contiguous(memory_format=torch.channels_last) and not w2.is_contiguous()
+    assert run_call(forward, x2, w2, grad).shape == grad.shape
+
+
+def test_the_workspace_read_off_the_allocator_history_of_a_real_call() -> None:
+    """transient_bytes over a real cuDNN call's entries (eor_nn_snapshot: the output
+    allocated, the workspace allocated and freed at once) is the workspace's block."""
+    with gzip.open(TRACES / "eor_nn_snapshot.json.gz", "rt") as file:
+        trace = json.load(file)["device_traces"][0]
+    i = next(
+        i
+        for i in range(1, len(trace) - 1)
+        if trace[i]["action"] == "alloc" == trace[i - 1]["action"]
+        and trace[i + 1]["action"] == "free_requested"
+        and trace[i + 1]["addr"] == trace[i]["addr"]
+        and trace[i]["size"] > 4096
+    )
+    assert transient_bytes(trace[i - 1 : i + 2]) == trace[i]["size"] > 0
+    assert transient_bytes(trace[i - 1 : i + 1]) == 0  # still allocated: not transient
+
+
+def test_measuring_reads_the_history_and_leaves_the_peak_statistics(monkeypatch) -> None:
+    """The window of a call (_history) reads the allocator history, turned on for it and off
+    after when it was off, and never resets the peak statistics or empties the cache; a
+    history the user records stays on, and with its ring buffer full (the count no longer
+    grows) the entries stamped after the last one before are the call's; unstamped, the
+    window says nothing (the cap is counted). torch.cuda is stood in for (no GPU here)."""
+    from batchfit.train.device import cudnn_workspaces as module
+
+    trace: list[dict] = [{"action": "alloc", "addr": 1, "size": 512, "stream": 0}]
+    state = {"on": False, "calls": []}
+
+    def record(enabled, context=None, device=None, **_):  # noqa: ANN001, ANN202
+        state["on"] = enabled is not None
+        state["calls"].append(enabled)
+
+    def forbidden(*_, **__):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the peak statistics or the cache were touched")
+
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: state["on"], raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda d: {"device_traces": [trace]})
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", forbidden)
+    monkeypatch.setattr(torch.cuda, "empty_cache", forbidden)
+    call = [
+        {"action": "alloc", "addr": 2, "size": 4096, "stream": 0},
+        {"action": "alloc", "addr": 3, "size": 2 << 20, "stream": 0},
+        {"action": "free_requested", "addr": 3, "size": 2 << 20, "stream": 0},
+    ]
+    device = torch.device("cuda", 0)
+    with module._history(device) as window:
+        trace.extend(call)
+    assert window.transient() == 2 << 20 and state["calls"] == ["all", None]
+    state["on"], state["calls"] = True, []  # the user records, its ring buffer full
+    stamped = [{**e, "time_us": 10 + i} for i, e in enumerate([*trace, *call])]
+    trace[:] = stamped[:4]
+    with module._history(device) as window:
+        trace[:] = stamped[3:]  # as many entries as before: the oldest overwritten
+    assert window.entries == stamped[4:] and window.transient() == 2 << 20
+    assert state["calls"] == [] and state["on"]
+    trace[:] = [*call, *call]
+    with module._history(device) as window:
+        trace[:] = [*call[1:], *call, call[0]]
+    assert window.entries is None and window.transient() is None
+
+
 def _small_cnn() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
@@ -153,22 +284,28 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
-def test_a_planned_card_counts_every_call_at_the_cap_and_says_it_is_a_bound() -> None:
+def test_a_planned_card_counts_every_call_at_the_cap_where_it_fits_and_never_for_an_oom() -> None:
     """Without the card, each cuDNN call's workspace is the cap, and the predictor says so:
-    the live peak is then inside a call (the cap over what is live
-    there, at most the uncapped peak), and the reserve holds one more segment of exactly the
-    cap (an allocation over 10 MiB gets a segment of its own size, rounded to 2 MiB; each
-    call's workspace reuses the block the last one freed)."""
+    the live peak is then inside a call (the cap over what is live there, at most the
+    uncapped peak), and with room the reserve holds one more segment of exactly the cap (an
+    allocation over 10 MiB gets a segment of its own size, rounded to 2 MiB; each call's
+    workspace reuses the block the last one freed). A workspace never makes the step run out
+    of memory (PyTorch runs another engine: ElasticKey), so the smallest limit it runs in is
+    the uncapped step's, and under it the capped step still runs."""
     example = (torch.zeros(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))
     trainer = TrainerConfig(batch_size=4, accum_steps=1, precision="fp32")
     capping = MemoryPredictor(_small_cnn, _sgd, example, _planned(64 * MiB))
     uncapped = MemoryPredictor(_small_cnn, _sgd, example, _planned(None))
-    capped, free = capping.predict(trainer, 64), uncapped.predict(trainer, 64)
+    roomy = 8 * 1024 * MiB
+    capped, free = capping.predict(trainer, 64, roomy), uncapped.predict(trainer, 64, roomy)
     assert capping.has_convolutions and capping.workspace_source == "cap"
     assert uncapped.has_convolutions and uncapped.workspace_source == "none"
     assert (capped.workspace_max_bytes, free.workspace_max_bytes) == (64 * MiB, 0)
     assert 64 * MiB - free.tensor_bytes <= capped.tensor_bytes - free.tensor_bytes <= 64 * MiB
-    assert capped.peak_bytes == free.peak_bytes + 64 * MiB
+    assert capped.reserved_bytes == free.reserved_bytes + 64 * MiB  # with room: the cap
+    assert capped.peak_bytes == free.peak_bytes  # what it needs: no workspace
+    tight = capping.predict(trainer, 64, free.peak_bytes)
+    assert tight.reserved_bytes is not None and tight.reserved_bytes <= free.peak_bytes
 
 
 def test_the_workspace_counted_is_logged_with_the_prediction() -> None:
@@ -278,16 +415,19 @@ def test_the_default_cap_reaches_a_planned_card(monkeypatch) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_the_gpu_each_workspace_is_measured_and_within_the_cap(monkeypatch) -> None:
-    """On the card, each call is measured (train/memory/cudnn.py measure_on_device); cuDNN
-    honours CUDNN_CONV_WSCAP_DBG, so no measured workspace passes the cap exported."""
+def test_on_the_gpu_each_workspace_is_measured_and_the_peak_statistics_are_left() -> None:
+    """On the card, each call is measured (MeasureOnDevice) from the allocator's history: a
+    peak the process reached before (here a 256 MiB tensor, freed) is still what
+    max_memory_allocated reads after, and the history is off again. Whether cuDNN honours
+    the cap is the conv-cap section of bench/gpu_checks.sh."""
     from batchfit.train.device.spec import device_spec
 
-    monkeypatch.setenv(WSCAP_ENV, "16")  # given back after the test
-    apply_cap(16)
     device = torch.device("cuda", torch.cuda.current_device())
     spec = device_spec(device, None)
     assert spec.cudnn is not None and spec.cudnn.measure is not None
+    big = torch.empty(256 * MiB, dtype=torch.uint8, device=device)
+    del big
+    peak = torch.cuda.max_memory_allocated(device)
     example = (torch.zeros(64, 3, 32, 32), torch.zeros(64, dtype=torch.long))
     model = lambda: nn.Sequential(  # noqa: E731
         nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1),
@@ -297,4 +437,6 @@ def test_on_the_gpu_each_workspace_is_measured_and_within_the_cap(monkeypatch) -
     predictor = MemoryPredictor(model, _sgd, example, spec)
     prediction = predictor.predict(trainer, 256)
     assert predictor.workspace_source == "measured" and prediction.workspace_max_bytes is not None
-    assert spec.cudnn.measured and max(spec.cudnn.measured.values()) <= 16 * MiB
+    assert spec.cudnn.measured and all(n >= 0 for n in spec.cudnn.measured.values())
+    assert torch.cuda.max_memory_allocated(device) == peak >= 256 * MiB
+    assert not torch._C._cuda_isHistoryEnabled()

@@ -79,8 +79,7 @@ def main(cfg: DictConfig) -> None:
         stopped(
             errors,
             "Memory cannot be predicted for this model",
-            f"it does not run on fake tensors ({error}). A study still runs: its trials "
-            "measure their memory.",
+            f"{error.because()}. A study still runs: its trials measure their memory.",
             UNSUPPORTED_STATUS,
         )
     except Exception as error:  # escaping, Hydra would print the overrides, passwords and all

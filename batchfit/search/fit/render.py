@@ -100,20 +100,26 @@ def render(report: FitReport) -> Table:
 
 
 def _workspace_words(report: FitReport) -> list[str]:
-    """What the cells count for cuDNN convolutions' workspaces (train/memory/cudnn.py)."""
+    """What the cells count for cuDNN convolutions' workspaces (train/memory/cudnn.py): what
+    fits never counts one (PyTorch runs an engine that needs less: ElasticKey); with room,
+    each call's is measured on this GPU or counted at the cap."""
+    fits = "what fits counts no workspace (where one does not fit, PyTorch runs a cuDNN engine "
+    fits += "that needs less)"
     if report.workspaces == "measured":
-        return ["cuDNN convolutions: each call's workspace measured on this GPU"]
+        return [f"cuDNN convolutions: {fits}; with room, each call's workspace as measured "
+                "on this GPU"]  # fmt: skip
     if report.workspaces == "none":
         return [
-            "cuDNN convolutions: workspaces not counted (no cap: cudnn_workspace_mib=null); "
-            "cells may be under-predicted"
+            f"cuDNN convolutions: {fits}; with room, none counted (no cap: "
+            "cudnn_workspace_mib=null), so the reserve may be under-predicted"
         ]
     if report.workspaces != "cap" or report.workspace_cap_bytes is None:
         return []
     cap = format_bytes(report.workspace_cap_bytes)
     return [
-        f"cuDNN convolutions: each call's workspace counted at the {cap} cap batchfit sets "
-        f"for cuDNN (cudnn_workspace_mib): an upper bound, measured on the GPU itself"
+        f"cuDNN convolutions: {fits}; with room, each call's workspace counted at the {cap} "
+        f"cap batchfit sets for cuDNN (cudnn_workspace_mib), a bound where cuDNN honours it "
+        f"(docs/gpu-planning.md)"
     ]
 
 

@@ -102,8 +102,8 @@ class Configurer:
         if not self._unsupported_said:
             self._unsupported_said = True
             self.notify(
-                f"memory is not predicted for this model: it does not run on fake tensors "
-                f"({error}); trials measure their memory as they train"
+                f"memory is not predicted for this model: {error.because()}; trials measure "
+                f"their memory as they train"
             )
 
     def _derive(self, overrides: list[str]) -> Configured:

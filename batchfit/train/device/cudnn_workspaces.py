@@ -7,8 +7,9 @@ every call, or, on the card itself, each call's shapes run once for real, alone,
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +27,23 @@ DEFAULT_CAP_MIB = 64
 
 # A convolution call as its plan is keyed (setConvolutionParams: shapes, strides, dtype,
 # parameters): ("forward" | "backward_data" | "backward_filter", input shape, input
-# stride, weight shape, dtype, stride, padding, dilation, transposed, output padding, groups).
+# stride, weight shape, weight stride, dtype, stride, padding, dilation, transposed, output
+# padding, groups).
 Signature = tuple
 Calls = dict  # Signature -> the workspace counted for it: the calls a step made
+
+
+class ElasticKey(int):
+    """The event key (the storage number) of an allocation that gives way under a limit: a
+    cuDNN convolution's workspace. When the caching allocator cannot serve it, even after
+    releasing its cache, PyTorch catches the out-of-memory error and runs the convolution
+    with the next engine config of cuDNN's list, down to one that needs no workspace, and
+    a plan from its cache likewise (aten/src/ATen/native/cudnn/Conv_v8.cpp: `try_configs`,
+    `try_plans`, `run_single_conv`). Such an allocation never makes a step run out of
+    memory: the allocator model (train/memory/reserve.py) skips it where it would. An int
+    everywhere else, equal to the plain storage number its free is recorded with."""
+
+    __slots__ = ()
 
 
 @dataclass
@@ -98,13 +113,18 @@ def apply_cap(value: Any, environ: Any = os.environ) -> None:
 
 class MeasureOnDevice:
     """A CudnnWorkspaces.measure for this machine's GPU: runs the call of a signature once on
-    real tensors of its shapes (random values, contiguous: the call copies nothing), alone,
-    and returns what the caching allocator's peak rose above what the call leaves
-    allocated: its workspace, as the caching allocator rounds it. The plan it runs is
-    cached by cuDNN for those shapes (module docstring), so the step runs the same one. The
-    precision settings in force (TF32, determinism) are the step's: the predictor measures
-    inside its step. A call that runs out of memory alone answers None (its cap is
-    counted). A class, not a closure: a DeviceSpec travels to DDP/FSDP ranks by pickle."""
+    real tensors of its shapes and strides (random values), alone, and returns the most the
+    caching allocator held during the call beyond what the call leaves allocated: its
+    workspace, as the allocator rounds it. The plan it runs is cached by cuDNN for those
+    shapes (module docstring), so the step runs the same one. The precision settings in
+    force (TF32, determinism) are the step's: the predictor measures inside its step.
+
+    It reads the call from the allocator's memory history (`transient_bytes`), turned on
+    for the call when it was off, so the process's peak statistics (max_memory_allocated /
+    reserved, which a run or the user's own code reads) are left as they were, and its
+    cache is not emptied. A call that runs out of memory alone, or that a history the user
+    records cannot tell apart, answers None (its cap is counted). A class, not a
+    closure: a DeviceSpec travels to DDP/FSDP ranks by pickle."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -112,32 +132,100 @@ class MeasureOnDevice:
     def __call__(self, signature: Signature) -> int | None:
         from torch.utils._python_dispatch import _disable_current_modes
 
-        (kind, shape, strides, weight_shape, dtype, *params) = signature
-        stride, padding, dilation, transposed, output_padding, groups = params
-        rest = (list(stride), list(padding), list(dilation), transposed, list(output_padding),
-                groups)  # fmt: skip
         device = self.device
         with _disable_current_modes(), torch.no_grad():
             try:
-                x = torch.empty_strided(shape, strides, dtype=dtype, device=device).normal_()
-                w = torch.randn(weight_shape, dtype=dtype, device=device)
-                meta = aten.convolution.default(x.to("meta"), w.to("meta"), None, *rest)
-                grad = torch.randn(meta.shape, dtype=dtype, device=device)
+                x, w, grad = operands(signature, device)
                 torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                if (kind, transposed) in (("forward", False), ("backward_data", True)):
-                    result = aten.convolution.default(x, w, None, *rest)  # the conv itself
-                else:
-                    index = 1 if kind == "backward_filter" else 0
-                    mask = [i == index for i in range(3)]
-                    result = aten.convolution_backward.default(grad, x, w, None, *rest, mask)
-                torch.cuda.synchronize(device)
-                left = torch.cuda.memory_allocated(device)
-                peak = torch.cuda.max_memory_allocated(device)
-                del result
+                with _history(device) as window:
+                    result = run_call(signature, x, w, grad)
+                    torch.cuda.synchronize(device)
+                    del result
             except torch.OutOfMemoryError:
                 return None
             finally:
                 x = w = grad = None
-                torch.cuda.empty_cache()
-        return max(0, peak - left)
+        return window.transient()
+
+
+def operands(signature: Signature, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """The input, weight and output-gradient of a signature's call on `device`: random
+    values, each with the signature's shape and strides (a channels-last weight stays so)."""
+    (_, shape, strides, weight_shape, weight_strides, dtype, *params) = signature
+    x = torch.empty_strided(shape, strides, dtype=dtype, device=device).normal_()
+    w = torch.empty_strided(weight_shape, weight_strides, dtype=dtype, device=device).normal_()
+    meta = aten.convolution.default(x.to("meta"), w.to("meta"), None, *_rest(params))
+    grad = torch.randn(meta.shape, dtype=dtype, device=device)
+    return x, w, grad
+
+
+def _rest(params: list) -> tuple:
+    stride, padding, dilation, transposed, output_padding, groups = params
+    return (list(stride), list(padding), list(dilation), transposed, list(output_padding),
+            groups)  # fmt: skip
+
+
+def run_call(signature: Signature, x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor) -> Any:
+    """The one cuDNN call of a signature: a forward (or a transposed convolution's
+    backward-data) convolution, or the backward pass for one gradient."""
+    kind, transposed = signature[0], signature[9]
+    rest = _rest(list(signature[6:]))
+    if (kind, transposed) in (("forward", False), ("backward_data", True)):
+        return aten.convolution.default(x, w, None, *rest)
+    index = 1 if kind == "backward_filter" else 0
+    mask = [i == index for i in range(3)]
+    return aten.convolution_backward.default(grad, x, w, None, *rest, mask)
+
+
+def transient_bytes(entries: list[dict]) -> int:
+    """Of the caching allocator's history over a call (a snapshot's device_traces entries:
+    `alloc` and `free_requested`, block sizes), the most it allocated beyond what the call
+    leaves allocated: a kernel's workspace, allocated and freed within."""
+    live = peak = 0
+    for entry in entries:
+        if entry["action"] == "alloc":
+            live += entry["size"]
+            peak = max(peak, live)
+        elif entry["action"] == "free_requested":
+            live -= entry["size"]
+    return max(0, peak - live)
+
+
+def _trace(device: torch.device) -> list[dict]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.memory._snapshot(device)["device_traces"][index]
+
+
+class _Window:
+    """The allocator history's entries over a call (None: the history cannot say)."""
+
+    entries: list[dict] | None = None
+
+    def transient(self) -> int | None:
+        return None if self.entries is None else transient_bytes(self.entries)
+
+
+@contextlib.contextmanager
+def _history(device: torch.device) -> Iterator[_Window]:
+    """The allocator's history over the block: turned on (without stacks) if it was off,
+    and off again after, the entries it added being the block's. A history the user
+    records stays on: its ring buffer may be full (the count of entries no longer grows),
+    so the block's are those stamped after the last one before (`time_us`); without
+    stamps the window says nothing."""
+    window = _Window()
+    enabled = getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)
+    was_on = bool(enabled())
+    if not was_on:
+        torch.cuda.memory._record_memory_history("all", context=None, device=device)
+    try:
+        before = _trace(device)
+        count, last = len(before), (before[-1] if before else {"time_us": -1})
+        yield window
+        after = _trace(device)
+        if not was_on:
+            window.entries = after[count:]
+        elif "time_us" in last:
+            window.entries = [e for e in after if e.get("time_us", -1) > last["time_us"]]
+    finally:
+        if not was_on:
+            torch.cuda.memory._record_memory_history(None, device=device)

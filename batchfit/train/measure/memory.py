@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mod
 from torch.utils._pytree import tree_iter
 from torch.utils.weak import WeakIdKeyDictionary
 
+from batchfit.train.device.cudnn_workspaces import ElasticKey
 from batchfit.train.device.sizes import device_total_bytes, format_bytes
 from batchfit.train.language.quantize import composites as bitsandbytes_composites
 
@@ -108,6 +109,17 @@ class TensorMemoryTracker(TorchDispatchMode):
             self.live_bytes -= old_bytes
             if self.events is not None and old_bytes > 0:
                 self.events.append((old_number, -1))
+
+    def elastic(self, tensor: torch.Tensor) -> None:
+        """Marks the allocation just recorded for `tensor` as one that gives way under a
+        limit (a cuDNN workspace: ElasticKey); its free keeps the plain number."""
+        cell = self._cells.get(tensor.untyped_storage())
+        if self.events is None or cell is None or not cell[0]:
+            return
+        for i in range(len(self.events) - 1, -1, -1):
+            if self.events[i] == (cell[2], cell[0]):
+                self.events[i] = (ElasticKey(cell[2]), cell[0])
+                return
 
     def _record(self, cell: list) -> None:
         if self.events is not None and cell[0] > 0:

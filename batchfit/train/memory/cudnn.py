@@ -39,8 +39,20 @@ cuDNN call's workspace at the cap: a bound, which the fit report says it is. On 
 itself (a study or a fit report on the GPU) each convolution is run once for real, alone, for
 each shape the step has, and its workspace is what the caching allocator measured
 (`MeasureOnDevice`): the plan cache makes the training step take the same plan. With
-`benchmark` on (not batchfit's), the first call of each shape also allocates the largest
-workspace of all configs that fit to time them (`get_plans_from_find`): not modelled.
+`benchmark` on (not batchfit's; a model file or the user's code may set it) a step is not
+predicted (BENCHMARK_ON, raised by the predictor for a CUDA step with convolutions): the
+first call of each new shape allocates the largest workspace among the plans that fit the
+free memory (`generate_and_filter_plans`: up to nearly all of it) to time them, then empties
+the cache, and the plan caches are per thread, so the backward pass's autograd thread times
+its convolutions again.
+
+Whatever a call's workspace, it never makes a step run out of memory: when the caching
+allocator cannot serve it, PyTorch runs the next engine config (`try_configs`, `try_plans`,
+also for a cached plan), down to one without a workspace. The workspace is marked elastic
+(train/device/cudnn_workspaces.py ElasticKey) and the allocator model skips it where it would
+not fit (train/memory/reserve.py): what fits never rests on a workspace's size, or on
+whether cuDNN honours the cap (documented only for cuDNN 8.0.5's legacy calls; the conv-cap
+section of bench/gpu_checks.sh settles it on a card).
 """
 
 from __future__ import annotations
@@ -53,6 +65,14 @@ import torch
 from batchfit.train.device.cudnn_workspaces import Calls, CudnnWorkspaces, Signature
 
 aten = torch.ops.aten
+
+BENCHMARK_ON = (
+    "torch.backends.cudnn.benchmark is on (set by the model's code or yours): on each new "
+    "input shape cuDNN then times every engine with the largest workspace that fits the free "
+    "memory, up to nearly all of it, empties the cache, and does it again for the backward "
+    "pass's thread, so the step's memory cannot be predicted; set "
+    "torch.backends.cudnn.benchmark = False where it is set to have it predicted"
+)
 
 
 def step_workspace_bytes(
@@ -79,7 +99,7 @@ def _signature(kind: str, input_: torch.Tensor, weight: torch.Tensor, rest: tupl
     return (
         kind,
         *_dims(input_),
-        tuple(weight.shape),
+        *_dims(weight),
         input_.dtype,
         tuple(stride),
         tuple(padding),
@@ -90,11 +110,17 @@ def _signature(kind: str, input_: torch.Tensor, weight: torch.Tensor, rest: tupl
     )
 
 
-def _workspace(workspaces: CudnnWorkspaces, calls: Calls, signature: Signature, like: Any) -> None:
+Elastic = Callable[[torch.Tensor], None]  # marks a workspace's allocation as one that gives way
+
+
+def _workspace(
+    workspaces: CudnnWorkspaces, calls: Calls, signature: Signature, like: Any, elastic: Elastic
+) -> None:
     """One call's workspace: allocated, then freed (run_conv_plan's DataPtr)."""
     nbytes = calls[signature] = workspaces.bytes_of(signature)
     if nbytes > 0:
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+        elastic(workspace)
         del workspace
 
 
@@ -110,10 +136,13 @@ def _memory_format(input_: torch.Tensor, weight: torch.Tensor) -> torch.memory_f
     return torch.contiguous_format
 
 
-def conv_composites(workspaces: CudnnWorkspaces, calls: Calls) -> dict[Any, Callable[..., Any]]:
+def conv_composites(
+    workspaces: CudnnWorkspaces, calls: Calls, elastic: Elastic = lambda _: None
+) -> dict[Any, Callable[..., Any]]:
     """aten.convolution and aten.convolution_backward run as CUDA's cuDNN backend runs
-    them (module docstring), each call's signature and workspace recorded in `calls`. For
-    the memory tracker's `composites`. The copies are those that make operands contiguous
+    them (module docstring), each call's signature and workspace recorded in `calls`, each
+    workspace passed to `elastic` (the tracker's: it gives way under a limit). For the
+    memory tracker's `composites`. The copies are those that make operands contiguous
     in the layout cuDNN is given, each made where the source makes it and freed when its
     function returns:
 
@@ -134,7 +163,7 @@ def conv_composites(workspaces: CudnnWorkspaces, calls: Calls) -> dict[Any, Call
         out = aten.convolution.default(contiguous, weight, bias, *rest)
         weight_copy = weight.contiguous(memory_format=layout)
         kind = "backward_data" if transposed else "forward"  # a transposed conv's plan
-        _workspace(workspaces, calls, _signature(kind, contiguous, weight, rest), out)
+        _workspace(workspaces, calls, _signature(kind, contiguous, weight, rest), out, elastic)
         del weight_copy, contiguous
         return out
 
@@ -159,13 +188,13 @@ def conv_composites(workspaces: CudnnWorkspaces, calls: Calls) -> dict[Any, Call
             copies = [t.contiguous(memory_format=layout) for t in (weight, grad)]
             # the input-gradient of a transposed convolution is a forward convolution's plan
             kind = "forward" if transposed else "backward_data"
-            _workspace(workspaces, calls, _signature(kind, inputs, weight, rest), grads[0])
+            _workspace(workspaces, calls, _signature(kind, inputs, weight, rest), grads[0], elastic)
             del copies
         if output_mask[1]:
             copies = [t.contiguous(memory_format=layout) for t in (grad, inputs)]
             grads[1] = call(1, grad, inputs)
             signature = _signature("backward_filter", inputs, weight, rest)
-            _workspace(workspaces, calls, signature, grads[1])
+            _workspace(workspaces, calls, signature, grads[1], elastic)
             del copies
         del inputs, grad  # the operands' copies end with cuDNN's calls
         if output_mask[2]:

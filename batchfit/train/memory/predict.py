@@ -42,7 +42,7 @@ from batchfit.train.language.quantize import cuda_card
 from batchfit.train.measure.flops import count_flops
 from batchfit.train.measure.memory import MemoryStats, TensorMemoryTracker
 from batchfit.train.memory.cuda_emulation import CudaEmulation
-from batchfit.train.memory.cudnn import conv_composites, step_workspace_bytes
+from batchfit.train.memory.cudnn import BENCHMARK_ON, conv_composites, step_workspace_bytes
 from batchfit.train.memory.fakes import (
     FakeGradScaler,
     fake_first,
@@ -80,6 +80,18 @@ MAX_SINGLES = 16  # first-micro-batch steps held until asked for (a fit report a
 
 class PredictionUnsupported(Exception):
     """The model or optimizer cannot run on fake tensors; its memory must be measured."""
+
+    def because(self) -> str:
+        """Why, as a clause: "memory is not predicted: ..."."""
+        return f"it does not run on fake tensors ({self})"
+
+
+class CudnnBenchmarkOn(PredictionUnsupported):
+    """torch.backends.cudnn.benchmark is on for a CUDA step with convolutions
+    (train/memory/cudnn.py BENCHMARK_ON): its memory must be measured."""
+
+    def because(self) -> str:
+        return str(self)
 
 
 @dataclass(frozen=True)
@@ -287,6 +299,8 @@ class MemoryPredictor:
         if key not in self._cache:
             try:
                 self._cache[key] = self._predict(sizes, trainer, limit)
+            except PredictionUnsupported:
+                raise
             except Exception as error:  # noqa: BLE001 - as above
                 raise PredictionUnsupported(_reason(error)) from error
         return key
@@ -324,6 +338,8 @@ class MemoryPredictor:
         tensor_bytes = live_peak_bytes(events)
         if self.target.type != "cuda":
             return Prediction(tensor_bytes, tensor_bytes, time.perf_counter() - started)
+        if self.has_convolutions and torch.backends.cudnn.benchmark:  # a model file set it?
+            raise CudnnBenchmarkOn(BENCHMARK_ON)
         largest = self._step_workspace_bytes((sizes[0], trainer.precision))
         reserve = self._reserve(events, limit_bytes)
         pending = _Pending(reserve, tensor_bytes, started, limit_bytes, largest)
@@ -403,7 +419,9 @@ class MemoryPredictor:
         precision = Precision(trainer.precision, self.device.type)
         calls: Calls = {}  # this step's cuDNN convolutions and their workspaces
         cuda = self.target.type == "cuda"
-        composites = conv_composites(self.workspaces, calls) if cuda else None
+        composites = None
+        if cuda:  # each workspace gives way under a limit (ElasticKey)
+            composites = conv_composites(self.workspaces, calls, lambda t: tracker.elastic(t))
         tracker = FakeStepTracker(self.device, record=True, composites=composites)
         marks: list[int] = []
         with self.mode, precision.matmul_mode(), self._as_target():

@@ -22,6 +22,7 @@ from batchfit.train.device.allocator_settings import (
     allocation_size,
     round_up,
 )
+from batchfit.train.device.cudnn_workspaces import ElasticKey
 from batchfit.train.memory.allocator import AllocatorOutOfMemory, CachingAllocatorModel
 
 
@@ -40,13 +41,32 @@ def _rounded(
 
 
 def _replay_rounded(model: CachingAllocatorModel, events: list[tuple[object, int]]) -> None:
-    """replay of events _rounded gave."""
+    """replay of events _rounded gave. An allocation that gives way (ElasticKey: a cuDNN
+    workspace) and finds no room is left out with its free, as PyTorch then runs the
+    convolution with an engine that needs less: c10 released the cache first, as the model
+    did before raising."""
     malloc, free = model.malloc_rounded, model.free
+    skipped: set[object] = set()
     for key, size in events:
         if size < 0:
-            free(key)
-        else:
+            if not skipped or key not in skipped:
+                free(key)
+            else:
+                skipped.discard(key)
+        elif type(key) is not ElasticKey:
             malloc(key, size)
+        else:
+            try:
+                malloc(key, size)
+            except AllocatorOutOfMemory:
+                skipped.add(key)
+
+
+def rigid(events: Iterable[tuple[object, int]]) -> list[tuple[object, int]]:
+    """The events without those that give way under a limit (ElasticKey) and their frees:
+    what a step needs at least."""
+    elastic = {key for key, size in events if type(key) is ElasticKey}
+    return [(key, size) for key, size in events if key not in elastic]
 
 
 def live_peak_bytes(
@@ -167,7 +187,8 @@ class _Runs:
         high = self.unlimited.peak_reserved_bytes + expandable_slack_bytes(
             self.steps, self.settings
         )
-        return smallest_fitting_limit(self.peak_under, live_peak_bytes(self.steps) - 1, high)
+        floor = live_peak_bytes(rigid(self.steps)) - 1  # no limit below runs the step
+        return smallest_fitting_limit(self.peak_under, floor, high)
 
 
 def _workspace_events(workspaces: Iterable[int]) -> list[tuple[object, int]]:
@@ -183,7 +204,7 @@ def smallest_limit(
     under which the step, after the cuBLAS workspaces, runs without an out-of-memory error."""
     steps = _workspace_events(workspaces) + list(events)
     if settings.backend == "cudaMallocAsync":
-        return _async_reserved_bytes(steps)
+        return _async_reserved_bytes(rigid(steps))
     return _Runs(_rounded(steps, settings), settings).smallest_limit()
 
 
@@ -228,9 +249,11 @@ def predict_reserved(
     workspaces = list(workspaces)
     steps = _workspace_events(workspaces) + list(events)
     if settings.backend == "cudaMallocAsync":
-        peak = _async_reserved_bytes(steps)
+        peak, least = _async_reserved_bytes(steps), _async_reserved_bytes(rigid(steps))
         under = peak if limit_bytes is None or peak <= limit_bytes else None
-        return CudaReserve(peak, peak, under)
+        if under is None and least <= limit_bytes:  # workspaces gave way (ElasticKey)
+            under = limit_bytes
+        return CudaReserve(peak, least, under)
     runs = _Runs(_rounded(steps, settings), settings)
     peak = under = runs.unlimited.peak_reserved_bytes
     if limit_bytes is not None:
