@@ -21,6 +21,7 @@ from batchfit.train.memory.reserve import (
     predict_reserved,
     replay,
     smallest_limit,
+    torch_release,
 )
 
 KiB, MiB = 2**10, 2**20
@@ -404,19 +405,37 @@ def test_settings_from_a_snapshot():
 
 
 @pytest.mark.parametrize(
-    ("capability", "environ", "workspace"),
+    ("capability", "environ", "release", "workspaces"),
     [
-        ((9, 0), {}, 32 * MiB),  # parseChosenWorkspaceSize: 4096 KiB x 8 on sm 9.0
-        ((8, 0), {}, 8320 * KiB),  # :4096:2:16:8 elsewhere
-        ((10, 0), {}, 8320 * KiB),  # only sm 9.0 gets 32 MiB in CublasHandlePool.cpp
-        ((9, 0), {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}, 128 * KiB),
-        ((8, 0), {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, 32 * MiB),
-        ((8, 0), {"CUBLAS_WORKSPACE_CONFIG": "garbage"}, 8320 * KiB),  # torch warns, default
+        ((9, 0), {}, (2, 11), (32 * MiB,) * 2 + (MiB,) * 2),  # 4096 KiB x 8 on sm 9.0; Lt's own
+        ((8, 0), {}, (2, 11), (8320 * KiB,) * 2 + (MiB,) * 2),  # :4096:2:16:8 elsewhere
+        ((10, 0), {}, (2, 11), (8320 * KiB,) * 2 + (MiB,) * 2),  # only sm 9.0 up to 2.11
+        ((10, 0), {}, (2, 12), (32 * MiB,) * 2),  # Blackwell from 2.12; Lt shares it
+        ((11, 0), {}, (2, 13), (8320 * KiB,) * 2),  # Thor (11) not yet
+        ((11, 0), {}, (2, 14), (32 * MiB,) * 2),
+        ((9, 0), {}, (2, 15), (32 * MiB,)),  # per GEMM, freed into the cache: one
+        ((9, 0), {"TORCH_CUBLAS_WORKSPACE_CACHE": "1"}, (2, 15), (32 * MiB,) * 2),
+        ((9, 0), {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"}, (2, 11), (32 * MiB,) * 2),
+        ((9, 0), {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"}, (2, 12), (32 * MiB,) * 2 + (MiB,) * 2),
+        ((9, 0), {"CUBLASLT_WORKSPACE_SIZE": "4096"}, (2, 11), (32 * MiB,) * 2 + (4 * MiB,) * 2),
+        ((8, 0), {}, (2, 6), (8320 * KiB,) * 2),  # no Lt workspace held before 2.10
+        ((9, 0), {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}, (2, 14), (128 * KiB,) * 2),
+        ((8, 0), {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, (2, 14), (32 * MiB,) * 2),
+        ((8, 0), {"CUBLAS_WORKSPACE_CONFIG": "garbage"}, (2, 14), (8320 * KiB,) * 2),  # default
     ],
 )
-def test_cublas_workspace_sizes(capability, environ, workspace):
-    assert cublas_workspaces(capability, training=False, environ=environ) == (workspace,)
-    assert cublas_workspaces(capability, training=True, environ=environ) == (workspace,) * 2
+def test_cublas_workspaces_per_torch_release(capability, environ, release, workspaces):
+    """The workspaces held in training, by the release that changed each rule (reserve.py's
+    table, from PyTorch's history); inference has one handle of each."""
+    assert cublas_workspaces(capability, True, environ, release) == workspaces
+    inference = cublas_workspaces(capability, False, environ, release)
+    assert sorted(inference) == sorted(set(workspaces)) or len(workspaces) == 1
+
+
+def test_the_installed_torch_release_is_read() -> None:
+    import torch
+
+    assert torch_release() == tuple(int(n) for n in torch.__version__.split(".")[:2])
 
 
 @pytest.mark.parametrize(
@@ -432,7 +451,7 @@ def test_cublas_workspace_sizes(capability, environ, workspace):
     ],
 )
 def test_a_step_reserves_two_cublas_workspaces_first(config, alone, reserved):
-    workspaces = cublas_workspaces((8, 0), True, {"CUBLAS_WORKSPACE_CONFIG": config})
+    workspaces = cublas_workspaces((8, 0), True, {"CUBLAS_WORKSPACE_CONFIG": config}, (2, 14))
     empty = predict_reserved([], AllocatorSettings(), workspaces)
     assert empty.peak_reserved_bytes_unlimited == alone  # the workspaces are allocated first
     events = [(0, 5 * MiB), (1, 512), (1, -1), (0, -1)]

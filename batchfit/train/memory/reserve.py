@@ -266,22 +266,82 @@ def predict_reserved(
 # ------------------------------------------------------------------------------ cuBLAS
 
 
+# What ATen holds for cuBLAS, by torch release (aten/src/ATen/cuda/CublasHandlePool.cpp and
+# CUDABlas.cpp; the release a rule came with is the first branch cut after its merge):
+# - each handle's workspace comes from the caching allocator and stays, one per (handle,
+#   stream): pytorch/pytorch#83461 (1.13), unconditional again from #124250 (2.4) to 2.14;
+# - its default size (parseChosenWorkspaceSize): 4096 KiB x 8 = 32 MiB on compute capability
+#   9.0 only, else 4096 KiB x 2 + 16 KiB x 8 (#89027, #91564: 2.0 to 2.11); 32 MiB on majors
+#   9, 10 and 12 from #175344 (merged after the 2.11 cut: 2.12); major 11 too from #189312
+#   (2.14). CUBLAS_WORKSPACE_CONFIG's `:SIZE_KiB:COUNT` pairs, summed, override it in all;
+# - cuBLASLt's own workspace (CUBLASLT_WORKSPACE_SIZE KiB, 1024 by default): allocated per
+#   call before (none held in the 2025 traces of tests/fixtures/cuda-traces), cached per
+#   (handle, stream) beside cuBLAS's in the 2.10/2.11 source unless
+#   TORCH_CUBLASLT_UNIFIED_WORKSPACE=1 (#151163; the release the cache came with is not
+#   pinned: counted from 2.10); from 2.12 the cuBLAS workspace serves both unless that
+#   variable is 0 (#175879, #173002);
+# - from 2.15 (#194311) the workspaces stay only with TORCH_CUBLAS_WORKSPACE_CACHE=1; unset,
+#   each GEMM allocates one from the caching allocator and frees it when it returns, where
+#   the next GEMM finds it again: counted as one held from the first GEMM on.
+# Training has two handles, the main thread's and the autograd device thread's (a handle
+# per thread and device) on the one stream.
+_BLACKWELL_32MIB = (2, 12)  # majors 9, 10, 12
+_THOR_32MIB = (2, 14)  # and 11
+_LT_CACHED = (2, 10)
+_LT_SHARED = (2, 12)
+_PER_GEMM = (2, 15)
+
+
+def torch_release() -> tuple[int, int]:
+    """The installed torch's (major, minor), read without importing it."""
+    from importlib.metadata import version
+
+    found = re.match(r"(\d+)\.(\d+)", version("torch"))
+    assert found is not None
+    return int(found[1]), int(found[2])
+
+
 def cublas_workspaces(
-    capability: tuple[int, int], training: bool, environ: Mapping[str, str] = os.environ
+    capability: tuple[int, int],
+    training: bool,
+    environ: Mapping[str, str] = os.environ,
+    release: tuple[int, int] | None = None,
 ) -> tuple[int, ...]:
-    """The cuBLAS workspaces the caching allocator holds for a step, one per (handle, stream)
-    (CublasHandlePool.cpp's setWorkspaceForHandle): the main thread's handle, and in training
-    the autograd device thread's own handle for the backward matmuls. Each is
-    getChosenWorkspaceSize: CUBLAS_WORKSPACE_CONFIG (`:SIZE_KiB:COUNT` pairs) if set, else
-    32 MiB on sm 9.0 and 4096 KiB x 2 + 16 KiB x 8 elsewhere. cuBLASLt's workspace is not
-    counted: it is 1 MiB, and none shows in the traces of tests/fixtures/cuda-traces."""
+    """The cuBLAS (and cuBLASLt) workspaces the caching allocator holds for a step under
+    torch `release` (None: the installed one) and `environ`, by the rules above: one per
+    handle (two in training: the autograd device thread has its own), each
+    getChosenWorkspaceSize, plus cuBLASLt's own where it is not shared."""
+    release = release or torch_release()
     num_handles = 2 if training else 1
-    return (_chosen_workspace_bytes(capability, environ),) * num_handles
+    cached = release < _PER_GEMM or _env_flag(environ, "TORCH_CUBLAS_WORKSPACE_CACHE") is True
+    if not cached:
+        return (_chosen_workspace_bytes(capability, environ, release),)
+    workspaces = (_chosen_workspace_bytes(capability, environ, release),) * num_handles
+    unified = _env_flag(environ, "TORCH_CUBLASLT_UNIFIED_WORKSPACE")
+    if release >= _LT_CACHED and ((release < _LT_SHARED and unified is None) or unified is False):
+        lt = int(environ.get("CUBLASLT_WORKSPACE_SIZE", "1024") or 1024) * KiB
+        workspaces += (lt,) * num_handles
+    return workspaces
 
 
-def _chosen_workspace_bytes(capability: tuple[int, int], environ: Mapping[str, str]) -> int:
+def _env_flag(environ: Mapping[str, str], name: str) -> bool | None:
+    """c10::utils::check_env: "1"/"true" True, "0"/"false" False, else unset (None)."""
+    value = environ.get(name, "").strip().lower()
+    return {"1": True, "true": True, "0": False, "false": False}.get(value)
+
+
+def _chosen_workspace_bytes(
+    capability: tuple[int, int], environ: Mapping[str, str], release: tuple[int, int]
+) -> int:
+    major = tuple(capability)[0]
+    if release >= _THOR_32MIB:
+        large = major in (9, 10, 11, 12)
+    elif release >= _BLACKWELL_32MIB:
+        large = major in (9, 10, 12)
+    else:
+        large = tuple(capability) == (9, 0)
+    default = 4096 * 8 * KiB if large else (4096 * 2 + 16 * 8) * KiB
     config = environ.get("CUBLAS_WORKSPACE_CONFIG")
-    default = 4096 * 8 * KiB if tuple(capability) == (9, 0) else (4096 * 2 + 16 * 8) * KiB
     if config is None:
         return default
     pairs = re.findall(r":([0-9]+):([0-9]+)", config)
