@@ -128,7 +128,15 @@ def notes(report: FitReport) -> list[str]:
     needs more than fp32 where it does, and what cuDNN convolutions' workspaces are counted
     at (outside the table, whose width would wrap them)."""
     lines = (_placement_note(report), _checkpointing_note(report), _bf16_note(report))
-    return [line for line in lines if line] + _workspace_words(report)
+    norms = [NORMS_UNKNOWN] if report.norms_unknown else []
+    return [line for line in lines if line] + _workspace_words(report) + norms
+
+
+NORMS_UNKNOWN = (
+    "cuDNN batch norms over channels-last input (its persistent kernel): their workspaces "
+    "and reserve are not known off the card and are not counted; on the GPU itself they are "
+    "measured"
+)
 
 
 def _where(report: FitReport, precision: str, accum: int | None) -> str:

@@ -54,6 +54,8 @@ class FitReport:
     # convolutions, or not CUDA); the cap
     workspaces: str = ""
     workspace_cap_bytes: int | None = None
+    # cuDNN batch norms over channels-last input whose buffers are not known off the card
+    norms_unknown: bool = False
     # model.dtype, the weights' dtype (float32, bfloat16, auto); None: the model has no such
     # key, its weights are float32
     model_dtype: str | None = None

@@ -204,6 +204,7 @@ class Tabulation:
         if report.cuda and predictor.workspace_source:  # the steps have cuDNN convolutions
             report.workspaces = predictor.workspace_source
             report.workspace_cap_bytes = predictor.workspaces.cap_bytes
+        report.norms_unknown = report.cuda and predictor.norms_unknown
         return report
 
 

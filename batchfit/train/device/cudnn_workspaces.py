@@ -31,6 +31,10 @@ DEFAULT_CAP_MIB = 64
 # padding, groups).
 Signature = tuple
 Calls = dict  # Signature -> the workspace counted for it: the calls a step made
+# A cuDNN batch norm as aten/src/ATen/native/cudnn/BatchNorm.cpp sizes its buffers:
+# ("batch_norm", input shape, input stride, input dtype, weight dtype, persistent): persistent
+# is CUDNN_BATCHNORM_SPATIAL_PERSISTENT (training over channels-last input), else SPATIAL.
+NormSizes = tuple[int, int, int]  # forward workspace, reserve (kept to backward), backward's
 
 
 class ElasticKey(int):
@@ -58,6 +62,9 @@ class CudnnWorkspaces:
     # on the card: runs one call of a signature, its workspace in bytes (None: it could not
     # run there, out of memory: the cap is counted)
     measure: Callable[[Signature], int | None] | None = None
+    # cuDNN batch norms: measured on the card (measure_norm), each signature once
+    norms: dict[Signature, NormSizes] = field(default_factory=dict)
+    measure_norm: Callable[[Signature], NormSizes | None] | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> CudnnWorkspaces:
@@ -73,6 +80,20 @@ class CudnnWorkspaces:
         if signature in self.measured:
             return self.measured[signature]
         return self.cap_bytes or 0
+
+    def norm_bytes_of(self, signature: Signature) -> NormSizes | None:
+        """A cuDNN batch norm's forward workspace, reserve and backward workspace: measured
+        on the card; off it, none for SPATIAL (an inference: cuDNN's legacy
+        cudnnBatchNormalizationForwardTraining/Backward run that mode with neither, so the
+        Ex calls PyTorch makes need none for it; the conv-cap section of bench/gpu_checks.sh
+        measures it), and None for SPATIAL_PERSISTENT: not known off the card."""
+        if signature not in self.norms and self.measure_norm is not None:
+            found = self.measure_norm(signature)
+            if found is not None:
+                self.norms[signature] = found
+        if signature in self.norms:
+            return self.norms[signature]
+        return None if signature[-1] else (0, 0, 0)
 
     @property
     def source(self) -> str:
@@ -146,6 +167,40 @@ class MeasureOnDevice:
             finally:
                 x = w = grad = None
         return window.transient()
+
+    def norm(self, signature: Signature) -> NormSizes | None:
+        """A cuDNN batch norm of the signature run once, forward then backward, alone:
+        its forward workspace and backward workspace from the allocator's history, its
+        reserve as cudnn_batch_norm returns it. None: out of memory alone, or the history
+        could not say."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        (_, shape, strides, dtype, weight_dtype, _) = signature
+        device, channels, eps = self.device, shape[1], 1e-5
+        with _disable_current_modes(), torch.no_grad():
+            try:
+                x = torch.empty_strided(shape, strides, dtype=dtype, device=device).normal_()
+                grad = torch.randn_like(x)
+                w, b, mean, var = (torch.rand(channels, dtype=weight_dtype, device=device)
+                                   for _ in range(4))  # fmt: skip
+                torch.cuda.synchronize(device)
+                with _history(device) as forward:
+                    out, saved_mean, saved_var, reserve = aten.cudnn_batch_norm.default(
+                        x, w, b, mean, var, True, 0.1, eps
+                    )
+                    torch.cuda.synchronize(device)
+                with _history(device) as backward:
+                    grads = aten.cudnn_batch_norm_backward.default(
+                        x, grad, w, mean, var, saved_mean, saved_var, eps, reserve
+                    )
+                    torch.cuda.synchronize(device)
+                    del grads
+                reserved = reserve.untyped_storage().nbytes()
+                del out, saved_mean, saved_var, reserve
+            except torch.OutOfMemoryError:
+                return None
+        before, after = forward.transient(), backward.transient()  # the reserve stays: not in
+        return None if before is None or after is None else (before, reserved, after)
 
 
 def operands(signature: Signature, device: torch.device | str) -> tuple[torch.Tensor, ...]:

@@ -88,7 +88,8 @@ def device_spec(device: torch.device, gpu_name: str | None) -> DeviceSpec:
                 f"search.gpu={gpu_name}"
             )
         cudnn = CudnnWorkspaces.from_env()
-        cudnn.measure = MeasureOnDevice(device)
+        cudnn.measure = measure = MeasureOnDevice(device)
+        cudnn.measure_norm = measure.norm
         return DeviceSpec(
             "cuda", local.total_bytes, local, AllocatorSettings.from_env(), cudnn=cudnn
         )

@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from batchfit.train.device.cudnn_workspaces import Calls, CudnnWorkspaces, Signature
+from batchfit.train.device.cudnn_workspaces import Calls, CudnnWorkspaces, NormSizes, Signature
 
 aten = torch.ops.aten
 
@@ -204,4 +204,83 @@ def conv_composites(
     return {
         aten.convolution.default: convolution,
         aten.convolution_backward.default: convolution_backward,
+    }
+
+
+# ------------------------------------------------------------------------ batch norm
+
+_INT32_MAX = 2**31 - 1  # "some cuDNN kernels have 32-bit indexing limitations"
+_CUDNN_BN_MAX_BATCH = 880801  # training, as _select_batch_norm_backend checks it
+
+
+def cudnn_batch_norm(input_: Any, weight: Any, bias: Any, training: bool) -> bool:
+    """Whether CUDA runs this training batch norm on cuDNN (Normalization.cpp
+    `_select_batch_norm_backend`, as read at torch 2.4-2.6: neither operand bfloat16, half
+    input only over float weights, weight and bias given, 3 or more dims, at most 880,801
+    samples, fewer than 2**31 elements; the gpu checks' conv-cap section measures it on the
+    card), else ATen's own CUDA kernels (native_batch_norm, as on the CPU)."""
+    if not training or weight is None or bias is None or input_.dim() < 3:
+        return False
+    if torch.bfloat16 in (input_.dtype, weight.dtype):
+        return False
+    if input_.dtype == torch.float16 and weight.dtype != torch.float32:
+        return False
+    return input_.shape[0] <= _CUDNN_BN_MAX_BATCH and input_.numel() < _INT32_MAX
+
+
+def norm_signature(input_: Any, weight: Any) -> Signature:
+    """A batch norm's signature (cudnn_workspaces.NormSizes' key): persistent where the input
+    is channels-last (getCudnnBatchNormMode, in training)."""
+    layout = _memory_format(input_, input_)
+    return ("batch_norm", *_dims(input_), input_.dtype, weight.dtype,
+            layout != torch.contiguous_format)  # fmt: skip
+
+
+def norm_composites(workspaces: CudnnWorkspaces, met: dict) -> dict[Any, Callable[..., Any]]:
+    """aten.native_batch_norm and its backward, for a training step's batch norms that CUDA
+    runs on cuDNN (`cudnn_batch_norm`), as aten/src/ATen/native/cudnn/BatchNorm.cpp allocates:
+    in the forward pass the input made contiguous in its suggested layout, the output, the
+    saved mean and inverse variance ({C}, the weight's dtype), a workspace (freed when the
+    call returns) and the reserve, which autograd keeps with the saved statistics until the
+    backward pass (here: held by the saved mean); in the backward pass the gradient made
+    contiguous, the input's, weight's and bias's gradients (all three, whatever autograd
+    needs) and a workspace. Sizes: CudnnWorkspaces.norm_bytes_of, each signature's recorded
+    in `met` (None: not known off the card, counted as none)."""
+
+    def sizes(input_: Any, weight: Any) -> NormSizes:
+        signature = norm_signature(input_, weight)
+        found = met[signature] = workspaces.norm_bytes_of(signature)
+        return found or (0, 0, 0)
+
+    def forward(input_, weight, bias, running_mean, running_var, training, momentum, eps):  # noqa: ANN001, ANN202, E501
+        if not cudnn_batch_norm(input_, weight, bias, training):
+            return NotImplemented
+        before, reserved, _ = sizes(input_, weight)
+        contiguous = input_.contiguous(memory_format=_memory_format(input_, input_))
+        out, mean, invstd = aten.native_batch_norm.default(
+            contiguous, weight, bias, running_mean, running_var, training, momentum, eps
+        )
+        workspace = torch.empty(before, dtype=torch.uint8, device=input_.device)
+        mean.cudnn_reserve = torch.empty(reserved, dtype=torch.uint8, device=input_.device)
+        del workspace, contiguous
+        return out, mean, invstd
+
+    def backward(grad_out, input_, weight, running_mean, running_var, save_mean, save_invstd,
+                 train, eps, output_mask):  # fmt: skip  # noqa: ANN001, ANN202
+        signature = norm_signature(input_, weight)
+        if not train or signature not in met:  # its forward did not run on cuDNN
+            return NotImplemented
+        _, _, after = met[signature] or (0, 0, 0)
+        grad = grad_out.contiguous(memory_format=_memory_format(input_, input_))
+        grads = aten.native_batch_norm_backward.default(
+            grad, input_, weight, running_mean, running_var, save_mean, save_invstd, train,
+            eps, [True, True, True],
+        )  # fmt: skip
+        workspace = torch.empty(after, dtype=torch.uint8, device=input_.device)
+        del workspace, grad
+        return tuple(g if wanted else None for g, wanted in zip(grads, output_mask, strict=True))
+
+    return {
+        aten.native_batch_norm.default: forward,
+        aten.native_batch_norm_backward.default: backward,
     }

@@ -42,7 +42,12 @@ from batchfit.train.language.quantize import cuda_card
 from batchfit.train.measure.flops import count_flops
 from batchfit.train.measure.memory import MemoryStats, TensorMemoryTracker
 from batchfit.train.memory.cuda_emulation import CudaEmulation
-from batchfit.train.memory.cudnn import BENCHMARK_ON, conv_composites, step_workspace_bytes
+from batchfit.train.memory.cudnn import (
+    BENCHMARK_ON,
+    conv_composites,
+    norm_composites,
+    step_workspace_bytes,
+)
 from batchfit.train.memory.fakes import (
     FakeGradScaler,
     fake_first,
@@ -164,6 +169,8 @@ class MemoryPredictor:
         # every call met, and per micro-batch size and precision the largest of a step's
         self.workspaces = self.target.cudnn or CudnnWorkspaces(cap_bytes=None)
         self._conv_calls: Calls = {}
+        # the cuDNN batch norms met: their sizes (None: not known off the card)
+        self._norm_calls: dict = {}
         self._step_workspace: dict[tuple[int, str], int] = {}
         # Real inputs (a builder's example batch) become fake where they meet fake weights.
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -346,6 +353,13 @@ class MemoryPredictor:
         return pending if _BESIDE else pending.result()
 
     @property
+    def norms_unknown(self) -> bool:
+        """Whether a step has cuDNN batch norms whose buffers are not known here (persistent
+        ones, over channels-last input, on a card this machine does not have)."""
+        found = (self, *self._shallow.values())
+        return any(size is None for p in found for size in p._norm_calls.values())
+
+    @property
     def has_convolutions(self) -> bool:
         """Whether the model's steps have cuDNN convolutions (CUDA), those of its shallow
         copies included; known once a step was computed."""
@@ -420,8 +434,9 @@ class MemoryPredictor:
         calls: Calls = {}  # this step's cuDNN convolutions and their workspaces
         cuda = self.target.type == "cuda"
         composites = None
-        if cuda:  # each workspace gives way under a limit (ElasticKey)
+        if cuda:  # each workspace gives way under a limit (ElasticKey); cuDNN's batch norms
             composites = conv_composites(self.workspaces, calls, lambda t: tracker.elastic(t))
+            composites |= norm_composites(self.workspaces, self._norm_calls)
         tracker = FakeStepTracker(self.device, record=True, composites=composites)
         marks: list[int] = []
         with self.mode, precision.matmul_mode(), self._as_target():
