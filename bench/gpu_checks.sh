@@ -2,20 +2,29 @@
 # The checks that need a GPU, in one call of under 8 minutes on one card, each section with a
 # time budget, then a table of section -> PASS/FAIL/SKIP and seconds; the exit status is the
 # verdict (0: every section passed or was skipped). Two lanes run side by side on the card
-# (each process has its own allocator, so its memory figures are its own):
-#   lane A: pytest -m gpu (the files that hold gpu tests: they collect without MLflow), the conv
-#           grid (bench/prediction.py), memory snapshots of a small_cnn and a resnet18 run
-#           (bench/gpu/cuda_snapshot.py, into $OUT), the real OOM boundary (bench/gpu/oom_limit.py);
-#   lane B: Llama 3 8B LoRA at 1 and 4 x 2048 tokens, each in a fresh process (first step and
-#           host memory), the Llama 3.2 1B cells (bench/gpu/gpu_llm.py), QLoRA when bitsandbytes is
-#           there (bench/prediction.py --qlora; skipped without it).
+# (each process has its own allocator, so its memory figures are its own; the step times a
+# section prints are taken beside the other lane's work, an upper bound of the card's own):
+#   lane A: whether cuDNN honours CUDNN_CONV_WSCAP_DBG (bench/gpu/conv_cap.py: every convolution
+#           call of small_cnn and resnet18 with the cap unset, 64, 8 and set late), pytest -m gpu
+#           (the files that hold gpu tests: they collect without MLflow), the conv grid
+#           (bench/prediction.py: predicted vs measured reserve, and step times), memory
+#           snapshots of a small_cnn and a resnet18 run (bench/gpu/cuda_snapshot.py, into $OUT),
+#           the real OOM boundary (bench/gpu/oom_limit.py);
+#   lane B: a whole study on the card, the quick start and a Llama 3.2 1B LoRA one
+#           (bench/gpu/study_on_card.py: every trial's predicted vs measured peak, joules from
+#           NVML, the recommendation; tables into $OUT; needs MLflow on the card), the Llama 3.2 1B
+#           cells with their step times (bench/gpu/gpu_llm.py), Llama 3 8B LoRA at 1 x 2048 tokens
+#           in a fresh process (first step and host memory), QLoRA when bitsandbytes is there
+#           (bench/prediction.py --qlora; skipped without it). The 8B cell at 4 x 2048 tokens runs
+#           only with GPU_CHECKS_ALL=1 (and GPU_CHECKS_DEADLINE_S raised): the studies took its time.
 # On the GPU machine, with the wheels it lacks in .whl/ (../shared/device-kit/prepare.sh):
 #   bash .whl/on-device.sh bench/gpu_checks.sh
 # Elsewhere:  bench/gpu_checks.sh   ($OUT defaults to mlruns/gpu-checks, which git ignores)
-# GPU_CHECKS_DEADLINE_S (default 400) caps the whole: no section runs past it.
+# GPU_CHECKS_DEADLINE_S (default 450) caps the whole: no section runs past it.
 # GPU_CHECKS_DEVICE=cpu runs the same sections on a CPU (the language models as llama3_tiny, the
-# OOM bisection as its dry run): a check of the script itself, not of any GPU figure.
-# GPU_CHECKS_SERIAL=1 runs lane B after lane A instead of beside it.
+# OOM bisection as its dry run, the cap's calls at batch 2), one lane after the other, each
+# budget and the deadline three times the card's: a check of the script itself, not of any
+# GPU figure. GPU_CHECKS_SERIAL=1 runs lane B after lane A instead of beside it (0: beside).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export OUT=${OUT:-$PWD/mlruns/gpu-checks}
@@ -23,15 +32,18 @@ py=${PYTHON:-$(command -v python3 || command -v python)} # some images have no `
 mkdir -p "$OUT"
 logs=$(mktemp -d)
 start=$(date +%s)
-deadline=$((start + ${GPU_CHECKS_DEADLINE_S:-400}))
 device=${GPU_CHECKS_DEVICE:-cuda}
+scale=$([ "$device" = cpu ] && echo 3 || echo 1) # a CPU's budgets: the same work, slower
+deadline=$((start + ${GPU_CHECKS_DEADLINE_S:-$((450 * scale))}))
 tiny=() && [ "$device" = cpu ] && tiny=(--tiny)               # llama3_tiny on a CPU
+quick=() && [ "$device" = cpu ] && quick=(--batch 2)            # the cap's calls, smaller
 resolution=$([ "$device" = cpu ] && echo 0.01 || echo 2)     # MiB: the OOM bisection's step
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} PYTHONUNBUFFERED=1 # two lanes share the host's cores
 
 # Modules each kind of section imports (top level), checked before it runs.
 BASE="torch torchvision hydra omegaconf rich torchmetrics"
 LLM="$BASE transformers peft accelerate"
+STUDY="$BASE optuna mlflow"
 
 missing() { # the modules of "$@" that cannot be imported here
   "$py" -c 'import importlib.util as u, sys
@@ -45,6 +57,7 @@ section() {
   local name=$1 budget=$2 modules=$3 optional=$4
   shift 5
   local log=$logs/$name.log t0 left result absent
+  budget=$((budget * scale))
   t0=$(date +%s)
   left=$((deadline - t0))
   ((budget > left)) && budget=$left
@@ -93,25 +106,34 @@ echo "OUT=$OUT; deadline in $((deadline - start)) s"
 mapfile -t gpu_tests < <(grep -rl --include='test_*.py' -e 'mark\.gpu' tests | sort)
 
 lane_a() {
+  section conv-cap 70 "$BASE" "" -- "$py" bench/gpu/conv_cap.py --device "$device" "${quick[@]}"
   # scikit-learn too, for test_predict's (data=digits): without it that one test fails.
-  section pytest-gpu 90 "$BASE pytest optuna" "" -- \
+  section pytest-gpu 70 "$BASE pytest optuna" "" -- \
     "$py" -m pytest -m gpu -n 0 -q -p no:cacheprovider "${gpu_tests[@]}"
-  section conv-grid 120 "$BASE" "" -- \
+  section conv-grid 100 "$BASE" "" -- \
     "$py" bench/prediction.py --device "$device" --models small_cnn resnet18 --batch-sizes 8 64 256 \
     --precisions fp32 bf16 --image-size 32
-  section snapshots 60 "$BASE" "" -- "$py" bench/gpu/cuda_snapshot.py --device "$device" --out "$OUT"
-  section oom-boundary 140 "$BASE transformers" "" -- "$py" bench/gpu/oom_limit.py --device "$device" --max-seconds 90 \
+  section snapshots 50 "$BASE" "" -- "$py" bench/gpu/cuda_snapshot.py --device "$device" --out "$OUT"
+  section oom-boundary 120 "$BASE transformers" "" -- "$py" bench/gpu/oom_limit.py --device "$device" --max-seconds 80 \
     --resolution-mib "$resolution"
 }
 
 lane_b() {
-  section llm-8b-1x2048 90 "$LLM" "" -- "$py" bench/gpu/gpu_llm.py --device "$device" "${tiny[@]}" --cells 8b-lora-1x2048
-  section llm-8b-4x2048 90 "$LLM" "" -- "$py" bench/gpu/gpu_llm.py --device "$device" "${tiny[@]}" --cells 8b-lora-4x2048
-  section llm-1b 180 "$LLM" "" -- "$py" bench/gpu/gpu_llm.py --device "$device" "${tiny[@]}" --cells 1b
-  section qlora 60 "$LLM" bitsandbytes -- "$py" bench/prediction.py --no-grid --qlora --device "$device"
+  section study-resnet 100 "$STUDY" "" -- \
+    "$py" bench/gpu/study_on_card.py --experiment resnet --device "$device" --out "$OUT"
+  section study-llm 140 "$STUDY $LLM" "" -- \
+    "$py" bench/gpu/study_on_card.py --experiment llm --device "$device" --out "$OUT"
+  section llm-1b 100 "$LLM" "" -- "$py" bench/gpu/gpu_llm.py --device "$device" "${tiny[@]}" --cells 1b
+  section llm-8b-1x2048 60 "$LLM" "" -- "$py" bench/gpu/gpu_llm.py --device "$device" "${tiny[@]}" --cells 8b-lora-1x2048
+  section qlora 40 "$LLM" bitsandbytes -- "$py" bench/prediction.py --no-grid --qlora --device "$device"
+  if [ "${GPU_CHECKS_ALL:-0}" = 1 ]; then
+    section llm-8b-4x2048 90 "$LLM" "" -- "$py" bench/gpu/gpu_llm.py --device "$device" "${tiny[@]}" --cells 8b-lora-4x2048
+  else
+    echo "SKIP 0 0" >"$logs/llm-8b-4x2048.result" # the studies took its time
+  fi
 }
 
-if [ "${GPU_CHECKS_SERIAL:-0}" = 1 ]; then # one torch process at a time (a shared CPU)
+if [ "${GPU_CHECKS_SERIAL:-$([ "$device" = cpu ] && echo 1 || echo 0)}" = 1 ]; then # a CPU
   lane_a
   lane_b
 else
@@ -124,7 +146,8 @@ echo
 echo "===== summary ($(($(date +%s) - start)) s in all; files in $OUT: $(find "$OUT" -type f | wc -l), 8 come back) ====="
 printf '%-16s %-8s %9s %9s\n' section result seconds budget
 status=0
-for name in pytest-gpu conv-grid snapshots oom-boundary llm-8b-1x2048 llm-8b-4x2048 llm-1b qlora; do
+for name in conv-cap pytest-gpu conv-grid snapshots oom-boundary study-resnet study-llm llm-1b \
+  llm-8b-1x2048 qlora llm-8b-4x2048; do
   read -r result seconds budget <"$logs/$name.result" 2>/dev/null || result=LOST
   printf '%-16s %-8s %9s %9s\n' "$name" "$result" "${seconds:--}" "${budget:--}"
   case $result in PASS | SKIP) ;; *) status=1 ;; esac

@@ -121,6 +121,7 @@ class Outcome:
     predict_s: float | None = None
     first_step_s: float | None = None  # from the cell's start to its first optimizer step
     host_peak_bytes: int | None = None  # the process's ru_maxrss so far
+    step_ms: float | None = None  # a timed optimizer step's (time/step_ms): the card's speed
     failure: str | None = None
 
     @property
@@ -180,6 +181,7 @@ def measure(name: str, overrides: list[str], workloads: Workloads) -> Outcome:
         )
         result = run(cfg, spec, Hooks(on_step=on_step), workload)
         outcome.measured_bytes = result.reserved_bytes or result.peak_bytes
+        outcome.step_ms = result.step_ms
         outcome.error = prediction.error(result)
         if result.reserved_bytes is not None:  # CUDA: what the allocator adds, apart
             outcome.live_error = (prediction.tensor_bytes - result.peak_bytes) / result.peak_bytes
@@ -222,7 +224,7 @@ def table(outcomes: list[Outcome], device: str) -> Table:
     out = Table(title=f"Language-model steps on {_device_name(device)}: predicted vs {what}")
     columns = ["cell", "predicted", "measured", "error"]
     columns += ["live vs allocated"] if cuda else []
-    columns += ["predict s", "first step s", "host peak"]
+    columns += ["predict s", "first step s", "step ms", "host peak"]
     for column in columns:
         out.add_column(column, justify="right")
     for o in outcomes:
@@ -230,7 +232,8 @@ def table(outcomes: list[Outcome], device: str) -> Table:
         cells.append(f"{o.error:+.2%}" if o.error is not None else (o.failure or "-"))
         if cuda:
             cells.append(f"{o.live_error:+.2%}" if o.live_error is not None else "-")
-        cells += [_seconds(o.predict_s), _seconds(o.first_step_s), _bytes(o.host_peak_bytes)]
+        step = f"{o.step_ms:.1f}" if o.step_ms is not None else "-"
+        cells += [_seconds(o.predict_s), _seconds(o.first_step_s), step, _bytes(o.host_peak_bytes)]
         out.add_row(*cells)
     return out
 
