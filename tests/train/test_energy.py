@@ -1,13 +1,17 @@
 """The energy meter without the hardware: a fake NVML (the functions nvidia-ml-py exposes,
-a counter that advances), a fake powercap tree (packages, a subzone, psys, a counter that
-wraps, an unreadable zone), the clock reading it at its synchronised points, the ranks'
-sum, and a run's figures."""
+a counter that advances, samples it does not keep, a MIG slice), a fake powercap tree
+(packages, a subzone, psys, a counter that wraps while the reader's thread polls it, an
+unreadable zone), the clock reading it at its synchronised points, windows too short for a
+counter, the ranks' sum, and a run's figures."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
+import threading
 import time
+from ctypes import c_uint
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -55,6 +59,7 @@ class FakeNvml:
     NVML_GPU_UTILIZATION_SAMPLES = 1
     NVML_VALUE_TYPE_UNSIGNED_INT = 1
     NVML_ERROR_NOT_FOUND = 6
+    NVML_DEVICE_MIG_ENABLE = 1
 
     class NVMLError(Exception):
         pass
@@ -66,8 +71,13 @@ class FakeNvml:
         def __str__(self) -> str:
             return "Not Found"  # as pynvml's, whatever it was raised with
 
+    class NVMLError_FunctionNotFound(NVMLError):  # noqa: N801 - pynvml's name
+        pass
+
     def __init__(self, counter: bool = True, power_mw: int = 250_000):
         self.counter = counter
+        self.mig_slice = False  # the handle is a MIG slice's
+        self.mig_mode: int | None = 0  # the card's current MIG mode; None: a card without MIG
         self.energy_mj = 1_000_000  # since the driver loaded: never read from zero
         self.power_mw = power_mw
         self.samples: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
@@ -105,6 +115,14 @@ class FakeNvml:
 
     def nvmlDeviceGetUtilizationRates(self, handle: str):  # noqa: N802
         return SimpleNamespace(gpu=self.utilization, memory=0)
+
+    def nvmlDeviceIsMigDeviceHandle(self, handle: str) -> c_uint:  # noqa: N802
+        return c_uint(self.mig_slice)  # pynvml's answer: a c_uint, not an int
+
+    def nvmlDeviceGetMigMode(self, handle: str) -> list[int]:  # noqa: N802
+        if self.mig_mode is None:
+            raise self.NVMLError_NotSupported("Not Supported")
+        return [self.mig_mode, self.mig_mode]  # current, pending
 
 
 def test_the_fake_nvml_is_shaped_like_nvidia_ml_py() -> None:
@@ -225,6 +243,61 @@ def test_a_counter_failing_mid_run_ends_the_measurement_not_the_run() -> None:
     meter.stop()  # nothing raised
 
 
+def test_power_samples_nvml_does_not_keep_fall_back_to_the_power_reading() -> None:
+    """A card without the energy counter whose driver keeps no power or utilisation samples
+    (nvmlDeviceGetSamples: NVML_ERROR_NOT_SUPPORTED, not NOT_FOUND): each window is the power
+    reading at its end times its seconds, the utilisation the last reading; not a failure."""
+
+    class NoSamples(FakeNvml):
+        def nvmlDeviceGetSamples(self, handle: str, kind: int, since: int):  # noqa: N802
+            raise self.NVMLError_NotSupported("Not Supported")
+
+    nvml, clock = NoSamples(counter=False, power_mw=180_000), Clock()
+    meter = nvml_meter(CPU, nvml, clock.now_us, uuid="GPU-1")
+    assert isinstance(meter, EnergyMeter)
+    meter._now = clock.now
+    meter.start()
+    clock.s += 2
+    meter.stop()
+    assert meter.failed is None
+    reading = meter.reading()
+    assert reading is not None and reading.source == NVML_SAMPLES
+    assert reading.joules == pytest.approx(180 * 2)
+    assert reading.utilization == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize(
+    ("slice_", "mode", "what"),
+    [(True, 0, "a MIG slice"), (False, 1, "in MIG mode")],
+)
+def test_a_mig_slice_or_a_card_in_mig_mode_is_refused_in_one_line(
+    slice_: bool, mode: int, what: str
+) -> None:
+    """NVML measures no MIG slice (a slice's counter and power reading: NOT_SUPPORTED; a card
+    in MIG mode counts every slice's): no meter, and the one line that says why, not NVML's
+    'Not Supported'. A card without MIG (its mode NOT_SUPPORTED) is measured."""
+
+    class Mig(FakeNvml):
+        def nvmlDeviceGetTotalEnergyConsumption(self, handle: str) -> int:  # noqa: N802
+            if self.mig_slice:
+                raise self.NVMLError_NotSupported("Not Supported")
+            return super().nvmlDeviceGetTotalEnergyConsumption(handle)
+
+        def nvmlDeviceGetPowerUsage(self, handle: str) -> int:  # noqa: N802
+            if self.mig_slice:
+                raise self.NVMLError_NotSupported("Not Supported")
+            return super().nvmlDeviceGetPowerUsage(handle)
+
+    nvml = Mig()
+    nvml.mig_slice, nvml.mig_mode = slice_, mode
+    assert nvml_meter(torch.device("cuda", 3), nvml, uuid="GPU-1") == (
+        f"energy: not measured here: GPU 3 is {what}; NVML measures no MIG slice's energy"
+    )
+    before_ampere = Mig()
+    before_ampere.mig_mode = None
+    assert isinstance(nvml_meter(torch.device("cuda", 3), before_ampere, uuid="GPU-1"), EnergyMeter)
+
+
 # --------------------------------------------------------------------------- a powercap tree
 
 
@@ -235,6 +308,13 @@ def _zone(root: Path, name: str, label: str, energy_uj: int, range_uj: int = 10*
     (zone / "energy_uj").write_text(f"{energy_uj}\n")
     (zone / "max_energy_range_uj").write_text(f"{range_uj}\n")
     return zone
+
+
+def _set(zone: Path, energy_uj: int) -> None:
+    """The zone's counter moved to `energy_uj`, atomically as the kernel's: a reader's thread
+    polling it sees the old count or the new one, never a half-written file."""
+    (zone / "energy_uj.tmp").write_text(f"{energy_uj}\n")
+    os.replace(zone / "energy_uj.tmp", zone / "energy_uj")
 
 
 def _unreadable(zone: Path) -> None:
@@ -274,10 +354,10 @@ def test_rapl_counts_a_wrap_around(tmp_path: Path) -> None:
     assert isinstance(meter, EnergyMeter)
     meter._now = clock.now
     meter.start()
-    (zones["package-0"] / "energy_uj").write_text("35000000\n")  # +30 J
-    (zones["package-1"] / "energy_uj").write_text("20000000\n")  # wrapped: +10 J +20 J
-    (zones["core"] / "energy_uj").write_text("99000000\n")  # inside package-0: not added
-    (zones["psys"] / "energy_uj").write_text("99000000\n")  # the packages again: not added
+    _set(zones["package-0"], 35_000_000)  # +30 J
+    _set(zones["package-1"], 20_000_000)  # wrapped: +10 J +20 J
+    _set(zones["core"], 99_000_000)  # inside package-0: not added
+    _set(zones["psys"], 99_000_000)  # the packages again: not added
     clock.s += 2
     meter.stop()
     reading = meter.reading()
@@ -290,7 +370,7 @@ def test_rapl_reader_by_hand(tmp_path: Path) -> None:
     zone = _zone(tmp_path, "intel-rapl:0", "package-0", 900, range_uj=1000)
     reader = RaplReader(zone)
     reader.start()
-    (zone / "energy_uj").write_text("100")  # 900 -> 1000 (= 0) -> 100: 200 uJ
+    _set(zone, 100)  # 900 -> 1000 (= 0) -> 100: 200 uJ
     assert reader.stop(1.0) == pytest.approx(200e-6)
 
 
@@ -343,6 +423,7 @@ class Watts:
 
     source = RAPL
     key = "fake"
+    update_s = 0.0  # a figure from any window
 
     def __init__(self, watts: float):
         self.watts = watts
@@ -436,8 +517,9 @@ def test_the_device_picks_its_counter(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_a_card_is_found_by_its_uuid_in_nvmls_spelling_never_by_a_guessed_index() -> None:
     """torch spells a UUID bare; NVML as GPU-... or, for a MIG instance, MIG-...: both are
-    tried. A UUID NVML knows under neither is not measured (CUDA's order of the cards
-    need not be NVML's); the index serves only where torch gives no UUID."""
+    tried (a MIG instance is then refused). A UUID NVML knows under neither is not measured
+    (CUDA's order of the cards need not be NVML's); the index serves only where torch gives
+    no UUID."""
 
     class Cards(FakeNvml):
         def __init__(self, known: str) -> None:
@@ -455,8 +537,13 @@ def test_a_card_is_found_by_its_uuid_in_nvmls_spelling_never_by_a_guessed_index(
             return "handle"
 
     mig = Cards("MIG-5d6c")
-    assert isinstance(nvml_meter(torch.device("cuda", 1), mig, uuid="5d6c"), EnergyMeter)
+    mig.mig_slice = True  # found: a MIG slice, which NVML does not measure
+    assert nvml_meter(torch.device("cuda", 1), mig, uuid="5d6c") == (
+        "energy: not measured here: GPU 1 is a MIG slice; NVML measures no MIG slice's energy"
+    )
     assert mig.tried == ["GPU-5d6c", "MIG-5d6c"] and mig.indices == []
+    card = Cards("GPU-5d6c")
+    assert isinstance(nvml_meter(torch.device("cuda", 1), card, uuid="5d6c"), EnergyMeter)
     elsewhere = Cards("GPU-other")
     assert nvml_meter(torch.device("cuda", 1), elsewhere, uuid="5d6c") == (
         "energy: not measured here: NVML: Not Found"
@@ -467,39 +554,118 @@ def test_a_card_is_found_by_its_uuid_in_nvmls_spelling_never_by_a_guessed_index(
     assert unnamed.indices == [1]
 
 
-def test_a_rapl_counter_polled_mid_window_is_counted_through_several_wraps(
-    tmp_path: Path,
-) -> None:
-    """A range of 1000 uJ, 2400 uJ spent in one window: read only at its ends, the counter
-    would show 400 (two wraps unseen); polled every POLL_S, each read sees one wrap."""
+class Watched(RaplReader):
+    """A RAPL reader whose thread's polls the test can wait for."""
+
+    def __init__(self, zone: Path, poll_s: float):
+        super().__init__(zone, poll_s)
+        self.polls = 0
+        self._polled = threading.Condition()
+
+    def poll(self) -> None:
+        super().poll()
+        with self._polled:
+            self.polls += 1
+            self._polled.notify_all()
+
+    def polled_since(self) -> None:
+        """Returns once a poll begun after this call has ended: it read the counter as the
+        test left it."""
+        with self._polled:
+            seen = self.polls
+            assert self._polled.wait_for(lambda: self.polls >= seen + 2, timeout=10)
+
+
+def test_a_thread_reads_rapl_through_wraps_the_training_loop_never_polls(tmp_path: Path) -> None:
+    """A range of 1000 uJ, 2400 uJ spent in one window whose training loop never calls
+    poll() (one long step): read only at its ends, the counter would show 400 (two wraps
+    unseen); the reader's own thread reads it after each move, and each read sees one wrap."""
     zone = _zone(tmp_path, "intel-rapl:0", "package-0", 0, range_uj=1000)
-    clock = Clock()
-    meter = EnergyMeter([RaplReader(zone)], now=clock.now)
+    reader = Watched(zone, poll_s=0.005)
+    meter = EnergyMeter([reader])
     meter.start()
     for value in (800, 600, 400):  # +800, +800 (wrapped), +800 (wrapped)
-        (zone / "energy_uj").write_text(str(value))
-        clock.s += energy.POLL_S
-        meter.poll()
-    clock.s += 1
+        _set(zone, value)
+        reader.polled_since()
     meter.stop()
-    assert meter.reading().joules == pytest.approx(2400e-6)
-    meter.poll()  # between windows: nothing read
     assert meter.reading().joules == pytest.approx(2400e-6)
 
 
-def test_counters_that_never_advance_give_no_reading_not_a_zero(tmp_path: Path) -> None:
-    zone = _zone(tmp_path, "intel-rapl:0", "package-0", 500)
-    clock = Clock()
-    meter = EnergyMeter([RaplReader(zone)], now=clock.now)
+def _threads(meter: EnergyMeter) -> list[threading.Thread]:
+    """The meter's RAPL readers' polling threads, as they run now."""
+    threads = [reader._thread for reader in meter.readers]
+    assert all(t is not None and t.daemon and t.is_alive() for t in threads)
+    return threads
+
+
+def test_no_rapl_thread_outlives_stop_a_failure_or_an_unstopped_meter(tmp_path: Path) -> None:
+    """stop() joins each zone's thread; a zone that fails ends its thread, and the meter's
+    failure the others'; a meter dropped without stop() (a run that raised) ends them
+    within a poll."""
+    zones = [_zone(tmp_path, f"intel-rapl:{n}", f"package-{n}", 0) for n in range(2)]
+    meter = EnergyMeter([RaplReader(zone, poll_s=0.005) for zone in zones])
     meter.start()
-    clock.s += 0.5
+    threads = _threads(meter)
     meter.stop()
-    assert meter.reading().joules == 0  # half a second: a counter may not have ticked yet
+    assert not any(t.is_alive() for t in threads)
     meter.start()
-    clock.s += energy.STILL_S
+    threads = _threads(meter)
+    (zones[0] / "energy_uj").unlink()  # the zone went away mid-window
+    threads[0].join(timeout=10)  # its thread's poll failed: it ended
+    assert not threads[0].is_alive() and threads[1].is_alive()
+    meter.stop()
+    assert meter.failed is not None and "FileNotFoundError" in meter.failed
+    assert not any(t.is_alive() for t in threads) and meter.reading() is None
+    _set(zones[0], 0)
+    unstopped = EnergyMeter([RaplReader(zone, poll_s=0.005) for zone in zones])
+    unstopped.start()
+    threads = _threads(unstopped)
+    del unstopped
+    gc.collect()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_windows_too_short_for_the_counter_give_no_figure_and_say_why(tmp_path: Path) -> None:
+    """Under MIN_UPDATES of the counter's updates (NVML's ~0.1 s: 1 s), a window's joules are
+    a tick more or less, or none: no figure, and the reason, not 0 J; more windows that
+    reach it give one. Past it, counters that never advanced give none either. RAPL, which
+    updates every ~1 ms, gives a figure from 10 ms."""
+    nvml, clock = FakeNvml(), Clock()
+    meter = nvml_meter(CPU, nvml, clock.now_us, uuid="GPU-1")
+    meter._now = clock.now
+    meter.start()
+    clock.s += 0.4  # a counter that updates every 100 ms: 4 updates, or none yet
     meter.stop()
     assert meter.reading() is None
-    assert meter.failed == "energy: not measured: the counters did not advance in 1.5 s"
+    assert meter.failed == (
+        "energy: not measured: the timed steps lasted 0.4 s, under the 1 s a counter needs "
+        "(NVML energy counter: 10 updates of ~0.1 s); more timed steps (trainer.max_steps) "
+        "give a figure"
+    )
+    meter.start()
+    nvml.energy_mj += 150_000
+    clock.s += 0.6
+    meter.stop()
+    assert meter.failed is None and meter.reading().joules == pytest.approx(150)
+
+    zone = _zone(tmp_path, "intel-rapl:0", "package-0", 500)
+    still = EnergyMeter([RaplReader(zone)], now=clock.now)
+    still.start()
+    clock.s += 0.005
+    still.stop()
+    assert still.reading() is None and "lasted 0.005 s, under the 0.01 s" in still.failed
+    still.start()
+    clock.s += 1.5
+    still.stop()
+    assert still.reading() is None
+    assert still.failed == "energy: not measured: the counters did not advance in 1.5 s"
+    still.start()
+    _set(zone, 20_500)
+    clock.s += 0.5
+    still.stop()
+    assert still.reading().joules == pytest.approx(0.02) and still.failed is None
 
 
 def test_the_cpu_busy_share_stops_at_one() -> None:

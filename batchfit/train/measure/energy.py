@@ -10,17 +10,30 @@ seconds:
   millijoules since the driver loaded; Volta and later) through nvidia-ml-py (the
   `energy` extra). A card without it: NVML's power samples (`nvmlDeviceGetSamples` with
   NVML_TOTAL_POWER_SAMPLES, milliwatts, each stamped in CPU microseconds) in the window,
-  their time-weighted mean times the window's seconds; with no sample in it, the power
-  reading at its end. The source is said (`Energy.source`, the run's tag).
+  their time-weighted mean times the window's seconds; with no sample in it, or where NVML
+  keeps none for the card (NVML_ERROR_NOT_SUPPORTED), the power reading at its end. The
+  source is said (`Energy.source`, the run's tag). A MIG slice, or a card in MIG mode, is
+  refused: NVML measures no slice's energy (a card's counter in MIG mode holds every
+  slice's), as Zeus refuses MIG devices (zeus/device/gpu/nvidia.py, NVIDIAGPUs._init_gpus).
 - **CPUs**: Linux powercap RAPL (`/sys/class/powercap/intel-rapl:N/energy_uj`, the package
   zones; AMD's RAPL shows under the same names), which wraps to 0 past
-  `max_energy_range_uj`: a reading below the previous one adds the range. Its subzones
-  (core, uncore) are inside the package's count, the `psys` zone holds the packages and
+  `max_energy_range_uj`: a reading below the previous one adds the range. A thread of the
+  reader reads it about once a second while the meter runs (POLL_S), not the training
+  loop, whose one step or stall can outlast a wrap (AMD's 32-bit counter wraps after
+  ~65 kJ, 4 minutes at 250 W): each read sees one wrap at most. Zeus polls its RAPL
+  counters every second too, in a process (zeus/device/cpu/rapl.py, _polling_process).
+  Its subzones (core, uncore) are inside the package's count, the `psys` zone holds the packages and
   `intel-rapl-mmio:N` is package N again through MMIO: none is added. A zone whose
   counter this process cannot read (root-only since CVE-2020-8694) is left out; none
   readable, no meter.
 - Elsewhere, or with none of these readable, no meter and no energy figures: a run says
   so once (`why_unmeasured`), never a zero.
+
+Nor a figure from windows too short for their counter: the timed seconds must span
+MIN_UPDATES of its updates (NVML's every ~100 ms, slower on some cards: 1 s; RAPL's every
+~1 ms: 10 ms), lest one update more or less be a tenth of the joules or all of them; and
+joules that never advanced are none either (a stub some virtual machines expose). The
+meter's `failed` says which, once, in the run's tag.
 
 Outside every counter: the host's other parts on a GPU run, DRAM (RAPL's dram zone is not
 added), fans, cooling and the power supply's losses. RAPL counts the whole package, other
@@ -42,7 +55,9 @@ import math
 import os
 import socket
 import statistics
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,8 +81,10 @@ NVML_COUNTER = "NVML energy counter"
 NVML_SAMPLES = "NVML power samples"
 RAPL = "RAPL"
 UNMEASURED = "energy: not measured here: no RAPL or NVML counter readable"
-STILL_S = 1.0  # timed seconds after which counters that never advanced are not counters
-POLL_S = 10.0  # a RAPL counter is read at least this often, lest it wrap twice unseen
+NVML_UPDATE_S = 0.1  # NVML's energy counter and power samples update about this often
+RAPL_UPDATE_S = 0.001  # RAPL's, about every millisecond (Intel's SDM, MSR_PKG_ENERGY_STATUS)
+MIN_UPDATES = 10  # a figure's windows span this many of its counter's updates at least
+POLL_S = 1.0  # a RAPL counter's thread reads it this often, lest it wrap twice unseen
 
 
 @dataclass(frozen=True)
@@ -123,10 +140,11 @@ class Energy:
 
 class Reader(Protocol):
     """One counter over the meter's windows: start() at a window's start, stop() at its
-    end returns the joules in it; `utilization` (if it has one) the busy share of it."""
+    end returns the joules in it."""
 
     key: str
     source: str
+    update_s: float  # how often the counter updates: a figure needs MIN_UPDATES of them
 
     def start(self) -> None: ...
 
@@ -136,7 +154,8 @@ class Reader(Protocol):
 class EnergyMeter:
     """Joules and busy share over the windows between start() and stop(), summed over its
     readers (a card, or a host's RAPL packages); `busy` reads the utilisation. A counter
-    that fails to read mid-run ends the measurement (`failed` says how), never the run."""
+    that fails to read mid-run ends the measurement, never the run; `failed` says why
+    reading() gives no figure."""
 
     def __init__(
         self,
@@ -151,11 +170,10 @@ class EnergyMeter:
         self.joules = 0.0
         self.seconds = 0.0
         self._busy_s = 0.0  # busy share x seconds, summed over the windows
-        self.failed: str | None = None
-        self._polled = 0.0
+        self._failure: str | None = None  # a counter that failed: for good
 
     def start(self) -> None:
-        if self.failed is not None:
+        if self._failure is not None:
             return
         try:
             for reader in self.readers:
@@ -163,27 +181,14 @@ class EnergyMeter:
             if self.busy is not None:
                 self.busy.start()
         except Exception as error:  # noqa: BLE001 - any counter's failure: measure no more
-            self.failed = f"energy: not measured: a counter failed: {error!r}"
+            self._fail(error)
             return
-        self._started = self._polled = self._now()
+        self._started = self._now()
 
     def poll(self) -> None:
-        """Mid-window, every POLL_S at most (the clock calls it each step: a clock read, no
-        device sync): the counters that wrap within minutes are read and their count kept.
-        AMD's 32-bit package counter wraps after ~65 kJ, 4 minutes at 250 W; a window
-        between two logging intervals of a slow run can be longer."""
-        if self._started is None or self.failed is not None:
-            return
-        now = self._now()
-        if now - self._polled < POLL_S:
-            return
-        self._polled = now
-        try:
-            for reader in self.readers:
-                if isinstance(reader, RaplReader):
-                    reader.poll()
-        except Exception as error:  # noqa: BLE001 - as in start
-            self.failed = f"energy: not measured: a counter failed: {error!r}"
+        """Reads nothing: the counters that wrap within minutes (RAPL's) are read by threads
+        of their own (RaplReader), not between the loop's steps, one of which can outlast
+        a wrap. The clock calls it each step."""
 
     def stop(self) -> None:
         if self._started is None:
@@ -194,22 +199,48 @@ class EnergyMeter:
             joules = sum(reader.stop(seconds) for reader in self.readers)
             busy = self.busy.stop(seconds) if self.busy is not None else 0.0
         except Exception as error:  # noqa: BLE001 - as in start
-            self.failed = f"energy: not measured: a counter failed: {error!r}"
+            self._fail(error)
             return
         self.joules += joules
         self.seconds += seconds
         self._busy_s += busy * seconds
 
-    def reading(self) -> Energy | None:
-        """What the windows so far counted; None before any window, after a failure, or
-        where the counters never advanced over a second or more (a stub some virtual
-        machines expose): no zero that would read as a free configuration."""
-        if self.seconds <= 0 or self.failed is not None:
-            return None
-        if self.joules <= 0 and self.seconds >= STILL_S:
-            self.failed = (
-                f"energy: not measured: the counters did not advance in {self.seconds:.1f} s"
+    def _fail(self, error: Exception) -> None:
+        """Measures no more, each reader stopped (a RAPL reader's thread with it)."""
+        self._failure = f"energy: not measured: a counter failed: {error!r}"
+        for reader in self.readers:
+            try:
+                reader.stop(0.0)
+            except Exception:  # noqa: BLE001, S112 - the failure that matters is said above
+                continue
+
+    @property
+    def failed(self) -> str | None:
+        """Why reading() gives no figure after a window: a counter that failed (for good),
+        timed seconds shorter than MIN_UPDATES of the slowest counter's updates, or
+        counters that never advanced (a stub some virtual machines expose): no zero that
+        would read as a free configuration. None where it gives one, or before any window."""
+        if self._failure is not None or self.seconds <= 0:
+            return self._failure
+        slowest = max(self.readers, key=lambda reader: reader.update_s, default=None)
+        needed_s = MIN_UPDATES * slowest.update_s if slowest is not None else 0.0
+        if self.seconds < needed_s:
+            assert slowest is not None
+            return (
+                f"energy: not measured: the timed steps lasted {_seconds(self.seconds)} s, "
+                f"under the {needed_s:g} s a counter needs ({slowest.source}: {MIN_UPDATES} "
+                f"updates of ~{slowest.update_s:g} s); more timed steps (trainer.max_steps) "
+                "give a figure"
             )
+        if self.joules <= 0:
+            seconds = _seconds(self.seconds)
+            return f"energy: not measured: the counters did not advance in {seconds} s"
+        return None
+
+    def reading(self) -> Energy | None:
+        """What the windows so far counted; None before any window, or where `failed`
+        says why not."""
+        if self.seconds <= 0 or self.failed is not None:
             return None
         sources = sorted({reader.source for reader in self.readers})
         return Energy(
@@ -219,6 +250,11 @@ class EnergyMeter:
             counters=tuple(reader.key for reader in self.readers),
             utilization=self._busy_s / self.seconds if self.busy is not None else None,
         )
+
+
+def _seconds(seconds: float) -> str:
+    """Seconds as a reader reads them: 0.4, 0.005, 1.5, 120.0."""
+    return f"{seconds:.2g}" if seconds < 1 else f"{seconds:.1f}"
 
 
 class Busy(Protocol):
@@ -240,10 +276,11 @@ def _sample_value(value_type: int, sample: Any) -> float:
 
 def _samples(nvml: ModuleType, handle: Any, kind: int, since_us: int) -> list[tuple[int, float]]:
     """NVML's samples of `kind` stamped after `since_us` (CPU microseconds): (stamp, value),
-    oldest first; none when NVML has none (NVML_ERROR_NOT_FOUND)."""
+    oldest first; none when NVML has none (NVML_ERROR_NOT_FOUND) or keeps none of `kind`
+    for the card (NVML_ERROR_NOT_SUPPORTED)."""
     try:
         value_type, samples = nvml.nvmlDeviceGetSamples(handle, kind, since_us)
-    except nvml.NVMLError_NotFound:
+    except (nvml.NVMLError_NotFound, nvml.NVMLError_NotSupported):
         return []
     found = [(int(s.timeStamp), _sample_value(value_type, s)) for s in samples]
     return sorted(p for p in found if p[0] > since_us)
@@ -266,12 +303,14 @@ def _now_us() -> int:
 class NvmlReader:
     """One card's joules: its energy counter, or its power samples (module docstring)."""
 
+    update_s = NVML_UPDATE_S
+
     def __init__(self, nvml: ModuleType, handle: Any, key: str, now_us: Callable[[], int]):
         self.nvml, self.handle, self.key, self._now_us = nvml, handle, key, now_us
         try:
             nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
             self.source = NVML_COUNTER
-        except nvml.NVMLError_NotSupported:  # before Volta (a MIG instance: neither, below)
+        except nvml.NVMLError_NotSupported:  # before Volta
             nvml.nvmlDeviceGetPowerUsage(handle)  # raises where the card has no power reading
             self.source = NVML_SAMPLES
         self._at: int = 0  # the window's start: mJ on the counter, else CPU microseconds
@@ -288,7 +327,7 @@ class NvmlReader:
         points = _samples(self.nvml, self.handle, self.nvml.NVML_TOTAL_POWER_SAMPLES, self._at)
         if points:
             milliwatts = time_weighted_mean(points)
-        else:  # a window shorter than NVML's sampling period
+        else:  # a window shorter than NVML's sampling period, or no samples kept
             milliwatts = self.nvml.nvmlDeviceGetPowerUsage(self.handle)
         return milliwatts / 1e3 * seconds
 
@@ -304,12 +343,8 @@ class NvmlBusy:
         self._since = self._now_us()
 
     def stop(self, seconds: float) -> float:
-        try:
-            points = _samples(
-                self.nvml, self.handle, self.nvml.NVML_GPU_UTILIZATION_SAMPLES, self._since
-            )
-        except self.nvml.NVMLError_NotSupported:
-            points = []
+        kind = self.nvml.NVML_GPU_UTILIZATION_SAMPLES
+        points = _samples(self.nvml, self.handle, kind, self._since)
         if points:
             return statistics.fmean(v for _, v in points) / 100
         return self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu / 100
@@ -342,6 +377,11 @@ def nvml_meter(
         if uuid is None:
             uuid = _torch_uuid(device)
         handle = _handle(nvml, device, uuid)
+        if (mig := _mig(nvml, handle)) is not None:
+            return (
+                f"energy: not measured here: GPU {device.index or 0} is {mig}; "
+                "NVML measures no MIG slice's energy"
+            )
         key = uuid or f"{socket.gethostname()}:nvml:{device.index or 0}"
         reader = NvmlReader(nvml, handle, key, now_us)
         return EnergyMeter([reader], NvmlBusy(nvml, handle, now_us))
@@ -367,6 +407,20 @@ def _handle(nvml: ModuleType, device: torch.device, uuid: str | None) -> Any:
     raise nvml.NVMLError_NotFound(nvml.NVML_ERROR_NOT_FOUND)
 
 
+def _mig(nvml: ModuleType, handle: Any) -> str | None:
+    """'a MIG slice' or 'in MIG mode' where the handle is one, else None. A card without
+    MIG (before Ampere) or a driver before it (R450) answers NOT_SUPPORTED or has no such
+    function: no MIG."""
+    absent = (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound)
+    try:
+        if nvml.nvmlDeviceIsMigDeviceHandle(handle):
+            return "a MIG slice"
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+    except absent:
+        return None
+    return "in MIG mode" if current == nvml.NVML_DEVICE_MIG_ENABLE else None
+
+
 def _torch_uuid(device: torch.device) -> str | None:
     """The card's UUID as torch spells it, where it says."""
     try:
@@ -380,23 +434,42 @@ def _torch_uuid(device: torch.device) -> str | None:
 
 
 class RaplReader:
-    """One RAPL package zone's joules, its wrap-around counted."""
+    """One RAPL package zone's joules, its wrap-around counted: between start() and stop()
+    a daemon thread of its own reads the counter every `poll_s`, so that each read sees one
+    wrap at most however long the training loop's steps. The counter's state is read under
+    a lock (the thread's poll, the caller's start, poll and stop)."""
 
     source = RAPL
+    update_s = RAPL_UPDATE_S
 
-    def __init__(self, zone: Path):
+    def __init__(self, zone: Path, poll_s: float = POLL_S):
         self.zone = zone
         self.key = f"{socket.gethostname()}:{zone.name}"
         self.range_uj = int((zone / "max_energy_range_uj").read_text())
+        self.poll_s = poll_s
+        self._lock = threading.Lock()
         self._at = self._read()
         self._kept = 0  # microjoules read by poll() in the current window
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: Exception | None = None  # what stopped the thread, raised by stop()
 
     def _read(self) -> int:
         return int((self.zone / "energy_uj").read_text())
 
     def start(self) -> None:
-        self._at = self._read()
-        self._kept = 0
+        self._halt_thread()
+        with self._lock:
+            self._at = self._read()
+            self._kept = 0
+        self._error = None
+        self._halt = threading.Event()
+        # The thread holds the reader weakly: a meter dropped unstopped ends it.
+        self._thread = threading.Thread(
+            target=_poll_until, args=(weakref.ref(self), self._halt, self.poll_s),
+            name=f"batchfit-rapl-{self.zone.name}", daemon=True,
+        )  # fmt: skip
+        self._thread.start()
 
     def _advance(self) -> int:
         now = self._read()
@@ -406,10 +479,36 @@ class RaplReader:
 
     def poll(self) -> None:
         """Reads the counter mid-window: each read sees one wrap at most."""
-        self._kept += self._advance()
+        with self._lock:
+            self._kept += self._advance()
+
+    def _halt_thread(self) -> None:
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
     def stop(self, seconds: float) -> float:
-        return (self._kept + self._advance()) / 1e6
+        self._halt_thread()
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            return (self._kept + self._advance()) / 1e6
+
+
+def _poll_until(ref: weakref.ref[RaplReader], halt: threading.Event, poll_s: float) -> None:
+    """A RAPL reader's thread: polls it every `poll_s` until halted or the reader is gone;
+    a failed read is kept for its stop() to raise."""
+    while not halt.wait(poll_s):
+        reader = ref()
+        if reader is None:
+            return
+        try:
+            reader.poll()
+        except (OSError, ValueError) as error:  # a zone gone, a counter made unreadable
+            reader._error = error
+            return
+        del reader  # asleep, the thread holds no reference to it
 
 
 def rapl_zones(root: Path = POWERCAP) -> list[Path]:
