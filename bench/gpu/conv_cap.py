@@ -80,11 +80,10 @@ def signatures(
             met: dict = {}
             workspaces = CudnnWorkspaces(cap_bytes=None)
             composites = conv_composites(workspaces, calls) | norm_composites(workspaces, met)
+            form = layout or torch.contiguous_format  # the input's: the layers' outputs follow
             with FakeTensorMode():
-                model = build(num_classes=10).to(memory_format=layout or torch.contiguous_format)
-                x = torch.empty(batch, 3, image, image).to(
-                    memory_format=layout or torch.contiguous_format
-                )
+                model = build(num_classes=10)
+                x = torch.empty(batch, 3, image, image).to(memory_format=form)
                 tracker = TensorMemoryTracker(composites=composites)
                 with tracker, torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
                     model(x).float().sum().backward()

@@ -31,10 +31,12 @@ def test_the_cap_section_runs_each_way_of_giving_it_in_a_process_of_its_own() ->
         assert f" {mode} " in out
     # small_cnn's two convolutions: the first needs no input gradient (the images)
     for call in ("fwd 2x3x32x32 w 32x3x3x3", "bwd-filter 2x3x32x32 w 32x3x3x3",
-                 "bwd-data 2x32x16x16 w 64x32x3x3"):  # fmt: skip
+                 "bwd-data 2x32x32x32 w 64x32x3x3"):  # fmt: skip
         assert call in out
     assert "bwd-data 2x3x32x32" not in out
     assert "10 calls" in out and "dry run on the CPU" in out
+    assert "cuDNN batch norm buffers" in out  # its two, contiguous and channels-last
+    assert out.count(" SPATIAL_PERSISTENT ") == 2 and out.count(" SPATIAL ") == 2
 
 
 def _env() -> dict:
