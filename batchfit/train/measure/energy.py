@@ -185,11 +185,6 @@ class EnergyMeter:
             return
         self._started = self._now()
 
-    def poll(self) -> None:
-        """Reads nothing: the counters that wrap within minutes (RAPL's) are read by threads
-        of their own (RaplReader), not between the loop's steps, one of which can outlast
-        a wrap. The clock calls it each step."""
-
     def stop(self) -> None:
         if self._started is None:
             return

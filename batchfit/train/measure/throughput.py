@@ -139,8 +139,6 @@ class ThroughputClock:
 
     def step(self, step: int, samples: int, units: int, waited: float) -> None:
         """Counts a finished step: its samples, units and data wait if the clock timed it."""
-        if self._meter is not None:  # a counter that wraps within minutes, read in time
-            self._meter.poll()
         if step >= self.first_timed_step:
             self.timed_samples += samples
             self.timed_units += units
