@@ -3,6 +3,7 @@ SQLite databases, with real processes that are really killed."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -357,3 +358,47 @@ def test_creating_the_tables_is_tried_five_times_then_its_error_raised(
     with pytest.raises(RuntimeError, match="connection refused"):
         _create_rdb("postgresql://nowhere/db", {})
     assert len(calls) == 1
+
+
+# Holds the journal's lock (an flock on <journal>.flock, as FlockJournalLock takes it) until
+# killed, after saying so.
+_LOCK_HOLDER = textwrap.dedent(
+    """
+    import fcntl, sys, time
+    handle = open(sys.argv[1] + ".flock", "a")
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    print("holding", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_an_append_waits_for_a_lock_held_by_another_process_then_lands_once(
+    tmp_path: Path, caplog
+) -> None:
+    """append_logs under the journal's lock: while another process holds it the file is
+    unchanged and the wait is said; once the holder dies (the kernel drops its flock) the
+    record lands, once."""
+    journal = tmp_path / "optuna.journal"
+    backend = SafeJournalFileBackend(journal)
+    backend.lock.warn_s = 0.2
+    before = journal.read_bytes()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _LOCK_HOLDER, str(journal)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        record = {"op_code": 0, "worker_id": "w", "study_name": "held", "directions": [1]}
+        writer = threading.Thread(target=backend.append_logs, args=([record],))
+        with caplog.at_level("WARNING"):
+            writer.start()
+            time.sleep(0.6)
+            assert writer.is_alive() and journal.read_bytes() == before  # nothing written
+            assert "for the lock" in caplog.text and str(journal) + ".flock" in caplog.text
+    finally:
+        holder.kill()  # the process this test started, by its handle
+        holder.wait()
+    writer.join(timeout=10)
+    assert not writer.is_alive()
+    added = journal.read_bytes()[len(before) :].decode().splitlines()
+    assert [json.loads(line) for line in added] == [record]

@@ -457,3 +457,20 @@ def test_a_step_reserves_two_cublas_workspaces_first(config, alone, reserved):
     events = [(0, 5 * MiB), (1, 512), (1, -1), (0, -1)]
     step = predict_reserved(events, AllocatorSettings(), workspaces)
     assert step.peak_reserved_bytes_unlimited == reserved
+
+
+def test_exactly_one_mib_is_small_and_a_block_more_is_large() -> None:
+    """c10's kSmallSize boundary: 1 MiB (<= kSmallSize) goes to the small pool in a 2 MiB
+    segment, where a second 1 MiB splits the rest; 1 MiB + 512 B goes to the large pool in a
+    20 MiB segment (under kMinLargeAlloc), where a second one splits the rest too."""
+    model = CachingAllocatorModel(AllocatorSettings())
+    model.malloc("a", MiB)
+    model.malloc("b", MiB)
+    assert model.reserved_bytes == 2 * MiB and model.num_segments == 1
+    assert model.segment_blocks() == [[(a := model.live["a"].address, MiB, True),
+                                       (a + MiB, MiB, True)]]  # fmt: skip
+    model.malloc("c", MiB + 512)
+    assert model.reserved_bytes == 22 * MiB and model.num_segments == 2
+    large = [s for s in model.segment_blocks() if sum(size for _, size, _ in s) == 20 * MiB]
+    assert len(large) == 1 and large[0][0][1:] == (MiB + 512, True)
+    assert not model.live["c"].segment.small and model.live["a"].segment.small
