@@ -168,6 +168,11 @@ def batchfit(budget: int, trials: int, epochs: int, seed: int, tmp: str) -> Choi
         tmp,
     )
     spent = time.perf_counter() - started
+    if not study.get_trials(states=(optuna.trial.TrialState.COMPLETE,)):
+        raise SystemExit(
+            f"no batchfit trial reached {TARGET} within trainer.max_epochs={epochs}: nothing "
+            "to compare (give more --epochs)"
+        )
     best = study.best_trial
     kept = records(study.trials)
     trained = num_trained(kept)
@@ -203,9 +208,9 @@ def final(
     (trial,) = study.trials
     if trial.state not in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED):
         raise SystemExit(
-            f"the final run of {choice.approach} failed: {TrialRecord.of(trial).message}"
+            f"the final run of {choice.approach} failed: {TrialRecord.of(trial).outcome.message}"
         )
-    figures = TrialRecord.of(trial).metrics
+    figures = TrialRecord.of(trial).outcome.metrics
     return figures.get(TO_TARGET_S, float("inf")), figures.get(VAL_ACC, float("nan"))
 
 
