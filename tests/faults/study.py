@@ -28,6 +28,9 @@ STUDY = [
     "search.n_trials=2",
     f"search.study_name={NAME}",
     "mlflow.system_metrics=false",
+    # No trial pruned as slow: beside a busy suite a slow prune finishes a trial early, and
+    # a run meant to die at a trial's first param then finds none left to sample.
+    "search.trial_time_budget_s=null",
     '++search.params={trainer.batch_size:"choice(16,32)",'
     'optimizer.lr:"tag(log, interval(0.01, 0.3))"}',
 ]
