@@ -440,3 +440,36 @@ def test_on_the_gpu_each_workspace_is_measured_and_the_peak_statistics_are_left(
     assert spec.cudnn.measured and all(n >= 0 for n in spec.cudnn.measured.values())
     assert torch.cuda.max_memory_allocated(device) == peak >= 256 * MiB
     assert not torch._C._cuda_isHistoryEnabled()
+
+
+_BENCHMARKING_MODEL = """
+import torch
+from batchfit.train.models import small_cnn
+
+
+def small(num_classes, in_channels=3, width=32):
+    torch.backends.cudnn.benchmark = True  # as much CNN code does
+    return small_cnn(num_classes, in_channels, width)
+"""
+
+
+@pytest.mark.slow
+def test_a_fit_report_for_a_model_that_sets_cudnn_benchmark_stops_with_why(tmp_path) -> None:
+    """A user's model file that turns cudnn.benchmark on: the fit report for a card (its
+    default space too, which predicts the largest batch first) stops with the line that
+    says how it changes memory and the fix, exit 3, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "bmmodel.py").write_text(_BENCHMARKING_MODEL)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    command = [sys.executable, "-m", "search.fit", "model=small_cnn", "data=digits",
+               "search.gpu=A100-40GB", "model._target_=bmmodel.small"]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    out = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 3, out
+    assert "Memory cannot be predicted for this model torch.backends.cudnn.benchmark is on" in out
+    assert "set torch.backends.cudnn.benchmark = False where it is set" in out
+    assert "Traceback" not in out

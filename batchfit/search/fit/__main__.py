@@ -4,6 +4,8 @@ fit when nothing does.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -61,6 +63,8 @@ def main(cfg: DictConfig) -> None:
         config_error(errors, ConfigError([*error.problems, "\n".join(advice)]))
     except ConfigError as error:
         config_error(errors, error)
+    except PredictionUnsupported as error:
+        unpredictable(errors, error)
     except Exception as error:  # escaping, Hydra would print the overrides, passwords and all
         crashed(errors, "The fit report failed", f"{type(error).__name__} (above)")
     for note in checked.notes:
@@ -76,14 +80,18 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as error:
         config_error(errors, error)
     except PredictionUnsupported as error:
-        stopped(
-            errors,
-            "Memory cannot be predicted for this model",
-            f"{error.because()}. A study still runs: its trials measure their memory.",
-            UNSUPPORTED_STATUS,
-        )
+        unpredictable(errors, error)
     except Exception as error:  # escaping, Hydra would print the overrides, passwords and all
         crashed(errors, "The fit report failed", f"{type(error).__name__} (above)")
+
+
+def unpredictable(errors: Console, error: PredictionUnsupported) -> NoReturn:
+    stopped(
+        errors,
+        "Memory cannot be predicted for this model",
+        f"{error.because()}. A study still runs: its trials measure their memory.",
+        UNSUPPORTED_STATUS,
+    )
 
 
 if __name__ == "__main__":

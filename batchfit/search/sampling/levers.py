@@ -65,7 +65,11 @@ def largest_batch(cfg: DictConfig, precision: str, workloads: Workloads) -> tupl
             spec.trainer, batch_size=batch, accum_steps=1, effective_batch_size=None,
             precision=precision,
         )  # fmt: skip
-        peak = predictor.predict(trainer, num_train).peak_bytes
+        try:
+            peak = predictor.predict(trainer, num_train).peak_bytes
+        except PredictionUnsupported:  # a step that does not run on fakes, or cannot be told
+            guess = min(cap, _power_below(4 * spec.trainer.batch_size))
+            return guess, "4x trainer.batch_size (memory cannot be predicted for this model)"
         if not fits_budget(peak, spec.limit_bytes, margin):
             break
         fitting, batch = batch, batch * 2
