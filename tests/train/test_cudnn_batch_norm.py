@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from batchfit.search.fit.render import NORMS_UNKNOWN
+from batchfit.search.fit.render import NORMS_UNKNOWN, notes
+from batchfit.search.fit.report import Cell, FitReport
 from batchfit.train.config import TrainerConfig
 from batchfit.train.device.allocator_settings import AllocatorSettings
 from batchfit.train.device.cudnn_workspaces import CudnnWorkspaces
@@ -103,4 +104,8 @@ def test_off_the_card_spatial_needs_none_and_channels_last_is_said_unknown() -> 
     last = MemoryPredictor(model(torch.channels_last), sgd, example(torch.channels_last), spec)
     last.predict(trainer, 64)
     assert last.norms_unknown
-    assert "not known off the card" in NORMS_UNKNOWN
+    report = FitReport(None, 0.0, False, ["fp32"], {}, [4], [1], cuda=True)
+    report.cells[("fp32", 4, 1)] = Cell(4, 4, 1, 1024, True)
+    assert NORMS_UNKNOWN not in notes(report)
+    report.norms_unknown = True  # as tabulate sets it from the predictor
+    assert NORMS_UNKNOWN in notes(report)
